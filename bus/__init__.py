@@ -1,0 +1,7 @@
+"""bus: NATS for tandem — embedded server, connection + auth, subjects, message schemas, JetStream.
+
+Modules: ``server`` (EmbeddedNats), ``connection`` (BusOptions, connect), ``subjects``
+(every subject/stream/consumer name), ``messages`` (every message schema), ``publish``
+(size-checked send helpers), ``streams`` (work-queue streams and pull consumers).
+This package never imports ``actors``, ``gateway`` or ``engine``.
+"""

@@ -1,0 +1,318 @@
+"""Connecting an actor to NATS: servers, credentials, TLS, reconnect and its logging.
+
+Why one place: every process (workers, gateway, CLI) must reach the same NATS the same
+way, survive a server restart without a human, and say in its log when the bus went
+away and came back. :func:`connect` retries the first connection until
+``connect_timeout`` (an authorization failure stops at once), then reconnects forever
+with exponential backoff and jitter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import os
+import random
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+
+log = logging.getLogger("tandem.bus.connection")
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+class BusConnectError(ConnectionError):
+    """The first connection to NATS failed (no server before the deadline, or refused)."""
+
+
+def redact_url(url: str) -> str:
+    """A server URL with any password/token replaced, safe to log."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    user = parts.username or ""
+    cred = f"{user}:***" if parts.password is not None else "***"
+    return urlunsplit((parts.scheme, f"{cred}@{host}", parts.path, parts.query, parts.fragment))
+
+
+@dataclass(frozen=True)
+class BusOptions:
+    """How to reach NATS.
+
+    ``servers`` is a list of URLs (a cluster: any member will do). Authentication is
+    one of user/password, token, an NKey seed file or a ``.creds`` file (JWT + seed);
+    NKey and creds need the ``nkeys`` package. ``tls_ca`` verifies the server;
+    ``tls_cert``/``tls_key`` present a client certificate (mutual TLS).
+    """
+
+    servers: tuple[str, ...] = (DEFAULT_URL,)
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    nkey_seed: str | None = None
+    creds: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_hostname: str | None = None
+    #: Deadline for the first connection (seconds); afterwards reconnects never stop.
+    connect_timeout: float = 30.0
+    #: Reconnect backoff: first wait, cap. Each failed round doubles the wait (±20 % jitter).
+    reconnect_wait_min: float = 0.1
+    reconnect_wait_max: float = 5.0
+    #: Client→server pings: detects a dead server on a silent network within ~interval×outstanding.
+    ping_interval: float = 10.0
+    max_outstanding_pings: int = 3
+    #: Bytes buffered while reconnecting before publishes fail.
+    reconnect_buffer: int = 8 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        servers = (self.servers,) if isinstance(self.servers, str) else tuple(self.servers)
+        servers = tuple(s.strip() for s in servers if s and s.strip())
+        if not servers:
+            raise ValueError("BusOptions.servers is empty: give at least one nats:// URL")
+        object.__setattr__(self, "servers", servers)
+        if self.tls_key and not self.tls_cert:
+            raise ValueError("tls_key given without tls_cert")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> BusOptions:
+        """Read ``TANDEM_NATS_*`` variables (``TANDEM_NATS_URL`` is a comma-separated list).
+
+        Keyword overrides that are not None (e.g. from command-line flags) win.
+        """
+        e = os.environ if env is None else env
+
+        def get(name: str) -> str | None:
+            value = e.get(name)
+            return value if value else None
+
+        url = get("TANDEM_NATS_URL") or DEFAULT_URL
+        opts = cls(
+            servers=tuple(u.strip() for u in url.split(",") if u.strip()),
+            user=get("TANDEM_NATS_USER"),
+            password=get("TANDEM_NATS_PASSWORD"),
+            token=get("TANDEM_NATS_TOKEN"),
+            nkey_seed=get("TANDEM_NATS_NKEY_SEED"),
+            creds=get("TANDEM_NATS_CREDS"),
+            tls_ca=get("TANDEM_NATS_TLS_CA"),
+            tls_cert=get("TANDEM_NATS_TLS_CERT"),
+            tls_key=get("TANDEM_NATS_TLS_KEY"),
+        )
+        changes = {k: v for k, v in overrides.items() if v is not None}
+        if isinstance(changes.get("servers"), str):
+            changes["servers"] = tuple(u.strip() for u in changes["servers"].split(",") if u.strip())
+        return replace(opts, **changes) if changes else opts
+
+    @property
+    def display_servers(self) -> str:
+        """The server list with secrets removed, for logs and errors."""
+        return ", ".join(redact_url(s) for s in self.servers)
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """An SSL context when any TLS file is set (or a ``tls://`` URL is used), else None."""
+        wants_tls = any(s.startswith("tls://") for s in self.servers)
+        if not (self.tls_ca or self.tls_cert or wants_tls):
+            return None
+        for label, path in (("TLS CA", self.tls_ca), ("TLS cert", self.tls_cert), ("TLS key", self.tls_key)):
+            if path and not Path(path).is_file():
+                raise BusConnectError(f"{label} file {path!r} does not exist")
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
+        if self.tls_cert:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect`` carrying servers, credentials and TLS."""
+        kw: dict[str, Any] = {"servers": list(self.servers)}
+        if self.user is not None:
+            kw["user"] = self.user
+        if self.password is not None:
+            kw["password"] = self.password
+        if self.token is not None:
+            kw["token"] = self.token
+        if self.nkey_seed or self.creds:
+            if importlib.util.find_spec("nkeys") is None:
+                raise BusConnectError(
+                    "NKey/creds authentication needs the 'nkeys' package (pip install nkeys)"
+                )
+            for label, path in (("NKey seed", self.nkey_seed), ("creds", self.creds)):
+                if path and not Path(path).is_file():
+                    raise BusConnectError(f"{label} file {path!r} does not exist")
+        if self.nkey_seed:
+            kw["nkeys_seed"] = self.nkey_seed
+        if self.creds:
+            kw["user_credentials"] = self.creds
+        tls = self.tls_context()
+        if tls is not None:
+            kw["tls"] = tls
+            if self.tls_hostname:
+                kw["tls_hostname"] = self.tls_hostname
+        return kw
+
+
+def backoff_delay(attempt: int, wait_min: float, wait_max: float, rng: random.Random | None = None) -> float:
+    """Seconds to wait before reconnect attempt ``attempt`` (0-based): doubling, capped, ±20 %."""
+    base = min(wait_max, wait_min * (2 ** min(attempt, 30)))
+    r = rng or random
+    return base * r.uniform(0.8, 1.2)
+
+
+# Errors that announce a disconnect; the disconnect line reports them.
+_DISCONNECT_CAUSES = (nats.errors.UnexpectedEOF, nats.errors.StaleConnectionError, ConnectionError)
+
+
+def _is_permanent_error(err: BaseException) -> bool:
+    """Failures that retrying cannot fix: refused credentials, an untrusted certificate."""
+    if isinstance(err, (nats.errors.AuthorizationError, ssl.SSLCertVerificationError)):
+        return True
+    text = str(err).lower()
+    return "authorization violation" in text or "authentication" in text
+
+
+async def connect(
+    opts: BusOptions | None = None,
+    name: str = "tandem",
+    *,
+    on_disconnect: Callable[[], Awaitable[None]] | None = None,
+    on_reconnect: Callable[[], Awaitable[None]] | None = None,
+) -> Client:
+    """Connect to NATS with ``opts`` (default: from the environment) as client ``name``.
+
+    The first connection is retried until ``opts.connect_timeout``; a refused
+    authorization fails at once with :class:`BusConnectError`. Once connected, the
+    client reconnects forever (exponential backoff, jitter, resubscribing), logging one
+    line per disconnect, reconnect, error, discovered server and lame-duck notice.
+    ``on_disconnect``/``on_reconnect`` are optional async callables (no arguments) run
+    after the log line, e.g. to mark an actor not ready.
+    """
+    opts = opts or BusOptions.from_env()
+    kwargs = opts.connect_kwargs()
+    nc = Client()
+    connected = asyncio.Event()
+    first_error: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+    last_error: list[BaseException] = []
+
+    state: dict[str, Any] = {"url": "?", "down_since": None}
+
+    async def error_cb(err: Exception) -> None:
+        last_error[:] = [err]
+        if not connected.is_set():
+            if _is_permanent_error(err) and not first_error.done():
+                first_error.set_result(err)
+            log.debug("nats %s: connect attempt failed: %r", name, err)
+        elif (nc.is_connected and not isinstance(err, _DISCONNECT_CAUSES)) or _is_permanent_error(err):
+            log.warning("nats %s: error: %r", name, err)
+        else:
+            # the cause of a disconnect, or a failed reconnect attempt: the disconnect and
+            # reconnect lines tell the story, so these stay at debug
+            log.debug("nats %s: %r", name, err)
+
+    async def disconnected_cb() -> None:
+        if not connected.is_set() or nc.is_closed:
+            return
+        state["down_since"] = time.monotonic()
+        cause = f" ({last_error[0]!r})" if last_error else ""
+        log.warning("nats %s: disconnected from %s%s; reconnecting", name, state["url"], cause)
+        if on_disconnect is not None:
+            await on_disconnect()
+
+    async def reconnected_cb() -> None:
+        state["url"] = _url_of(nc)
+        since = state["down_since"]
+        down = f" after {time.monotonic() - since:.1f}s" if since is not None else ""
+        state["down_since"] = None
+        last_error.clear()
+        log.warning("nats %s: reconnected to %s%s", name, state["url"], down)
+        if on_reconnect is not None:
+            await on_reconnect()
+
+    async def closed_cb() -> None:
+        if connected.is_set():
+            log.info("nats %s: connection closed", name)
+
+    async def discovered_server_cb() -> None:
+        log.info("nats %s: discovered servers %s", name, [redact_url(u) for u in _server_urls(nc)])
+
+    async def lame_duck_cb() -> None:
+        log.warning("nats %s: server %s entered lame-duck mode; will move to another", name, _url_of(nc))
+
+    def choose_server(servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
+        # Least-tried server first; wait grows with the number of failed rounds.
+        target = min(servers, key=lambda s: s.reconnects)
+        delay = backoff_delay(target.reconnects, opts.reconnect_wait_min, opts.reconnect_wait_max)
+        log.debug("nats %s: reconnecting to %s in %.2fs", name, redact_url(target.uri.geturl()), delay)
+        return target, delay
+
+    connect_task = asyncio.ensure_future(
+        nc.connect(
+            **kwargs,
+            name=name,
+            error_cb=error_cb,
+            disconnected_cb=disconnected_cb,
+            reconnected_cb=reconnected_cb,
+            closed_cb=closed_cb,
+            discovered_server_cb=discovered_server_cb,
+            lame_duck_mode_cb=lame_duck_cb,
+            reconnect_to_server_handler=choose_server,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=opts.reconnect_wait_min,  # type: ignore[arg-type]  # first-connect retry pace
+            connect_timeout=min(5, max(1, int(opts.connect_timeout))),
+            ping_interval=opts.ping_interval,  # type: ignore[arg-type]
+            max_outstanding_pings=opts.max_outstanding_pings,
+            pending_size=opts.reconnect_buffer,
+        )
+    )
+    done, _ = await asyncio.wait(
+        {connect_task, first_error}, timeout=opts.connect_timeout, return_when=asyncio.FIRST_COMPLETED
+    )
+    if connect_task in done:
+        first_error.cancel()
+        try:
+            connect_task.result()
+        except (nats.errors.Error, OSError, asyncio.TimeoutError) as e:
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await nc.close()
+            raise BusConnectError(f"cannot connect {name!r} to NATS at {opts.display_servers}: {e!r}") from e
+        connected.set()
+        state["url"] = _url_of(nc)
+        last_error.clear()
+        log.info("nats %s: connected to %s (max_payload %d)", name, _url_of(nc), nc.max_payload)
+        return nc
+    connect_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, nats.errors.Error, OSError):
+        await connect_task
+    with contextlib.suppress(nats.errors.Error, OSError):
+        await nc.close()
+    if first_error in done:
+        err = first_error.result()
+        raise BusConnectError(f"NATS at {opts.display_servers} refused {name!r}: {err}") from err
+    first_error.cancel()
+    why = f": last error {last_error[0]!r}" if last_error else ""
+    raise BusConnectError(
+        f"no NATS server reachable at {opts.display_servers} within {opts.connect_timeout:.1f}s{why}"
+    )
+
+
+def _url_of(nc: Client) -> str:
+    url = nc.connected_url
+    return redact_url(url.geturl()) if url is not None else "?"
+
+
+def _server_urls(nc: Client) -> Sequence[str]:
+    return [u.geturl() for u in getattr(nc, "discovered_servers", []) or []]

@@ -1,0 +1,409 @@
+"""Every message tandem puts on NATS, as msgspec structs serialised as JSON.
+
+Why JSON: a person with the ``nats`` CLI can read (``nats sub 'tandem.>'``) and drive
+(``nats pub``) the system. KV bytes never travel here, so JSON's cost is small.
+
+Each message carries
+
+* ``kind``: a tag naming the message type (``"generate_request"``, ``"stream_tokens"`` …),
+  so one subscriber can tell apart the messages of one subject (:func:`decode_any`);
+* ``v``: the schema version. Adding an optional field does not bump it (unknown fields
+  are ignored on decode, missing optional ones take their defaults); a change that an
+  old reader would misread does, and :func:`decode` refuses versions newer than its own.
+
+The request id also travels in the ``Tandem-Request-Id`` NATS header (:func:`headers`),
+so tools can filter and correlate without parsing bodies.
+
+Sizes: NATS refuses messages over the server's ``max_payload`` (1 MiB by default);
+:func:`check_payload` and the publish helpers refuse them before sending with an error
+naming the size and the limit, instead of a dropped connection or a silent timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Union
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+#: NATS header carrying the request id of every request-scoped message.
+REQUEST_ID_HEADER = "Tandem-Request-Id"
+#: JetStream de-duplication header (a re-published job with the same id is stored once).
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+class MessageError(ValueError):
+    """A message could not be decoded: bad JSON, a wrong field, a wrong kind or version."""
+
+
+class PayloadTooLarge(ValueError):
+    """A message is over the server's ``max_payload`` and was not sent."""
+
+    def __init__(self, size: int, limit: int, subject: str | None = None, header_bytes: int = 0) -> None:
+        self.size = size
+        self.limit = limit
+        self.subject = subject
+        where = f" for subject {subject!r}" if subject else ""
+        parts = f" ({size - header_bytes} payload + {header_bytes} header bytes)" if header_bytes else ""
+        super().__init__(
+            f"message{where} is {size} bytes{parts}, over the NATS server's max_payload of {limit} bytes; "
+            "refused before sending (raise max_payload in the server config, or send less: "
+            "KV bytes go through a transfer engine, never over NATS)"
+        )
+
+
+# Error codes carried by PrefillDone.error_code and StreamError.code.
+class ErrorCode:
+    """Machine-readable error codes (strings, stable across versions)."""
+
+    BAD_REQUEST = "bad_request"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    CANCELLED = "cancelled"
+    OVERLOADED = "overloaded"
+    UNKNOWN_TARGET = "unknown_target"
+    TRANSFER_FAILED = "transfer_failed"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    WORKER_LOST = "worker_lost"
+    INTERNAL = "internal"
+
+
+class _Msg(msgspec.Struct, kw_only=True, tag_field="kind"):
+    """Base of every bus message: ``kind`` tag + ``v`` schema version."""
+
+    v: int = SCHEMA_VERSION
+
+
+class _Part(msgspec.Struct, kw_only=True):
+    """Base of nested (untagged) parts of a message."""
+
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+#: One (token id, logprob) pair, JSON ``[id, logprob]``.
+TopLogprob = tuple[int, float]
+
+
+class SamplingParams(_Part, kw_only=True):
+    """Sampling settings of one sequence (``n`` > 1 is fanned out by the gateway).
+
+    ``top_k`` 0 disables top-k; ``seed`` None means unseeded; ``stop`` strings are
+    matched on detokenized text by the decode worker, ``stop_token_ids`` on ids.
+    """
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNegInt = 0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[TokenId] = []
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] = 0
+    ignore_eos: bool = False
+
+
+class KVDestination(_Part, kw_only=True):
+    """Where a prefill worker must write the KV: the decode worker's pre-allocated blocks.
+
+    ``engine`` is the transfer engine (``nixl``, ``shm``, ``tcp``, ``cuda_ipc``);
+    ``endpoint`` its address (NIXL agent name, shm name, host:port); ``incarnation``
+    changes when the decode worker restarts, so writes to a dead pool are refused.
+    ``first_token_index`` is the first uncached prompt token: blocks cover tokens from
+    there on (the prefix before it is already in the decode worker's cache).
+    """
+
+    engine: str
+    worker_id: str
+    incarnation: str
+    block_ids: list[NonNegInt]
+    first_token_index: NonNegInt = 0
+    endpoint: str | None = None
+
+
+class Usage(_Part, kw_only=True):
+    """Token counts, as in the OpenAI ``usage`` object plus the prefix-cache hits."""
+
+    prompt_tokens: NonNegInt = 0
+    completion_tokens: NonNegInt = 0
+    cached_tokens: NonNegInt = 0
+
+
+class Timings(_Part, kw_only=True):
+    """Seconds spent per phase of one request (0 where a phase did not happen)."""
+
+    queue: float = 0.0
+    prefill: float = 0.0
+    transfer: float = 0.0
+    decode: float = 0.0
+
+
+class GenerateRequest(_Msg, tag="generate_request", kw_only=True):
+    """Gateway → decode worker (pool ``tandem.<model>.generate`` or targeted).
+
+    ``stream_subject`` is where every StreamTokens / StreamFinish / StreamError goes.
+    ``target_endpoint`` names a prefill worker (id or subject) chosen by the client.
+    ``prompt`` lets a hand-written request (``nats pub``) send text instead of ids; the
+    gateway always sends ``prompt_ids``.
+    """
+
+    request_id: str
+    prompt_ids: list[TokenId] = []
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream_subject: str
+    gateway_id: str = ""
+    deadline: float = 0.0
+    target_endpoint: str | None = None
+    model: str = ""
+    created: float = msgspec.field(default_factory=time.time)
+    prompt: str | None = None
+
+
+class PrefillJob(_Msg, tag="prefill_job", kw_only=True):
+    """Decode worker → prefill worker (pool ``tandem.<model>.prefill`` or targeted).
+
+    The prefill worker refuses a ``layout_fingerprint`` different from its own (the
+    error names both ``layout`` dicts), computes the prompt, writes the KV for tokens
+    ``dst.first_token_index`` onward into ``dst.block_ids`` and answers on
+    ``reply_subject`` with a PrefillDone. ``attempt`` counts retries (0 first).
+    """
+
+    request_id: str
+    prompt_ids: list[TokenId]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    layout_fingerprint: str
+    layout: dict[str, Any] = {}
+    dst: KVDestination
+    reply_subject: str
+    deadline: float = 0.0
+    decode_worker_id: str = ""
+    attempt: NonNegInt = 0
+    model: str = ""
+    created: float = msgspec.field(default_factory=time.time)
+
+
+class PrefillDone(_Msg, tag="prefill_done", kw_only=True):
+    """Prefill worker → decode worker: the KV is written (ok) or why not.
+
+    ``timings`` keys are seconds, e.g. ``queue``, ``compute``, ``transfer``.
+    ``first_top_logprobs`` is a list of ``[token_id, logprob]`` pairs.
+    """
+
+    request_id: str
+    ok: bool
+    first_token: TokenId | None = None
+    first_logprob: float | None = None
+    first_top_logprobs: list[TopLogprob] | None = None
+    error: str | None = None
+    error_code: str | None = None
+    timings: dict[str, float] = {}
+    prefill_worker_id: str = ""
+    cached_tokens: NonNegInt = 0
+    attempt: NonNegInt = 0
+    layout_fingerprint: str | None = None
+
+
+class StreamTokens(_Msg, tag="stream_tokens", kw_only=True):
+    """Decode worker → gateway: the tokens of one or more steps, in order.
+
+    ``seq`` starts at 0 and grows by one per message of the request's stream (tokens,
+    finish and error share the counter), so the gateway can detect gaps and duplicates.
+    ``logprobs[i]`` belongs to ``token_ids[i]``; ``top_logprobs[i]`` is its
+    ``[token_id, logprob]`` list.
+    """
+
+    request_id: str
+    seq: NonNegInt
+    token_ids: list[TokenId]
+    text: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+
+
+class StreamFinish(_Msg, tag="stream_finish", kw_only=True):
+    """Decode worker → gateway: the last message of a successful (or cancelled) request.
+
+    ``finish_reason`` is ``stop``, ``length`` or ``cancelled``; ``prefill_mode`` says
+    how the prompt was computed: ``remote``, ``local`` (decode worker) or ``aggregate``.
+    """
+
+    request_id: str
+    seq: NonNegInt
+    finish_reason: str
+    usage: Usage = msgspec.field(default_factory=Usage)
+    timings: Timings = msgspec.field(default_factory=Timings)
+    prefill_mode: str | None = None
+    prefill_worker_id: str | None = None
+    decode_worker_id: str = ""
+    text: str = ""
+
+
+class StreamError(_Msg, tag="stream_error", kw_only=True):
+    """Decode worker → gateway: the request failed; ``status`` is the HTTP status to report."""
+
+    request_id: str
+    seq: NonNegInt = 0
+    code: str = ErrorCode.INTERNAL
+    message: str
+    status: Annotated[int, msgspec.Meta(ge=400, le=599)] = 500
+
+
+class Cancel(_Msg, tag="cancel", kw_only=True):
+    """Anyone → ``tandem.cancel.<request>``: stop work and free the request's blocks."""
+
+    request_id: str
+    reason: str = ""
+
+
+class KVMetaRequest(_Msg, tag="kv_meta_request", kw_only=True):
+    """Ask a worker (``tandem.kv.meta.<worker>``) for its transfer-engine metadata."""
+
+    worker_id: str = ""
+    engine: str | None = None
+
+
+class KVMetaReply(_Msg, tag="kv_meta_reply", kw_only=True):
+    """A worker's transfer-engine metadata.
+
+    ``meta`` holds JSON-friendly facts (shm name, host:port, layout); ``blob`` carries an
+    opaque binary such as a NIXL agent descriptor (base64 in JSON).
+    """
+
+    worker_id: str
+    incarnation: str
+    engine: str = ""
+    meta: dict[str, Any] = {}
+    blob: bytes | None = None
+
+
+class WorkerStats(_Msg, tag="worker_stats", kw_only=True):
+    """A worker's 1 Hz load report on ``tandem.stats.<role>.<worker>``."""
+
+    role: str
+    worker_id: str
+    model: str = ""
+    running: NonNegInt = 0
+    queued: NonNegInt = 0
+    free_blocks: NonNegInt = 0
+    total_blocks: NonNegInt = 0
+    prefix_hit_rate: float = 0.0
+    uptime: float = 0.0
+    incarnation: str = ""
+    max_batch: NonNegInt = 0
+    ts: float = msgspec.field(default_factory=time.time)
+
+
+#: Every message type, for decoding one whose kind is not known in advance.
+AnyMessage = Union[  # noqa: UP007 - a runtime union object msgspec decodes into
+    GenerateRequest,
+    PrefillJob,
+    PrefillDone,
+    StreamTokens,
+    StreamFinish,
+    StreamError,
+    Cancel,
+    KVMetaRequest,
+    KVMetaReply,
+    WorkerStats,
+]
+MESSAGE_TYPES: tuple[type[_Msg], ...] = AnyMessage.__args__  # type: ignore[attr-defined]
+#: The messages of one request's stream subject.
+StreamMessage = Union[StreamTokens, StreamFinish, StreamError]  # noqa: UP007
+
+_encoder = msgspec.json.Encoder()
+_decoders: dict[Any, msgspec.json.Decoder] = {}
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """Serialise a message to JSON bytes."""
+    return _encoder.encode(msg)
+
+
+def kind_of(cls: type[msgspec.Struct]) -> str:
+    """The ``kind`` tag of a message type."""
+    return cls.__struct_config__.tag  # type: ignore[return-value]
+
+
+def _type_name(type_: Any) -> str:
+    args = getattr(type_, "__args__", None)
+    if args:
+        return " | ".join(getattr(a, "__name__", repr(a)) for a in args)
+    return getattr(type_, "__name__", repr(type_))
+
+
+def decode(data: bytes | bytearray | memoryview | str, type_: Any) -> Any:
+    """Parse JSON bytes into ``type_`` (a message class or a union such as ``StreamMessage``).
+
+    Raises :class:`MessageError` naming the expected type, the offending field path and
+    the start of the data, for bad JSON, wrong/missing fields, a wrong ``kind`` or a
+    schema version newer than this code understands.
+    """
+    dec = _decoders.get(type_)
+    if dec is None:
+        dec = _decoders[type_] = msgspec.json.Decoder(type_)
+    try:
+        msg = dec.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raw = bytes(data) if not isinstance(data, str) else data.encode()
+        preview = raw[:200].decode("utf-8", "replace")
+        more = "…" if len(raw) > 200 else ""
+        raise MessageError(f"cannot decode {_type_name(type_)}: {e} (data: {preview!r}{more})") from e
+    v = getattr(msg, "v", SCHEMA_VERSION)
+    if v > SCHEMA_VERSION:
+        raise MessageError(
+            f"{type(msg).__name__} has schema version {v}, newer than this tandem understands "
+            f"({SCHEMA_VERSION}); upgrade this process"
+        )
+    return msg
+
+
+def decode_any(data: bytes | bytearray | memoryview | str) -> Any:
+    """Parse any tandem message, dispatching on its ``kind`` tag (for tail / debugging)."""
+    return decode(data, AnyMessage)
+
+
+def headers(request_id: str | None = None, msg_id: str | None = None, **extra: str) -> dict[str, str]:
+    """NATS headers for a message: the request id, optionally a JetStream de-dup id."""
+    h: dict[str, str] = {}
+    if request_id:
+        h[REQUEST_ID_HEADER] = request_id
+    if msg_id:
+        h[MSG_ID_HEADER] = msg_id
+    h.update(extra)
+    return h
+
+
+def request_id_of(msg: Any) -> str | None:
+    """The request id of a received NATS message (its header), or None."""
+    hdrs = getattr(msg, "headers", None) or {}
+    return hdrs.get(REQUEST_ID_HEADER)
+
+
+def header_size(hdrs: dict[str, str] | None) -> int:
+    """Bytes the headers take on the wire (``NATS/1.0\\r\\n`` + ``k: v\\r\\n``… + ``\\r\\n``)."""
+    if not hdrs:
+        return 0
+    n = len(b"NATS/1.0\r\n") + 2
+    for k, v in hdrs.items():
+        n += len(k.encode()) + 2 + len(str(v).encode()) + 2
+    return n
+
+
+def check_payload(
+    data: bytes | int, max_payload: int, subject: str | None = None, hdrs: dict[str, str] | None = None
+) -> int:
+    """Refuse a message over the server's ``max_payload`` before it is sent.
+
+    ``data`` is the encoded body (or its length). The server counts headers too, so
+    they are included. Returns the total size; raises :class:`PayloadTooLarge`.
+    """
+    body = data if isinstance(data, int) else len(data)
+    hbytes = header_size(hdrs)
+    total = body + hbytes
+    if max_payload > 0 and total > max_payload:
+        raise PayloadTooLarge(total, max_payload, subject, hbytes)
+    return total

@@ -1,0 +1,98 @@
+"""Sending tandem messages: encode, attach the request-id header, refuse oversize, send.
+
+Why: NATS drops a connection (or nats-py raises a bare ``MaxPayloadError``) when a
+message is over the server's ``max_payload``; the caller would see a hang or a vague
+error. These helpers check the size against the connected server's limit first and
+raise :class:`~bus.messages.PayloadTooLarge` naming the size and the limit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import PubAck
+from nats.js.client import JetStreamContext
+
+from bus.messages import check_payload, decode, encode, headers
+
+
+def _prepare(
+    nc: Client,
+    subject: str,
+    msg: msgspec.Struct,
+    request_id: str | None,
+    extra: dict[str, str] | None,
+    msg_id: str | None = None,
+) -> tuple[bytes, dict[str, str]]:
+    rid = request_id if request_id is not None else getattr(msg, "request_id", None)
+    hdrs = headers(rid, msg_id)
+    if extra:
+        hdrs.update(extra)
+    data = encode(msg)
+    check_payload(data, nc.max_payload, subject, hdrs)
+    return data, hdrs
+
+
+async def publish(
+    nc: Client,
+    subject: str,
+    msg: msgspec.Struct,
+    *,
+    request_id: str | None = None,
+    reply: str = "",
+    extra_headers: dict[str, str] | None = None,
+) -> None:
+    """Core-publish a message (request id header from ``msg.request_id`` unless given)."""
+    data, hdrs = _prepare(nc, subject, msg, request_id, extra_headers)
+    await nc.publish(subject, data, reply=reply, headers=hdrs or None)
+
+
+async def request(
+    nc: Client,
+    subject: str,
+    msg: msgspec.Struct,
+    reply_type: Any,
+    *,
+    timeout: float,
+    request_id: str | None = None,
+    extra_headers: dict[str, str] | None = None,
+) -> Any:
+    """Core request–reply: send ``msg``, wait up to ``timeout`` s, decode the reply as ``reply_type``.
+
+    Raises ``nats.errors.NoRespondersError`` when nobody listens (e.g. an unknown
+    worker) and ``nats.errors.TimeoutError`` after ``timeout``.
+    """
+    data, hdrs = _prepare(nc, subject, msg, request_id, extra_headers)
+    resp = await nc.request(subject, data, timeout=timeout, headers=hdrs or None)
+    return decode(resp.data, reply_type)
+
+
+async def respond(nc: Client, incoming: Msg, msg: msgspec.Struct, *, request_id: str | None = None) -> None:
+    """Answer a core request with a message (no-op if the request had no reply subject)."""
+    if not incoming.reply:
+        return
+    await publish(nc, incoming.reply, msg, request_id=request_id)
+
+
+async def js_publish(
+    nc: Client,
+    subject: str,
+    msg: msgspec.Struct,
+    *,
+    js: JetStreamContext | None = None,
+    msg_id: str | None = None,
+    request_id: str | None = None,
+    timeout: float = 5.0,
+    extra_headers: dict[str, str] | None = None,
+) -> PubAck:
+    """Publish to a JetStream subject (a pool) and wait for the stored ack.
+
+    ``msg_id`` sets ``Nats-Msg-Id`` so a retried publish within the stream's duplicate
+    window is stored once (use e.g. ``f"{request_id}:{attempt}"``).
+    """
+    data, hdrs = _prepare(nc, subject, msg, request_id, extra_headers, msg_id)
+    ctx = js or nc.jetstream()
+    return await ctx.publish(subject, data, timeout=timeout, headers=hdrs or None)

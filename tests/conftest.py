@@ -1,0 +1,49 @@
+"""Shared fixtures: the real default model, loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    from engine.loader import DEFAULT_MODEL, load_model
+
+    return load_model(DEFAULT_MODEL, "float32")
+
+
+@pytest.fixture
+def make_engine(smollm):
+    """Engines over the default model; every one must end with all its blocks free."""
+    from engine.engine import EngineConfig, LLMEngine
+
+    engines = []
+
+    def make(**kw) -> LLMEngine:
+        kw.setdefault("num_blocks", 128)
+        e = LLMEngine(smollm, EngineConfig(**kw))
+        engines.append(e)
+        return e
+
+    yield make
+    for e in engines:
+        assert not e.has_work()
+        e.blocks.check_idle()
+
+
+def chat_ids(loaded, message: str) -> list[int]:
+    return loaded.tokenizer.encode(loaded.chat_template.render([{"role": "user", "content": message}]))

@@ -1,0 +1,811 @@
+"""bus/: embedded nats-server, connection + auth, subjects, messages, payload limit, streams.
+
+Everything runs against a real ``nats-server`` started by EmbeddedNats; no mocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+import pytest
+from nats.js import api
+from nats.js.errors import NoStreamResponseError
+
+from bus import messages as m
+from bus.connection import BusConnectError, BusOptions, backoff_delay, connect, redact_url
+from bus.publish import js_publish, publish, request, respond
+from bus.server import EmbeddedNats, NatsServerError, find_nats_server
+from bus.streams import (
+    StreamConfigError,
+    WorkQueueConfig,
+    ensure_streams,
+    fetch_one,
+    pool_backlog,
+    pull_subscription,
+)
+from bus.subjects import (
+    GENERATE_CONSUMER,
+    PREFILL_CONSUMER,
+    ROLE_DECODE_ONLY,
+    ROLE_GATEWAY,
+    ROLE_PREFILL_ONLY,
+    Subjects,
+    check_token,
+    model_token,
+    safe_token,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(coro: Awaitable[T], timeout: float = 20.0) -> T:
+    """Run a coroutine with a hard deadline (no test may hang)."""
+
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+async def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EmbeddedNats]:
+    with EmbeddedNats() as srv:
+        yield srv
+
+
+def fast(url: str, **kw: Any) -> BusOptions:
+    return BusOptions(servers=(url,), connect_timeout=kw.pop("connect_timeout", 5.0), **kw)
+
+
+# ---------------------------------------------------------------------------------------
+# Embedded server
+# ---------------------------------------------------------------------------------------
+
+
+def test_find_binary() -> None:
+    assert os.access(find_nats_server(), os.X_OK)
+
+
+def test_start_stop_free_port_and_store(tmp_path: Path) -> None:
+    store = tmp_path / "js"
+    srv = EmbeddedNats(port=0, store_dir=store)
+    with srv:
+        assert srv.running and srv.port > 0
+        assert srv.url == f"nats://127.0.0.1:{srv.port}"
+        pid = srv.pid
+
+        async def use() -> None:
+            nc = await nats.connect(srv.url)
+            js = nc.jetstream()
+            info = await js.account_info()  # JetStream is on
+            assert info.limits is not None
+            await nc.close()
+
+        run(use())
+    assert not srv.running and srv.pid is None
+    assert store.exists()  # a given store dir is kept
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the process is gone (reaped)
+
+
+def test_temp_store_removed_and_async_context() -> None:
+    async def go() -> str:
+        async with EmbeddedNats() as srv:
+            store = srv.store_dir
+            assert store is not None and Path(store).is_dir()
+            nc = await nats.connect(srv.url)
+            await nc.close()
+        return store
+
+    store = run(go())
+    assert not Path(store).exists()
+
+
+def test_bad_config_reports_log_tail(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.conf"
+    bad.write_text("port: {{{ not a config\n")
+    srv = EmbeddedNats(config=bad, start_timeout=5)
+    with pytest.raises(NatsServerError) as ei:
+        srv.start()
+    msg = str(ei.value)
+    assert "exited with code" in msg and "last log lines" in msg
+    assert "bad.conf" in msg or "parse" in msg.lower()
+    assert not srv.running
+
+
+def test_port_in_use_is_clear(server: EmbeddedNats) -> None:
+    clash = EmbeddedNats(port=server.port, start_timeout=5)
+    with pytest.raises(NatsServerError, match="exited with code"):
+        clash.start()
+    assert not clash.running
+
+
+def test_main_runs_until_interrupt(tmp_path: Path) -> None:
+    code = "import sys; from bus.server import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "--port", "0", "--store-dir", str(tmp_path / "st")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # blocks until ready; pytest-timeout bounds it
+        assert "nats-server ready at nats://127.0.0.1:" in line
+        url = line.split(" at ", 1)[1].split(" ", 1)[0]
+
+        async def ping() -> None:
+            nc = await nats.connect(url)
+            await nc.flush(timeout=2)
+            await nc.close()
+
+        run(ping())
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+    assert (tmp_path / "st" / "jetstream").is_dir()
+
+
+# ---------------------------------------------------------------------------------------
+# Connection: options, auth, reconnect
+# ---------------------------------------------------------------------------------------
+
+
+def test_options_from_env() -> None:
+    env = {
+        "TANDEM_NATS_URL": "nats://a:4222, nats://b:4223",
+        "TANDEM_NATS_USER": "u",
+        "TANDEM_NATS_PASSWORD": "pw-secret-1",
+        "TANDEM_NATS_TOKEN": "",
+        "TANDEM_NATS_CREDS": "/x.creds",
+        "TANDEM_NATS_NKEY_SEED": "/seed.nk",
+        "TANDEM_NATS_TLS_CA": "/ca.pem",
+        "TANDEM_NATS_TLS_CERT": "/c.pem",
+        "TANDEM_NATS_TLS_KEY": "/k.pem",
+    }
+    o = BusOptions.from_env(env)
+    assert o.servers == ("nats://a:4222", "nats://b:4223")
+    assert (o.user, o.password, o.token) == ("u", "pw-secret-1", None)
+    assert (o.creds, o.nkey_seed) == ("/x.creds", "/seed.nk")
+    assert (o.tls_ca, o.tls_cert, o.tls_key) == ("/ca.pem", "/c.pem", "/k.pem")
+    assert "pw-secret-1" not in repr(o)  # secrets stay out of logs
+    assert BusOptions.from_env({}).servers == ("nats://127.0.0.1:4222",)
+    assert BusOptions.from_env({}, servers="nats://x:1,nats://y:2").servers == ("nats://x:1", "nats://y:2")
+    assert redact_url("nats://bob:hunter2@h:4222") == "nats://bob:***@h:4222"
+    with pytest.raises(ValueError):
+        BusOptions(servers=())
+
+
+def test_backoff_grows_and_caps() -> None:
+    waits = [backoff_delay(i, 0.1, 5.0) for i in range(12)]
+    assert 0.08 <= waits[0] <= 0.12
+    assert waits[5] > waits[1]
+    assert max(waits) <= 6.0
+
+
+AUTH_CONF = """
+authorization {
+  users = [
+    {user: "alice", password: "wonderland"}
+  ]
+}
+"""
+TOKEN_CONF = 'authorization { token: "s3cr3t-token" }\n'
+
+
+def test_token_auth(tmp_path: Path) -> None:
+    conf = tmp_path / "token.conf"
+    conf.write_text(TOKEN_CONF)
+    with EmbeddedNats(config=conf) as srv:
+
+        async def go() -> None:
+            nc = await connect(fast(srv.url, token="s3cr3t-token"), "t-ok")
+            assert nc.is_connected
+            await nc.close()
+            t0 = time.monotonic()
+            with pytest.raises(BusConnectError, match="refused"):
+                await connect(fast(srv.url, token="wrong", connect_timeout=10), "t-bad")
+            assert time.monotonic() - t0 < 5  # an auth failure does not wait for the deadline
+            with pytest.raises(BusConnectError):
+                await connect(fast(srv.url, connect_timeout=2), "t-none")
+
+        run(go())
+
+
+def test_user_password_auth(tmp_path: Path) -> None:
+    conf = tmp_path / "users.conf"
+    conf.write_text(AUTH_CONF)
+    with EmbeddedNats(config=conf) as srv:
+
+        async def go() -> None:
+            nc = await connect(fast(srv.url, user="alice", password="wonderland"), "u-ok")
+            sub = await nc.subscribe("tandem.x")
+            await nc.publish("tandem.x", b"{}")
+            assert (await sub.next_msg(timeout=2)).data == b"{}"
+            await nc.close()
+            with pytest.raises(BusConnectError, match="refused") as ei:
+                await connect(fast(srv.url, user="alice", password="nope"), "u-bad")
+            assert "nope" not in str(ei.value)
+
+        run(go())
+
+
+def test_no_server_fails_within_deadline() -> None:
+    async def go() -> None:
+        t0 = time.monotonic()
+        with pytest.raises(BusConnectError, match="no NATS server reachable"):
+            await connect(fast("nats://127.0.0.1:1", connect_timeout=1.0), "nobody")
+        assert time.monotonic() - t0 < 4
+
+    run(go())
+
+
+def test_reconnect_after_restart(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tandem.bus")
+    with EmbeddedNats() as srv:
+
+        async def go() -> None:
+            events: list[str] = []
+
+            async def on_disc() -> None:
+                events.append("down")
+
+            async def on_rec() -> None:
+                events.append("up")
+
+            opts = fast(srv.url, reconnect_wait_min=0.05, reconnect_wait_max=0.5)
+            nc = await connect(opts, "restarter", on_disconnect=on_disc, on_reconnect=on_rec)
+            sub = await nc.subscribe("tandem.ping")
+            await srv.arestart()  # same port, same store
+            await wait_until(lambda: "up" in events and nc.is_connected, 10, "reconnect")
+            await nc.publish("tandem.ping", b"after")  # subscription replayed on reconnect
+            assert (await sub.next_msg(timeout=2)).data == b"after"
+            assert events[:2] == ["down", "up"]
+            await nc.close()
+
+        run(go())
+    text = caplog.text
+    assert "restarter: disconnected from nats://127.0.0.1:" in text
+    assert "restarter: reconnected to nats://127.0.0.1:" in text
+    assert sum("reconnected to" in r.getMessage() for r in caplog.records) == 1  # one line per event
+
+
+# ---------------------------------------------------------------------------------------
+# Subjects
+# ---------------------------------------------------------------------------------------
+
+
+def test_safe_token() -> None:
+    assert safe_token("SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
+    assert safe_token("HuggingFaceTB/SmolLM2 135M.Q4_1.gguf") == "huggingfacetb-smollm2-135m-q4_1-gguf"
+    assert safe_token("a.*>b c\td") == "a-b-c-d"
+    for bad in ("", "   "):
+        with pytest.raises(ValueError):
+            safe_token(bad)
+    long = safe_token("x" * 200)
+    assert len(long) <= 64 and long != safe_token("x" * 201)
+    assert safe_token("***").startswith("x-")
+    for name in ("a.b", "m*", "q>", "sp ace", "UPPER/lower:1"):
+        t = safe_token(name)
+        assert not any(c in t for c in ".*> \t")
+    assert model_token("stream") == "m-stream"  # cannot collide with tandem.stream.…
+
+
+def test_subject_strings() -> None:
+    s = Subjects(model="SmolLM2-135M-Instruct")
+    assert s.generate_pool == "tandem.smollm2-135m-instruct.generate"
+    assert s.prefill_pool == "tandem.smollm2-135m-instruct.prefill"
+    assert s.generate_worker("d1") == "tandem.smollm2-135m-instruct.generate.d1"
+    assert s.prefill_worker("p1") == "tandem.smollm2-135m-instruct.prefill.p1"
+    assert s.stream("gw1", "r1") == "tandem.stream.gw1.r1"
+    assert s.prefill_done("d1", "r1") == "tandem.prefill.done.d1.r1"
+    assert s.cancel("r1") == "tandem.cancel.r1"
+    assert s.kv_meta("p1") == "tandem.kv.meta.p1"
+    assert s.stats("prefill_only", "p1") == "tandem.stats.prefill_only.p1"
+    assert s.generate_stream == "TANDEM_SMOLLM2_135M_INSTRUCT_GENERATE"
+    assert s.prefill_stream == "TANDEM_SMOLLM2_135M_INSTRUCT_PREFILL"
+    assert (s.generate_consumer, s.prefill_consumer) == (GENERATE_CONSUMER, PREFILL_CONSUMER)
+    assert s.all == "tandem.>" and s.streams_of_gateway("gw1") == "tandem.stream.gw1.*"
+    o = Subjects(model="m", namespace="prod")
+    assert o.generate_pool == "prod.m.generate" and o.generate_stream == "PROD_M_GENERATE"
+    assert o.cancel("r") == "prod.cancel.r"
+    with pytest.raises(ValueError, match="not a subject token"):
+        s.stream("gw1", "bad.id")
+    with pytest.raises(ValueError):
+        check_token("", "request id")
+    with pytest.raises(ValueError):
+        Subjects(model="m", namespace="a.b")
+
+
+def test_permissions_shape() -> None:
+    s = Subjects(model="m")
+    p = s.permissions(ROLE_PREFILL_ONLY, "p1")
+    assert "tandem.m.prefill.p1" in p["subscribe"]
+    assert "tandem.prefill.done.*.*" in p["publish"]
+    assert f"$JS.API.CONSUMER.MSG.NEXT.{s.prefill_stream}.{PREFILL_CONSUMER}" in p["publish"]
+    assert s.generate_pool not in p["publish"]  # a prefill worker never enqueues requests
+    d = s.permissions(ROLE_DECODE_ONLY)
+    assert s.prefill_pool in d["publish"] and "tandem.prefill.done.*.*" in d["subscribe"]
+    g = s.permissions(ROLE_GATEWAY, "gw1")
+    assert "tandem.stream.gw1.*" in g["subscribe"] and s.generate_pool in g["publish"]
+    with pytest.raises(ValueError):
+        s.permissions("nobody")
+
+
+# ---------------------------------------------------------------------------------------
+# Messages
+# ---------------------------------------------------------------------------------------
+
+
+def sample_messages() -> list[msgspec.Struct]:
+    sp = m.SamplingParams(
+        max_tokens=32,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        seed=7,
+        stop=["\n\n"],
+        stop_token_ids=[2],
+        frequency_penalty=0.1,
+        presence_penalty=0.2,
+        logprobs=True,
+        top_logprobs=3,
+        ignore_eos=False,
+    )
+    dst = m.KVDestination(
+        engine="shm",
+        worker_id="d1",
+        incarnation="i1",
+        block_ids=[3, 4, 5],
+        first_token_index=32,
+        endpoint="/tandem-d1",
+    )
+    return [
+        m.GenerateRequest(
+            request_id="r1",
+            prompt_ids=[1, 2, 3],
+            sampling=sp,
+            stream_subject="tandem.stream.g.r1",
+            gateway_id="g",
+            deadline=time.time() + 60,
+            target_endpoint="p1",
+            model="smollm2",
+        ),
+        m.PrefillJob(
+            request_id="r1",
+            prompt_ids=[1, 2, 3],
+            sampling=sp,
+            layout_fingerprint="abc123",
+            layout={"block_size": 16, "dtype": "float32", "layers": 30},
+            dst=dst,
+            reply_subject="tandem.prefill.done.d1.r1",
+            deadline=time.time() + 30,
+            decode_worker_id="d1",
+            attempt=1,
+        ),
+        m.PrefillDone(
+            request_id="r1",
+            ok=True,
+            first_token=42,
+            first_logprob=-0.5,
+            first_top_logprobs=[(42, -0.5), (7, -1.25)],
+            timings={"compute": 0.1, "transfer": 0.02},
+            prefill_worker_id="p1",
+            cached_tokens=16,
+        ),
+        m.PrefillDone(
+            request_id="r1", ok=False, error="layout mismatch: a vs b", error_code=m.ErrorCode.LAYOUT_MISMATCH
+        ),
+        m.StreamTokens(
+            request_id="r1",
+            seq=0,
+            token_ids=[42, 43],
+            text="Hi there",
+            logprobs=[-0.5, -0.1],
+            top_logprobs=[[(42, -0.5)], [(43, -0.1)]],
+        ),
+        m.StreamFinish(
+            request_id="r1",
+            seq=1,
+            finish_reason="stop",
+            usage=m.Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1),
+            timings=m.Timings(queue=0.001, prefill=0.1, transfer=0.02, decode=0.3),
+            prefill_mode="remote",
+            prefill_worker_id="p1",
+            decode_worker_id="d1",
+        ),
+        m.StreamError(
+            request_id="r1", seq=2, code=m.ErrorCode.DEADLINE_EXCEEDED, message="too slow", status=504
+        ),
+        m.Cancel(request_id="r1", reason="client disconnected"),
+        m.KVMetaRequest(worker_id="d1", engine="nixl"),
+        m.KVMetaReply(
+            worker_id="p1",
+            incarnation="i9",
+            engine="nixl",
+            meta={"agent": "p1", "n": 3},
+            blob=bytes(range(256)),
+        ),
+        m.WorkerStats(
+            role="decode_only",
+            worker_id="d1",
+            model="smollm2",
+            running=3,
+            queued=1,
+            free_blocks=100,
+            total_blocks=128,
+            prefix_hit_rate=0.5,
+            uptime=12.5,
+            incarnation="i1",
+            max_batch=32,
+        ),
+    ]
+
+
+def test_every_message_round_trips() -> None:
+    samples = sample_messages()
+    assert {type(x) for x in samples} == set(m.MESSAGE_TYPES)  # every type covered
+    for msg in samples:
+        data = m.encode(msg)
+        obj = json.loads(data)
+        assert obj["kind"] == m.kind_of(type(msg)) and obj["v"] == m.SCHEMA_VERSION
+        assert m.decode(data, type(msg)) == msg
+        assert m.decode_any(data) == msg
+
+
+def test_decode_errors_are_clear() -> None:
+    with pytest.raises(m.MessageError, match="cannot decode GenerateRequest.*stream_subject"):
+        m.decode(b'{"request_id": "r"}', m.GenerateRequest)
+    with pytest.raises(m.MessageError, match="cannot decode StreamTokens"):
+        m.decode(b"{not json", m.StreamTokens)
+    with pytest.raises(m.MessageError, match=r"\$.seq"):
+        m.decode(b'{"request_id":"r","seq":-1,"token_ids":[]}', m.StreamTokens)
+    with pytest.raises(m.MessageError, match="kind"):
+        m.decode(m.encode(m.Cancel(request_id="r")), m.StreamTokens)
+    with pytest.raises(m.MessageError, match="newer"):
+        m.decode(b'{"kind":"cancel","v":99,"request_id":"r"}', m.Cancel)
+    with pytest.raises(m.MessageError, match="temperature"):
+        m.decode(b'{"request_id":"r","stream_subject":"s","sampling":{"temperature":-1}}', m.GenerateRequest)
+    # hand-written JSON (nats CLI): kind optional for a known type, unknown fields ignored
+    req = m.decode(b'{"request_id":"r","prompt":"Hello","stream_subject":"s","extra":1}', m.GenerateRequest)
+    assert req.prompt == "Hello" and req.sampling.max_tokens == 16
+
+
+def test_raw_subscriber_sees_json_and_request_id_header(server: EmbeddedNats) -> None:
+    async def go() -> None:
+        nc = await connect(fast(server.url), "pub")
+        raw = await nats.connect(server.url)  # what `nats sub 'tandem.>'` sees
+        sub = await raw.subscribe("tandem.>")
+        await raw.flush()
+        s = Subjects(model="m")
+        samples = sample_messages()
+        for msg in samples:
+            await publish(nc, s.stream("g", "r1"), msg)
+        for msg in samples:
+            got = await sub.next_msg(timeout=2)
+            body = json.loads(got.data)
+            assert body["kind"] == m.kind_of(type(msg))
+            rid = getattr(msg, "request_id", None)
+            if rid is not None:
+                assert got.headers is not None and got.headers[m.REQUEST_ID_HEADER] == rid
+                assert m.request_id_of(got) == rid
+        await raw.close()
+        await nc.close()
+
+    run(go())
+
+
+def test_request_reply_helpers(server: EmbeddedNats) -> None:
+    async def go() -> None:
+        nc = await connect(fast(server.url), "rr")
+        s = Subjects(model="m")
+
+        async def handler(msg: Any) -> None:
+            req = m.decode(msg.data, m.KVMetaRequest)
+            await respond(
+                nc, msg, m.KVMetaReply(worker_id="p1", incarnation="i", meta={"for": req.worker_id})
+            )
+
+        await nc.subscribe(s.kv_meta("p1"), cb=handler)
+        reply = await request(nc, s.kv_meta("p1"), m.KVMetaRequest(worker_id="d1"), m.KVMetaReply, timeout=2)
+        assert reply.meta == {"for": "d1"}
+        with pytest.raises(nats.errors.NoRespondersError):  # unknown worker: immediate error, no hang
+            await request(nc, s.kv_meta("ghost"), m.KVMetaRequest(worker_id="d1"), m.KVMetaReply, timeout=2)
+        await nc.close()
+
+    run(go())
+
+
+# ---------------------------------------------------------------------------------------
+# Payload limit
+# ---------------------------------------------------------------------------------------
+
+
+def test_check_payload_unit() -> None:
+    assert m.check_payload(b"x" * 10, 100) == 10
+    with pytest.raises(m.PayloadTooLarge) as ei:
+        m.check_payload(b"x" * 90, 100, "tandem.a", {"Tandem-Request-Id": "r"})
+    e = ei.value
+    assert e.limit == 100 and e.size > 100 and "max_payload of 100 bytes" in str(e) and str(e.size) in str(e)
+
+
+def test_oversize_refused_before_sending(tmp_path: Path) -> None:
+    limit = 64 * 1024
+    conf = tmp_path / "small.conf"
+    conf.write_text(f"max_payload: {limit}\n")
+    with EmbeddedNats(config=conf) as srv:
+
+        async def go() -> None:
+            nc = await connect(fast(srv.url), "big")
+            assert nc.max_payload == limit
+            s = Subjects(model="m")
+            sub = await nc.subscribe(s.generate_worker("d1"))
+            big = m.GenerateRequest(request_id="r-big", prompt_ids=list(range(20_000)), stream_subject="x")
+            size = len(m.encode(big))
+            with pytest.raises(m.PayloadTooLarge) as ei:
+                await publish(nc, s.generate_worker("d1"), big)
+            text = str(ei.value)
+            assert str(limit) in text and str(ei.value.size) in text and ei.value.size >= size
+            assert s.generate_worker("d1") in text
+            await ensure_streams(nc, s)
+            with pytest.raises(m.PayloadTooLarge):
+                await js_publish(nc, s.generate_pool, big)
+            small = m.GenerateRequest(request_id="r-ok", prompt_ids=[1, 2], stream_subject="x")
+            await publish(nc, s.generate_worker("d1"), small)
+            got = await sub.next_msg(timeout=2)  # the connection is still healthy
+            assert m.decode(got.data, m.GenerateRequest).request_id == "r-ok"
+            with pytest.raises(nats.errors.TimeoutError):
+                await sub.next_msg(timeout=0.2)  # the big one never went out
+            await nc.close()
+
+        run(go())
+
+    # the same limit set through EmbeddedNats(max_payload=...)
+    with EmbeddedNats(max_payload=limit) as srv2:
+
+        async def check() -> None:
+            nc = await nats.connect(srv2.url)
+            assert nc.max_payload == limit
+            await nc.close()
+
+        run(check())
+
+
+# ---------------------------------------------------------------------------------------
+# Streams
+# ---------------------------------------------------------------------------------------
+
+
+def unique_subjects() -> Subjects:
+    return Subjects(model=f"m-{uuid.uuid4().hex[:8]}")
+
+
+def test_streams_idempotent_and_updated(server: EmbeddedNats) -> None:
+    async def go() -> None:
+        nc = await connect(fast(server.url), "ensure")
+        s = unique_subjects()
+        r1 = await ensure_streams(nc, s)
+        assert r1.generate_stream == r1.prefill_stream == "created"
+        assert r1.generate_consumer == r1.prefill_consumer == "created"
+        r2 = await ensure_streams(nc, s)
+        assert set(vars(r2).values()) == {"unchanged"}
+        js = nc.jetstream()
+        info = await js.stream_info(s.generate_stream)
+        assert info.config.subjects == [s.generate_pool]
+        assert info.config.retention == api.RetentionPolicy.WORK_QUEUE
+        assert info.config.max_age == pytest.approx(300.0)
+        ci = await js.consumer_info(s.generate_stream, s.generate_consumer)
+        assert ci.config.max_deliver == 3 and ci.config.ack_wait == pytest.approx(30.0)
+        # a config change is applied and reported
+        r3 = await ensure_streams(
+            nc, s, generate=WorkQueueConfig(max_age=600.0, ack_wait=45.0, max_deliver=5)
+        )
+        assert (r3.generate_stream, r3.generate_consumer) == ("updated", "updated")
+        assert (r3.prefill_stream, r3.prefill_consumer) == ("unchanged", "unchanged")
+        ci = await js.consumer_info(s.generate_stream, s.generate_consumer)
+        assert ci.config.max_deliver == 5
+        await nc.close()
+
+    run(go())
+
+
+def test_conflicting_stream_is_reported(server: EmbeddedNats) -> None:
+    async def go() -> None:
+        nc = await connect(fast(server.url), "conflict")
+        s = unique_subjects()
+        js = nc.jetstream()
+        # someone made the stream by hand with limits retention: cannot become a work queue
+        await js.add_stream(
+            name=s.generate_stream, subjects=[s.generate_pool], retention=api.RetentionPolicy.LIMITS
+        )
+        with pytest.raises(StreamConfigError) as ei:
+            await ensure_streams(nc, s)
+        text = str(ei.value)
+        assert s.generate_stream in text and "retention" in text
+        await nc.close()
+
+    run(go())
+
+
+def test_pool_message_pulled_once_and_targeted_not_captured(server: EmbeddedNats) -> None:
+    async def go() -> None:
+        nc = await connect(fast(server.url), "pool")
+        s = unique_subjects()
+        await ensure_streams(nc, s)
+        w1 = await pull_subscription(nc, s, "generate")
+        w2 = await pull_subscription(nc, s, "generate")
+        assert await fetch_one(w1, timeout=0.2) is None  # empty queue: None after the timeout
+
+        req = m.GenerateRequest(request_id="r-pool", prompt_ids=[1], stream_subject=s.stream("g", "r-pool"))
+        ack = await js_publish(nc, s.generate_pool, req, msg_id="r-pool:0")
+        assert ack.stream == s.generate_stream
+        dup = await js_publish(nc, s.generate_pool, req, msg_id="r-pool:0")  # retried publish: stored once
+        assert dup.duplicate
+        assert (await pool_backlog(nc, s, "generate"))[0] == 1
+
+        got = await fetch_one(w1, timeout=2)
+        assert got is not None and m.request_id_of(got) == "r-pool"
+        assert m.decode(got.data, m.GenerateRequest) == req
+        assert await fetch_one(w2, timeout=0.3) is None  # the other worker does not get it
+        await got.ack_sync(timeout=2)
+        info = await nc.jetstream().stream_info(s.generate_stream)
+        assert info.state.messages == 0  # work queue: gone once acked
+        assert await pool_backlog(nc, s, "generate") == (0, 0)
+
+        # a targeted request is core request-reply, not swallowed by the stream
+        tsub = await nc.subscribe(s.generate_worker("d1"))
+        await publish(nc, s.generate_worker("d1"), req)
+        assert m.decode((await tsub.next_msg(timeout=2)).data, m.GenerateRequest) == req
+        info = await nc.jetstream().stream_info(s.generate_stream)
+        assert info.state.messages == 0
+        await tsub.unsubscribe()
+        with pytest.raises(NoStreamResponseError):  # no stream listens on the targeted subject
+            await nc.jetstream().publish(s.generate_worker("d1"), b"{}", timeout=1)
+        # the prefill pool is separate
+        job_ack = await js_publish(nc, s.prefill_pool, sample_messages()[1])
+        assert job_ack.stream == s.prefill_stream
+        pw = await pull_subscription(nc, s, "prefill")
+        job = await fetch_one(pw, timeout=2)
+        assert job is not None and isinstance(m.decode_any(job.data), m.PrefillJob)
+        await job.ack()
+        assert await fetch_one(w1, timeout=0.2) is None
+        await nc.close()
+
+    run(go())
+
+
+def test_unacked_message_is_redelivered(server: EmbeddedNats) -> None:
+    async def go() -> None:
+        nc = await connect(fast(server.url), "redeliver")
+        s = unique_subjects()
+        await ensure_streams(
+            nc, s, generate=WorkQueueConfig(ack_wait=0.5, max_deliver=2, duplicate_window=1.0)
+        )
+        w = await pull_subscription(nc, s, "generate")
+        await js_publish(nc, s.generate_pool, m.Cancel(request_id="r-x"))
+        first = await fetch_one(w, timeout=2)
+        assert first is not None and first.metadata.num_delivered == 1
+        again = await fetch_one(w, timeout=3)  # not acked: back after ack_wait
+        assert again is not None and again.metadata.num_delivered == 2
+        await again.ack()
+        await nc.close()
+
+    run(go())
+
+
+def test_role_permissions_on_real_server(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Subjects.permissions() is enough for a prefill worker to work, and no more."""
+    s = Subjects(model="perm-model")
+    perms = s.permissions(ROLE_PREFILL_ONLY, "p1")
+    users = [
+        {"user": "admin", "password": "admin-pw"},
+        {
+            "user": "prefill",
+            "password": "prefill-pw",
+            "permissions": {
+                "publish": {"allow": perms["publish"]},
+                "subscribe": {"allow": perms["subscribe"]},
+                "allow_responses": True,
+            },
+        },
+    ]
+    conf = tmp_path / "perms.conf"
+    conf.write_text("authorization " + json.dumps({"users": users}) + "\n")  # NATS conf accepts JSON
+    caplog.set_level(logging.WARNING, logger="tandem.bus")
+    with EmbeddedNats(config=conf) as srv:
+
+        async def go() -> None:
+            admin = await connect(fast(srv.url, user="admin", password="admin-pw"), "admin")
+            worker = await connect(fast(srv.url, user="prefill", password="prefill-pw"), "prefill-p1")
+            await ensure_streams(admin, s)
+            again = await ensure_streams(worker, s)  # every role may ensure at start
+            assert set(vars(again).values()) == {"unchanged"}
+            done_sub = await admin.subscribe(s.prefill_done("d1", "r1"))
+            job = sample_messages()[1]
+            await js_publish(admin, s.prefill_pool, job)
+            psub = await pull_subscription(worker, s, "prefill")
+            got = await fetch_one(psub, timeout=2)
+            assert got is not None and m.decode(got.data, m.PrefillJob).request_id == job.request_id
+            await got.ack_sync(timeout=2)
+            await publish(
+                worker, s.prefill_done("d1", "r1"), m.PrefillDone(request_id="r1", ok=True, first_token=1)
+            )
+            assert m.decode((await done_sub.next_msg(timeout=2)).data, m.PrefillDone).ok
+            # not allowed for a prefill worker: enqueue generate requests, write to a gateway stream
+            spy = await admin.subscribe(s.stream("g", "r1"))
+            await publish(worker, s.stream("g", "r1"), m.Cancel(request_id="r1"))
+            await publish(worker, s.generate_pool, m.Cancel(request_id="r1"))
+            await worker.flush(timeout=2)
+            with pytest.raises(nats.errors.TimeoutError):
+                await spy.next_msg(timeout=0.3)
+            info = await admin.jetstream().stream_info(s.generate_stream)
+            assert info.state.messages == 0
+            await wait_until(
+                lambda: caplog.text.lower().count("permissions violation") >= 2,
+                5,
+                "the violation to be logged",
+            )
+            await worker.close()
+            await admin.close()
+
+        run(go())
+
+
+@pytest.mark.skipif(
+    shutil.which("openssl") is None, reason="needs the openssl CLI to make a test certificate"
+)
+def test_tls_with_ca(tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+    conf = tmp_path / "tls.conf"
+    conf.write_text(f'tls {{ cert_file: "{cert}"\n key_file: "{key}" }}\n')
+    with EmbeddedNats(config=conf) as srv:
+
+        async def go() -> None:
+            nc = await connect(fast(srv.url, tls_ca=str(cert)), "tls-ok")
+            sub = await nc.subscribe("tandem.tls")
+            await nc.publish("tandem.tls", b"x")
+            assert (await sub.next_msg(timeout=2)).data == b"x"
+            await nc.close()
+            t0 = time.monotonic()
+            with pytest.raises(BusConnectError, match="refused"):  # no CA: the certificate is not trusted
+                await connect(fast(srv.url, connect_timeout=10.0), "tls-untrusted")
+            assert time.monotonic() - t0 < 5  # fails at once, not at the deadline
+            with pytest.raises(BusConnectError, match="does not exist"):
+                await connect(fast(srv.url, tls_ca=str(tmp_path / "missing.pem")), "tls-missing")
+
+        run(go())

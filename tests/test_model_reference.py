@@ -1,0 +1,191 @@
+"""Engine logits against transformers' LlamaForCausalLM on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.loader import ModelLoadError, load_model
+from engine.model import ForwardBatch, PrefillSpan
+from tests.reference_models import write_gguf_from_hf, write_hf_llama
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = "The quick brown fox jumps over the lazy dog. 1 2 3 4 5 6 7 8 9 10 and then some more words, enough to span several KV blocks."
+
+
+def engine_logits(engine: LLMEngine, ids: list[int], split: int | None = None) -> torch.Tensor:
+    """Logits at every position: whole prefill, or prefill[:split] then the rest attending via the pool."""
+    bs = engine.cfg.block_size
+    blocks = engine.blocks.allocate((len(ids) + bs - 1) // bs)
+    table = torch.tensor(blocks)
+    outs = []
+    try:
+        cuts = [0, split, len(ids)] if split else [0, len(ids)]
+        for a, b in zip(cuts, cuts[1:]):
+            pos = torch.arange(a, b)
+            batch = ForwardBatch(
+                tokens=torch.tensor(ids[a:b]), positions=pos, slot_blocks=table[pos // bs], slot_offsets=pos % bs,
+                prefills=[PrefillSpan(0, b - a, b, table)], decode_start=b - a, decode_tables=None,
+                decode_lens=None, logit_rows=torch.arange(b - a),
+            )
+            outs.append(engine.model.forward(batch, engine.pool))
+    finally:
+        engine.blocks.release(blocks)
+    return torch.cat(outs)
+
+
+def decode_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Logits of the last token computed through the batched decode path."""
+    bs = engine.cfg.block_size
+    blocks = engine.blocks.allocate((len(ids) + bs - 1) // bs)
+    table = torch.tensor(blocks)
+    try:
+        engine_prefix = ids[:-1]
+        n = len(engine_prefix)
+        pos = torch.arange(n)
+        engine.model.forward(ForwardBatch(
+            torch.tensor(engine_prefix), pos, table[pos // bs], pos % bs, [PrefillSpan(0, n, n, table)], n,
+            None, None, torch.tensor([n - 1])), engine.pool)
+        p = torch.tensor([n])
+        return engine.model.forward(ForwardBatch(
+            torch.tensor(ids[-1:]), p, table[p // bs], p % bs, [], 0, table.view(1, -1), torch.tensor([n + 1]),
+            torch.tensor([0])), engine.pool)[0]
+    finally:
+        engine.blocks.release(blocks)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory, smollm):
+    import gguf
+
+    reader = gguf.GGUFReader(str(smollm.path))
+    fields = {k: f.contents() for k, f in reader.fields.items()
+              if k in ("tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                       "tokenizer.ggml.merges")}
+    root = tmp_path_factory.mktemp("tiny")
+    tok_json = smollm.tokenizer.tok.to_str()
+    tied = write_hf_llama(root / "tied", tok_json)
+    untied = write_hf_llama(root / "untied", tok_json, tie=False, seed=1)
+    llama3 = write_hf_llama(root / "llama3", tok_json, seed=2, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+    return {
+        "tied": tied,
+        "untied": untied,
+        "llama3": llama3,
+        "gguf_f32": write_gguf_from_hf(tied, root / "tiny-f32.gguf", fields, "F32"),
+        "gguf_q8": write_gguf_from_hf(untied, root / "tiny-q8.gguf", fields, "Q8_0"),
+        "gguf_f16": write_gguf_from_hf(tied, root / "tiny-f16.gguf", fields, "F16"),
+    }
+
+
+def hf_reference(path, ids) -> torch.Tensor:
+    model = transformers.LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("variant,ref,atol", [
+    ("tied", "tied", 1e-4),
+    ("untied", "untied", 1e-4),
+    ("llama3", "llama3", 1e-4),
+    ("gguf_f32", "tied", 1e-4),
+    ("gguf_f16", "tied", 0.05),
+    ("gguf_q8", "untied", 0.25),
+])
+def test_tiny_llama_logits_match_transformers(tiny_dirs, smollm, variant, ref, atol):
+    loaded = load_model(str(tiny_dirs[variant]))
+    ids = smollm.tokenizer.encode(PROMPT)
+    assert len(ids) > 40
+    expected = hf_reference(tiny_dirs[ref], ids)
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=16))
+    got = engine_logits(engine, ids)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < atol
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.95
+    # Chunked: the second chunk reads the first chunk's K/V back from the paged pool.
+    torch.testing.assert_close(engine_logits(engine, ids, split=21), got, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(decode_logits(engine, ids), got[-1], atol=1e-4, rtol=1e-4)
+    engine.blocks.check_idle()
+
+
+def test_gguf_cache_round_trip(tiny_dirs):
+    cold = load_model(str(tiny_dirs["gguf_q8"]))
+    warm = load_model(str(tiny_dirs["gguf_q8"]))
+    assert not cold.from_cache and warm.from_cache
+    assert cold.identity == warm.identity
+    for k, v in cold.weights.items():
+        assert torch.equal(v, warm.weights[k]), k
+
+
+def test_bfloat16_close_to_float32(tiny_dirs, smollm):
+    ids = smollm.tokenizer.encode(PROMPT)
+    f32 = engine_logits(LLMEngine(load_model(str(tiny_dirs["tied"])), EngineConfig(num_blocks=16)), ids)
+    bf16 = engine_logits(LLMEngine(load_model(str(tiny_dirs["tied"]), "bfloat16"),
+                                   EngineConfig(num_blocks=16, dtype="bfloat16")), ids)
+    assert (bf16 - f32).abs().max().item() < 0.5
+    assert (bf16.argmax(-1) == f32.argmax(-1)).float().mean() > 0.9
+
+
+def test_unsupported_architecture_named(tiny_dirs, tmp_path):
+    import json
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dirs["tied"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["GPTNeoXForCausalLM"], "gpt_neox"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="GPTNeoXForCausalLM"):
+        load_model(str(d))
+
+
+def test_unsupported_quant_type_named(tiny_dirs, smollm, tmp_path):
+    import gguf
+
+    reader = gguf.GGUFReader(str(smollm.path))
+    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+    path = write_gguf_from_hf(tiny_dirs["tied"], tmp_path / "iq.gguf", fields, "Q4_0")
+    # Q4_0 is supported; a type outside the list must be refused by name.
+    from engine import loader
+
+    monkey = {"Q4_0"}
+    orig = loader._SUPPORTED_QUANTS
+    loader._SUPPORTED_QUANTS = orig - monkey
+    try:
+        with pytest.raises(ModelLoadError, match="Q4_0"):
+            load_model(str(path))
+    finally:
+        loader._SUPPORTED_QUANTS = orig
+    assert load_model(str(path)).config.num_layers == 2
+
+
+def test_missing_model_errors():
+    with pytest.raises(ModelLoadError, match="neither a known alias"):
+        load_model("/nonexistent/model.gguf")
+    with pytest.raises(ModelLoadError, match="dtype"):
+        load_model("smollm2-135m-instruct", "int3")
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers(smollm):
+    """The real default model: transformers dequantizes the same GGUF independently."""
+    path = smollm.path
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    from tests.conftest import chat_ids
+
+    ids = chat_ids(smollm, "What is the capital of France?")
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].float()
+    engine = LLMEngine(smollm, EngineConfig(num_blocks=16))
+    got = engine_logits(engine, ids)
+    assert (got - expected).abs().max().item() < 1e-2
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
