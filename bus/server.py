@@ -427,7 +427,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one embedded nats-server in the foreground until Ctrl-C / SIGTERM."""
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    return run(build_parser().parse_args(list(argv) if argv is not None else None))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`main` for already-parsed flags (the `tandem nats` sub-command)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     srv = EmbeddedNats(

@@ -185,6 +185,10 @@ class Subjects:
         """``tandem.stats.<role>.<worker>``: a worker's 1 Hz load report."""
         return f"{self.namespace}.stats.{check_token(role, 'role')}.{check_token(worker_id, 'worker id')}"
 
+    def service(self, worker_id: str, endpoint: str) -> str:
+        """``tandem.svc.<worker>.<endpoint>``: a worker's NATS micro endpoint (info, stats)."""
+        return f"{self.namespace}.svc.{check_token(worker_id, 'worker id')}.{check_token(endpoint, 'endpoint')}"
+
     # ---- wildcards (subscriptions and permissions) ---------------------------------
     @property
     def all(self) -> str:

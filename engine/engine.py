@@ -50,6 +50,10 @@ class StepOutput:
     completion_tokens: int = 0
 
 
+def draw_seed(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index * 7_919) % (1 << 62)
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None, pool: KVPool | None = None):
         self.cfg = cfg or EngineConfig()
@@ -57,9 +61,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         mc = loaded.config
         self.model = LlamaModel(mc, loaded.weights, self.cfg.device)
-        self.layout = KVLayout(
-            loaded.identity, self.cfg.dtype, self.cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim
-        )
+        self.layout = self.layout_for(loaded, self.cfg)
         self.pool = pool or KVPool(self.layout, self.cfg.num_blocks, self.cfg.device)
         if self.pool.layout != self.layout:
             raise ValueError(f"pool layout {self.pool.layout.describe()} differs from {self.layout.describe()}")
@@ -68,7 +70,14 @@ class LLMEngine:
         self.sampler = Sampler()
         self.max_model_len = min(self.cfg.max_model_len or mc.max_position, mc.max_position)
         self.seqs: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}
         self.device = torch.device(self.cfg.device)
+        self.last_plan_size = 0
+
+    @staticmethod
+    def layout_for(loaded: LoadedModel, cfg: EngineConfig) -> KVLayout:
+        mc = loaded.config
+        return KVLayout(loaded.identity, cfg.dtype, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim)
 
     # ------------------------------------------------------------ requests
 
@@ -89,14 +98,75 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary", "prompt")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    hold_blocks: bool = False) -> Sequence:
+        """Queue a request. With `hold_blocks` its KV stays allocated after it finishes, until
+        `release_held` — a prefill worker keeps the blocks while it transfers them."""
+        if request_id in self.seqs or request_id in self.held:
+            raise ValueError(f"request {request_id} is already in the engine")
+        self.check_request(prompt_ids, params)
+        seq = Sequence(request_id, prompt_ids, params)
+        seq.hold_blocks = hold_blocks
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def release_held(self, request_id: str) -> None:
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.blocks.release(seq.block_table)
+            seq.block_table = []
+
+    # ------------------------------------------------------------ remote prefill (decode side)
+
+    def reserve_remote(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                       ) -> tuple[Sequence, list[int]] | None:
+        """Blocks for a prompt another worker will prefill: prefix-cache hits plus fresh blocks.
+
+        Returns the sequence and the fresh blocks (to be written from token `seq.num_cached` on),
+        or None when the pool cannot hold the prompt now.
+        """
         if request_id in self.seqs:
             raise ValueError(f"request {request_id} is already in the engine")
         self.check_request(prompt_ids, params)
         seq = Sequence(request_id, prompt_ids, params)
+        fresh = self.scheduler.place(seq)
+        if fresh is None:
+            return None
+        seq.status = SeqStatus.REMOTE
         self.seqs[request_id] = seq
-        self.scheduler.add(seq)
-        return seq
+        return seq, fresh
+
+    def complete_remote(self, request_id: str, first_token: int, info: TokenLogprob | None) -> StepOutput:
+        """The prompt's KV has landed: join the running batch with the first token."""
+        seq = self.seqs[request_id]
+        if seq.status is not SeqStatus.REMOTE:
+            raise RuntimeError(f"{request_id} is not waiting for a remote prefill")
+        self.scheduler.commit(seq, len(seq.prompt_ids) - seq.num_computed)
+        seq.status = SeqStatus.RUNNING
+        self.scheduler.running.append(seq)
+        return self.append_token(seq, first_token, info)
+
+    def abandon_remote(self, request_id: str, quarantine: bool) -> list[int]:
+        """Drop a remote-prefill sequence. Blocks that a late write may still hit are quarantined
+        (returned; free them with `release_quarantine`), the rest are released."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None or seq.status is not SeqStatus.REMOTE:
+            return []
+        split = seq.num_cached // self.cfg.block_size
+        shared, fresh = seq.block_table[:split], seq.block_table[split:]
+        self.blocks.release(shared)
+        if quarantine:
+            self.blocks.quarantine(fresh)
+        else:
+            self.blocks.release(fresh)
+        seq.block_table = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = "abort"
+        return fresh if quarantine else []
+
+    def release_quarantine(self, blocks: list[int]) -> None:
+        self.blocks.release_quarantine(blocks)
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
@@ -111,6 +181,10 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def is_idle(self) -> bool:
+        """No request of any kind holds blocks (used by tests and drain)."""
+        return not self.seqs and not self.held and not self.has_work()
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -123,6 +197,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
+        self.last_plan_size = len(plan)
         if not plan:
             return []
         batch, sampled = self._build_batch(plan)
@@ -131,6 +206,9 @@ class LLMEngine:
             self.scheduler.commit(seq, n)
         outputs: list[StepOutput] = []
         if sampled:
+            for s in sampled:  # a seed fixes each draw by its index: same output on any worker, after preemption
+                if s.generator is not None:
+                    s.generator.manual_seed(draw_seed(s.params.seed, len(s.output_ids)))
             tokens, infos = self.sampler(
                 logits, [s.params for s in sampled], [s.output_ids for s in sampled], [s.generator for s in sampled]
             )
@@ -202,8 +280,13 @@ class LLMEngine:
             ):
                 seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
             self.seqs.pop(seq.request_id, None)
+            if seq.hold_blocks:
+                self.scheduler.running.remove(seq)
+                seq.status = SeqStatus.FINISHED
+                self.held[seq.request_id] = seq
+            else:
+                self.scheduler.finish(seq)
         return self._emit(seq, new_ids, [info] if info is not None and new_ids else [])
 
     def _update_text(self, seq: Sequence) -> None:

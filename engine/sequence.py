@@ -37,6 +37,7 @@ class Sequence:
         self.emitted_chars = 0
         self.emitted_tokens = 0
         self.preemptions = 0
+        self.hold_blocks = False
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
 

@@ -83,11 +83,65 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print prompt/output ids, text and finish reason as JSON")
     g.set_defaults(func=cmd_generate)
 
+    sv = sub.add_parser("serve", help="run one worker (a pipeline role) on the bus")
+    sv.add_argument("--pipeline-role", dest="role", default=None,
+                    choices=["prefill_and_decode", "prefill_only", "decode_only"])
+    sv.add_argument("--model", default=None)
+    sv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    sv.add_argument("--device", default=None)
+    sv.add_argument("--nats-url", default=None)
+    sv.add_argument("--namespace", default=None)
+    sv.add_argument("--worker-id", default=None)
+    sv.add_argument("--metrics-port", type=int, default=None)
+    sv.add_argument("--max-batch", type=int, default=None)
+    sv.add_argument("--num-blocks", type=int, default=None)
+    sv.add_argument("--block-size", type=int, default=None)
+    sv.add_argument("--max-step-tokens", type=int, default=None)
+    sv.add_argument("--kv-transfer", default=None, choices=["auto", "nixl", "shm", "tcp", "cuda_ipc"])
+    sv.add_argument("--nixl-backend", default=None, choices=["ucx", "libfabric", "uccl"])
+    sv.add_argument("--local-prefill-max-tokens", type=int, default=None)
+    sv.add_argument("--remote-prefill-fallback", default=None, choices=["local", "error"])
+    sv.add_argument("--prefill-timeout", type=float, default=None)
+    sv.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false", default=None)
+    sv.set_defaults(func=cmd_serve)
+
+    from bus.server import build_parser as nats_parser
+
+    n = nats_parser(sub.add_parser("nats", help="run the embedded nats-server (JetStream) alone"))
+    n.set_defaults(func=cmd_nats)
+
+
+
+
+
     b = sub.add_parser("bench", help="benchmarks")
     b.add_argument("what", choices=["engine"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
     return parser
+
+
+_SERVE_FIELDS = ("role", "model", "dtype", "device", "nats_url", "namespace", "worker_id", "metrics_port",
+                 "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
+                 "local_prefill_max_tokens", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from actors.serve import serve
+    from tandem.settings import Settings
+
+    try:
+        settings = Settings.from_env(**{f: getattr(args, f) for f in _SERVE_FIELDS})
+        return serve(settings)
+    except (ValueError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_nats(args: argparse.Namespace) -> int:
+    from bus.server import run
+
+    return run(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

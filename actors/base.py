@@ -1,0 +1,227 @@
+"""WorkerActor: what every pipeline role shares.
+
+It connects to NATS, registers as a NATS micro service, answers KV-metadata requests, hears
+cancels, publishes its load every second, runs the model on its own thread (EngineRunner) and
+drains on SIGTERM: stop pulling, finish what it holds, then exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import time
+from collections import OrderedDict
+
+import nats.micro
+from nats.aio.msg import Msg
+
+from actors.runner import EngineRunner
+from bus.connection import BusOptions, connect
+from bus.messages import Cancel, KVMetaReply, KVMetaRequest, WorkerStats, decode, encode
+from bus.publish import publish, request
+from bus.streams import ensure_streams
+from bus.subjects import Subjects
+from engine.engine import EngineConfig, LLMEngine, StepOutput
+from engine.loader import LoadedModel, model_name
+from kv.transfer.auto import create_engine
+from kv.transfer.base import new_incarnation
+from tandem.settings import Settings
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+class SeenIds:
+    """Request ids handled recently, so a JetStream redelivery is not run twice."""
+
+    def __init__(self, capacity: int = 10_000):
+        self.ids: OrderedDict[str, None] = OrderedDict()
+        self.capacity = capacity
+
+    def add(self, key: str) -> bool:
+        """True if new."""
+        if key in self.ids:
+            return False
+        self.ids[key] = None
+        if len(self.ids) > self.capacity:
+            self.ids.popitem(last=False)
+        return True
+
+
+class WorkerActor:
+    role = "worker"
+
+    def __init__(self, settings: Settings, loaded: LoadedModel):
+        self.s = settings
+        self.worker_id = settings.worker_id
+        self.loaded = loaded
+        self.model = model_name(settings.model)
+        self.subjects = Subjects(self.model, settings.namespace)
+        self.incarnation = new_incarnation()
+        cfg = EngineConfig(
+            dtype=settings.dtype, device=settings.device, block_size=settings.block_size,
+            num_blocks=settings.num_blocks, max_batch=settings.max_batch,
+            max_step_tokens=settings.max_step_tokens, enable_prefix_cache=settings.enable_prefix_cache,
+        )
+        layout = LLMEngine.layout_for(loaded, cfg)
+        self.transfer = create_engine(
+            settings.kv_transfer, layout, settings.num_blocks, settings.device, self.worker_id,
+            incarnation=self.incarnation, nixl_backend=settings.nixl_backend,
+        )
+        self.engine = LLMEngine(loaded, cfg, pool=self.transfer.pool)
+        self.layout = self.engine.layout
+        self.started = time.time()
+        self.draining = False
+        self.stop_event = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+        self.seen = SeenIds()
+        self.peer_incarnations: dict[str, str] = {}
+        self.nc = None
+        self.runner: EngineRunner | None = None
+        self.metrics_url = f"http://127.0.0.1:{settings.metrics_port}/metrics" if settings.metrics_port else ""
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.runner = EngineRunner(self.engine, loop, self._outputs_from_thread)
+        self.runner.start()
+        opts = BusOptions.from_env(servers=[u.strip() for u in self.s.nats_url.split(",")])
+        self.nc = await connect(opts, name=f"tandem-{self.role}-{self.worker_id}")
+        await ensure_streams(self.nc, self.subjects)
+        await self.nc.subscribe(self.subjects.kv_meta(self.worker_id), cb=self._on_kv_meta)
+        await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel_msg)
+        await self.start()
+        self.service = await self._register_service()
+        self.tasks.append(asyncio.create_task(self._stats_loop()))
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.stop_event.set)
+        log.info("%s %s ready: model %s, layout %s, transfer %s", self.role, self.worker_id, self.model,
+                 self.layout.describe(), self.transfer.name)
+        print(f"tandem {self.role} {self.worker_id} ready", flush=True)
+        await self.stop_event.wait()
+        await self.drain()
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Stop taking work, finish what we hold (bounded), then leave the bus."""
+        log.info("%s %s draining", self.role, self.worker_id)
+        self.draining = True
+        await self.stop_taking_work()
+        deadline = time.monotonic() + timeout
+        while self.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.busy():
+            log.warning("%s %s: drain deadline passed with work in flight", self.role, self.worker_id)
+        for t in self.tasks:
+            t.cancel()
+        try:
+            await asyncio.wait_for(self.service.stop(), 2.0)
+        except (asyncio.TimeoutError, Exception) as e:  # leaving anyway; the server forgets us on disconnect
+            log.warning("micro service stop: %r", e)
+        try:  # our work is done; deliver what we published, then leave
+            await self.nc.flush(timeout=3)
+        except Exception as e:
+            log.warning("NATS flush before close failed: %r", e)
+        await self.nc.close()
+        self.runner.stop()
+        self.transfer.close()
+        log.info("%s %s stopped", self.role, self.worker_id)
+
+    def check_runner(self) -> None:
+        if self.runner.failure is not None:
+            log.error("model thread died (%s); exiting", self.runner.failure)
+            self.stop_event.set()
+
+    # ---------------------------------------------------------------- hooks for roles
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def stop_taking_work(self) -> None:
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        raise NotImplementedError
+
+    def on_outputs(self, outputs: list[StepOutput]) -> None:
+        raise NotImplementedError
+
+    async def on_cancel(self, request_id: str, reason: str) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> WorkerStats:
+        e = self.engine
+        return WorkerStats(
+            role=self.role, worker_id=self.worker_id, model=self.model, running=e.num_running,
+            queued=e.num_waiting, free_blocks=e.blocks.num_free, total_blocks=e.blocks.num_blocks,
+            prefix_hit_rate=e.blocks.hit_rate(), uptime=time.time() - self.started,
+            incarnation=self.incarnation, max_batch=self.s.max_batch,
+        )
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _outputs_from_thread(self, outputs: list[StepOutput]) -> None:
+        self.check_runner()
+        if outputs:
+            self.on_outputs(outputs)
+
+    async def _on_cancel_msg(self, msg: Msg) -> None:
+        try:
+            c = decode(msg.data, Cancel)
+        except ValueError as e:
+            log.warning("ignoring bad cancel on %s: %s", msg.subject, e)
+            return
+        await self.on_cancel(c.request_id, c.reason)
+
+    async def _on_kv_meta(self, msg: Msg) -> None:
+        reply = KVMetaReply(worker_id=self.worker_id, incarnation=self.incarnation, engine=self.transfer.name,
+                            meta=self.transfer.metadata())
+        await self.nc.publish(msg.reply, encode(reply))
+
+    async def ensure_peer(self, worker_id: str, incarnation: str, timeout: float = 5.0) -> None:
+        """Fetch a peer's transfer metadata over NATS unless we hold it for this incarnation."""
+        if self.peer_incarnations.get(worker_id) == incarnation:
+            return
+        reply = await request(self.nc, self.subjects.kv_meta(worker_id), KVMetaRequest(worker_id=self.worker_id),
+                              KVMetaReply, timeout=timeout)
+        if reply.incarnation != incarnation:
+            raise RuntimeError(f"worker {worker_id} restarted (incarnation {reply.incarnation}, job names {incarnation})")
+        await asyncio.to_thread(self.transfer.add_peer, reply.meta)
+        self.peer_incarnations[worker_id] = incarnation
+
+    async def _stats_loop(self) -> None:
+        subject = self.subjects.stats(self.role, self.worker_id)
+        while True:
+            try:
+                await publish(self.nc, subject, self.stats())
+            except Exception as e:  # the bus is reconnecting; the next tick tries again
+                log.warning("stats publish failed: %s", e)
+            await asyncio.sleep(self.s.stats_interval)
+
+    def service_metadata(self) -> dict[str, str]:
+        return {
+            "model": self.model, "role": self.role, "worker_id": self.worker_id,
+            "incarnation": self.incarnation, "layout_fingerprint": self.layout.fingerprint(),
+            "layout": self.layout.describe(), "metrics_url": self.metrics_url,
+            "kv_transfer": self.transfer.name, "started": str(self.started),
+        }
+
+    async def _register_service(self):
+        svc = await nats.micro.add_service(
+            self.nc, name=f"tandem-{self.role.replace('_', '-')}", version=VERSION,
+            description=f"tandem {self.role} worker for {self.model}", metadata=self.service_metadata(),
+        )
+
+        async def info(req: nats.micro.Request) -> None:
+            await req.respond(json.dumps({**self.service_metadata(), "layout_dict": self.layout.to_dict()}).encode())
+
+        async def stats(req: nats.micro.Request) -> None:
+            await req.respond(encode(self.stats()))
+
+        await svc.add_endpoint(name="info", subject=self.subjects.service(self.worker_id, "info"), handler=info)
+        await svc.add_endpoint(name="stats", subject=self.subjects.service(self.worker_id, "stats"), handler=stats)
+        return svc

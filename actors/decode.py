@@ -1,0 +1,479 @@
+"""DecodeActor: the `decode_only` and `prefill_and_decode` roles.
+
+It pulls generate requests only when it has a batch slot and free blocks, decides where the
+prompt is prefilled (locally, or by a prefill worker that writes the KV into blocks reserved
+here), then streams tokens to the gateway's stream subject, one message per engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+
+from actors.base import WorkerActor
+from bus.messages import (
+    ErrorCode,
+    GenerateRequest,
+    KVDestination,
+    MessageError,
+    PrefillDone,
+    PrefillJob,
+    StreamError,
+    StreamFinish,
+    StreamTokens,
+    Timings,
+    Usage,
+    WorkerStats,
+    decode,
+)
+from bus.messages import SamplingParams as WireSampling
+from bus.publish import js_publish, publish
+from bus.streams import fetch_one, pull_subscription
+from engine.engine import LLMEngine, StepOutput
+from engine.sampling import SamplingParams, TokenLogprob
+from kv.blocks import prefix_hashes
+
+log = logging.getLogger(__name__)
+
+PREFILL_ALIVE_S = 3.0  # a prefill worker whose stats are older than this is not offered new work
+PREFILL_DEAD_S = 5.0  # ... and one silent this long is presumed dead with our job
+QUARANTINE_GRACE_S = 5.0
+
+
+def to_engine_params(w: WireSampling) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=w.max_tokens, temperature=w.temperature, top_p=w.top_p, top_k=w.top_k, seed=w.seed,
+        stop=list(w.stop), stop_token_ids=list(w.stop_token_ids), frequency_penalty=w.frequency_penalty,
+        presence_penalty=w.presence_penalty, logprobs=w.logprobs, top_logprobs=w.top_logprobs,
+        ignore_eos=w.ignore_eos,
+    )
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: str, message: str, status: int):
+        super().__init__(message)
+        self.code, self.message, self.status = code, message, status
+
+
+@dataclass
+class Request:
+    req: GenerateRequest
+    prompt_ids: list[int]
+    accepted: float = field(default_factory=time.time)
+    seq: int = 0  # next stream sequence number
+    mode: str = "local"
+    prefill_worker: str | None = None
+    first_token_at: float | None = None
+    transfer_s: float = 0.0
+    prefill_s: float = 0.0
+    in_engine: bool = False
+    attempt: int = 0
+    cancelled: bool = False
+    done: bool = False
+
+
+class DecodeActor(WorkerActor):
+    def __init__(self, settings, loaded):
+        super().__init__(settings, loaded)
+        self.role = settings.role
+        self.requests: dict[str, Request] = {}
+        self.prefill_waits: dict[str, asyncio.Future] = {}  # by "<request>:<attempt>"
+        self.quarantined: dict[str, list[int]] = {}  # blocks a prefill attempt may still write
+        self.prefill_workers: dict[str, tuple[WorkerStats, float]] = {}
+        self.attempt_deadline: dict[str, float] = {}
+        self.landed: set[str] = set()  # notify tags of KV writes that have fully arrived
+        self.decisions: Counter = Counter()
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.subs = []
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self.psub = await pull_subscription(self.nc, self.subjects, "generate")
+        self.subs.append(await self.nc.subscribe(self.subjects.generate_worker(self.worker_id), cb=self._on_targeted))
+        if self.role == "decode_only":
+            await self.nc.subscribe(self.subjects.prefill_done_of_worker(self.worker_id), cb=self._on_prefill_done)
+            await self.nc.subscribe(f"{self.s.namespace}.stats.prefill_only.*", cb=self._on_prefill_stats)
+            await self._discover_prefill()
+            self.tasks.append(asyncio.create_task(self._landing_poller()))
+        self.tasks.append(asyncio.create_task(self._pull_loop()))
+        self.tasks.append(asyncio.create_task(self._emitter()))
+
+    async def stop_taking_work(self) -> None:
+        for sub in self.subs:
+            await sub.unsubscribe()
+        self.subs = []
+
+    def busy(self) -> bool:
+        return bool(self.requests) or not self.outbox.empty()
+
+    def stats(self) -> WorkerStats:
+        st = super().stats()
+        st.running = len(self.requests)
+        return st
+
+    def has_capacity(self) -> bool:
+        e = self.engine
+        return len(self.requests) < self.s.max_batch and e.blocks.num_free > 0 and e.num_waiting == 0
+
+    async def _pull_loop(self) -> None:
+        while not self.draining:
+            if not self.has_capacity():
+                await asyncio.sleep(0.01)
+                continue
+            try:
+                msg = await fetch_one(self.psub, timeout=1.0)
+            except Exception as e:  # reconnecting; the consumer is durable, so just try again
+                log.warning("generate pool fetch failed: %s", e)
+                await asyncio.sleep(0.5)
+                continue
+            if msg is not None:
+                await self._accept(msg, from_pool=True)
+
+    async def _on_targeted(self, msg: Msg) -> None:
+        await self._accept(msg, from_pool=False)
+
+    # ---------------------------------------------------------------- admission
+
+    async def _accept(self, msg: Msg, from_pool: bool) -> None:
+        try:
+            req = decode(msg.data, GenerateRequest)
+        except MessageError as e:
+            log.warning("dropping undecodable generate request: %s", e)
+            if from_pool:
+                await msg.term()
+            return
+        if from_pool:
+            await msg.ack()
+        if not self.seen.add(req.request_id):
+            log.info("request %s already handled here; ignoring redelivery", req.request_id)
+            return
+        r = Request(req, list(req.prompt_ids))
+        self.requests[req.request_id] = r
+        try:
+            self._validate(r)
+            mode, reason, target = self._choose_prefill(r)
+        except RequestFailed as f:
+            await self._fail(r, f.code, f.message, f.status)
+            return
+        r.mode = mode
+        self.decisions[(mode, reason)] += 1
+        log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids))
+        if mode == "remote":
+            self.tasks.append(asyncio.create_task(self._remote_prefill(r, target)))
+        else:
+            await self._start_local(r)
+
+    def _validate(self, r: Request) -> None:
+        req = r.req
+        if not r.prompt_ids and req.prompt:
+            r.prompt_ids = self.engine.tokenizer.encode(req.prompt)
+        if req.deadline and time.time() > req.deadline:
+            raise RequestFailed(ErrorCode.DEADLINE_EXCEEDED, "request deadline passed before it was admitted", 504)
+        try:
+            self.engine.check_request(r.prompt_ids, to_engine_params(req.sampling))
+        except ValueError as e:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, str(e.args[0]), 400) from e
+
+    def alive_prefill_workers(self) -> dict[str, WorkerStats]:
+        now = time.monotonic()
+        return {w: st for w, (st, seen) in self.prefill_workers.items() if now - seen < PREFILL_ALIVE_S}
+
+    def _resolve_target(self, target: str) -> str:
+        alive = self.alive_prefill_workers()
+        prefix = self.subjects.prefill_pool + "."
+        wid = target[len(prefix):] if target.startswith(prefix) else target
+        if wid not in alive:
+            known = ", ".join(sorted(alive)) or "none"
+            raise RequestFailed(ErrorCode.UNKNOWN_TARGET,
+                                f"target_endpoint {target!r} is not a live prefill worker (alive: {known})", 400)
+        return wid
+
+    def _choose_prefill(self, r: Request) -> tuple[str, str, str | None]:
+        """(local|remote, reason, target worker or None for the pool)."""
+        target = r.req.target_endpoint
+        if self.role != "decode_only":
+            if target:
+                raise RequestFailed(ErrorCode.UNKNOWN_TARGET,
+                                    f"target_endpoint {target!r}: this cluster has no prefill workers "
+                                    f"(worker {self.worker_id} prefills locally)", 400)
+            return "local", "aggregated", None
+        if target:
+            return "remote", "target_endpoint", self._resolve_target(target)
+        alive = self.alive_prefill_workers()
+        if not alive:
+            return "local", "no_prefill_worker", None
+        cached = self.engine.blocks.peek_prefix(prefix_hashes(r.prompt_ids, self.s.block_size)) * self.s.block_size
+        uncached = len(r.prompt_ids) - cached
+        if uncached <= self.s.local_prefill_max_tokens:
+            return "local", "short_prompt", None
+        if all(st.queued + st.running >= 2 for st in alive.values()) and self.engine.num_running == 0:
+            return "local", "prefill_backlog", None
+        return "remote", "long_prompt", None
+
+    async def _start_local(self, r: Request) -> None:
+        r.in_engine = True
+        try:
+            await self.runner.call(lambda e: e.add_request(r.req.request_id, r.prompt_ids,
+                                                           to_engine_params(r.req.sampling)))
+        except ValueError as e:
+            r.in_engine = False
+            await self._fail(r, ErrorCode.BAD_REQUEST, str(e.args[0]), 400)
+
+    # ---------------------------------------------------------------- remote prefill
+
+    async def _remote_prefill(self, r: Request, target: str | None) -> None:
+        rid = r.req.request_id
+        params = to_engine_params(r.req.sampling)
+        tried: list[str] = []
+        t0 = time.time()
+        for attempt in range(2):
+            if r.cancelled:
+                return
+            reserved = await self.runner.call(lambda e: e.reserve_remote(rid, r.prompt_ids, params))
+            if reserved is None:
+                self.decisions[("local", "no_blocks_for_remote")] += 1
+                break
+            seq, fresh = reserved
+            if r.cancelled:  # the cancel's abandon_remote ran after this reservation
+                return
+            first_index = seq.num_cached
+            try:
+                done = await self._run_prefill_job(r, fresh, first_index, attempt, target)
+            except RequestFailed as f:
+                await self.runner.call(lambda e: e.abandon_remote(rid, quarantine=False))
+                await self._fail(r, f.code, f.message, f.status)
+                return
+            if r.cancelled:
+                return
+            if done is not None and done.ok:
+                r.prefill_worker = done.prefill_worker_id
+                r.transfer_s = done.timings.get("transfer", 0.0)
+                r.prefill_s = time.time() - t0
+                info = None
+                if done.first_logprob is not None:
+                    info = TokenLogprob(done.first_token, done.first_logprob, list(done.first_top_logprobs or []))
+                r.in_engine = True
+                out = await self.runner.call(LLMEngine.complete_remote, rid, done.first_token, info)
+                self.on_outputs([out])
+                return
+            # Failed or timed out: after a timeout the prefill side may still write into these blocks.
+            timed_out = done is None
+            blocks = await self.runner.call(LLMEngine.abandon_remote, rid, timed_out)
+            self._quarantine(f"{rid}:{attempt}", blocks, self.attempt_deadline.pop(rid, time.time()))
+            why = "timed out" if timed_out else f"failed: {done.error}"
+            log.warning("request %s: remote prefill attempt %d %s", rid, attempt, why)
+            self.decisions[("remote_failed", "timeout" if timed_out else done.error_code or "error")] += 1
+            if done is not None and done.prefill_worker_id:
+                tried.append(done.prefill_worker_id)
+            others = [w for w in self.alive_prefill_workers() if w not in tried and w != target]
+            target = others[0] if others else None
+            if target is None and not self.alive_prefill_workers():
+                break
+        if self.s.remote_prefill_fallback == "error":
+            await self._fail(r, ErrorCode.WORKER_LOST, "remote prefill failed twice", 503)
+            return
+        self.decisions[("local", "remote_fallback")] += 1
+        log.info("request %s: falling back to local prefill", rid)
+        r.mode = "local"
+        await self._start_local(r)
+
+    async def _run_prefill_job(self, r: Request, fresh: list[int], first_index: int, attempt: int,
+                               target: str | None) -> PrefillDone | None:
+        """Publish the job and wait for its PrefillDone and for the KV to land. None on timeout."""
+        rid = r.req.request_id
+        deadline = time.time() + self.s.prefill_timeout
+        if r.req.deadline:
+            deadline = min(deadline, r.req.deadline)
+        tag = f"{rid}:{attempt}"
+        self.attempt_deadline[rid] = deadline
+        r.attempt = attempt
+        job = PrefillJob(
+            request_id=rid, prompt_ids=r.prompt_ids, sampling=r.req.sampling,
+            layout_fingerprint=self.layout.fingerprint(), layout=self.layout.to_dict(),
+            dst=KVDestination(engine=self.transfer.name, worker_id=self.worker_id, incarnation=self.incarnation,
+                              block_ids=fresh, first_token_index=first_index),
+            reply_subject=self.subjects.prefill_done(self.worker_id, rid), deadline=deadline,
+            decode_worker_id=self.worker_id, attempt=attempt, model=self.model,
+        )
+        fut = asyncio.get_running_loop().create_future()
+        self.prefill_waits[tag] = fut
+        try:
+            if target:
+                await publish(self.nc, self.subjects.prefill_worker(target), job)
+            else:
+                await js_publish(self.nc, self.subjects.prefill_pool, job, msg_id=tag)
+            done = await self._wait_done(fut, deadline, target)
+        finally:
+            self.prefill_waits.pop(tag, None)
+        if done is None:
+            return None
+        if not done.ok:
+            if done.error_code == ErrorCode.LAYOUT_MISMATCH:
+                raise RequestFailed(done.error_code, done.error or "KV layout mismatch", 500)
+            return done
+        # The writer saw its transfer complete; wait until the bytes are visible here too.
+        while tag not in self.landed:
+            if time.time() > deadline or r.cancelled:
+                return None
+            await asyncio.sleep(0.002)
+        self.landed.discard(tag)
+        return done
+
+    async def _wait_done(self, fut: asyncio.Future, deadline: float, target: str | None) -> PrefillDone | None:
+        """The PrefillDone, or None at the deadline or once the targeted worker stops reporting."""
+        while True:
+            left = deadline - time.time()
+            if left <= 0:
+                return None
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), timeout=min(left, 0.5))
+            except asyncio.TimeoutError:
+                pass
+            if target and target in self.prefill_workers:
+                _, seen = self.prefill_workers[target]
+                if time.monotonic() - seen > PREFILL_DEAD_S:
+                    log.warning("prefill worker %s stopped reporting; giving up on its job", target)
+                    return None
+
+    def _quarantine(self, tag: str, blocks: list[int], deadline: float) -> None:
+        """Hold blocks until attempt `tag` answers (it has stopped writing) or its deadline passes."""
+        if not blocks:
+            return
+        self.quarantined[tag] = blocks
+        delay = max(0.0, deadline - time.time()) + QUARANTINE_GRACE_S
+        self.tasks.append(asyncio.create_task(self._release_after(tag, delay)))
+
+    async def _release_after(self, tag: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await self._release_quarantine(tag)
+
+    async def _release_quarantine(self, tag: str) -> None:
+        blocks = self.quarantined.pop(tag, None)
+        if blocks:
+            await self.runner.call(lambda e: e.release_quarantine(blocks))
+
+    async def _landing_poller(self) -> None:
+        """Collect completion notices; NIXL without a progress thread needs this polling."""
+        while True:
+            waiting = any(r.mode == "remote" and not r.in_engine for r in self.requests.values())
+            self.landed.update(await asyncio.to_thread(self.transfer.completed))
+            if len(self.landed) > 10_000:
+                self.landed.clear()
+            await asyncio.sleep(0.001 if waiting else 0.02)
+
+    async def _on_prefill_done(self, msg: Msg) -> None:
+        try:
+            done = decode(msg.data, PrefillDone)
+        except MessageError as e:
+            log.warning("bad prefill done: %s", e)
+            return
+        tag = f"{done.request_id}:{done.attempt}"
+        fut = self.prefill_waits.get(tag)
+        if fut is not None and not fut.done():
+            fut.set_result(done)
+        if tag in self.quarantined:  # that attempt has answered: it writes no more
+            await self._release_quarantine(tag)
+
+    async def _discover_prefill(self, wait: float = 0.3) -> None:
+        """Ask NATS micro discovery for live prefill workers, so we need not wait for their stats."""
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        await self.nc.publish("$SRV.INFO.tandem-prefill-only", b"", reply=inbox)
+        deadline = time.monotonic() + wait
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                reply = await sub.next_msg(timeout=left)
+            except Exception:  # nats TimeoutError: discovery window over
+                break
+            if not reply.data:  # "no responders" status: nobody registered yet
+                break
+            md = json.loads(reply.data).get("metadata", {})
+            if md.get("model") == self.model and md.get("worker_id"):
+                st = WorkerStats(role="prefill_only", worker_id=md["worker_id"], model=self.model)
+                self.prefill_workers.setdefault(md["worker_id"], (st, time.monotonic()))
+        await sub.unsubscribe()
+        log.info("discovered prefill workers: %s", ", ".join(self.prefill_workers) or "none")
+
+    async def _on_prefill_stats(self, msg: Msg) -> None:
+        try:
+            st = decode(msg.data, WorkerStats)
+        except MessageError:
+            return
+        self.prefill_workers[st.worker_id] = (st, time.monotonic())
+
+    # ---------------------------------------------------------------- streaming out
+
+    def on_outputs(self, outputs: list[StepOutput]) -> None:
+        self.outbox.put_nowait(outputs)
+
+    async def _emitter(self) -> None:
+        """One task publishes everything, so a request's messages leave in order."""
+        while True:
+            outputs = await self.outbox.get()
+            for out in outputs:
+                r = self.requests.get(out.request_id)
+                if r is None or r.cancelled:
+                    continue
+                try:
+                    await self._emit(r, out)
+                except Exception as e:  # one bad publish must not stop the others' streams
+                    log.error("stream publish for %s failed: %s", out.request_id, e)
+
+    async def _emit(self, r: Request, out: StepOutput) -> None:
+        rid = r.req.request_id
+        now = time.time()
+        if out.token_ids or out.text:
+            if r.first_token_at is None:
+                r.first_token_at = now
+            msg = StreamTokens(request_id=rid, seq=r.seq, token_ids=out.token_ids, text=out.text)
+            if r.req.sampling.logprobs:
+                msg.logprobs = [lp.logprob for lp in out.logprobs]
+                msg.top_logprobs = [lp.top for lp in out.logprobs]
+            r.seq += 1
+            await publish(self.nc, r.req.stream_subject, msg)
+        if out.finish_reason is not None:
+            first = r.first_token_at or now
+            fin = StreamFinish(
+                request_id=rid, seq=r.seq, finish_reason=out.finish_reason,
+                usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                            cached_tokens=out.cached_tokens),
+                timings=Timings(queue=max(0.0, r.accepted - r.req.created), prefill=r.prefill_s or first - r.accepted,
+                                transfer=r.transfer_s, decode=now - first),
+                prefill_mode=r.mode if self.role == "decode_only" else "aggregate",
+                prefill_worker_id=r.prefill_worker, decode_worker_id=self.worker_id,
+            )
+            r.seq += 1
+            self.requests.pop(rid, None)
+            await publish(self.nc, r.req.stream_subject, fin)
+
+    async def _fail(self, r: Request, code: str, message: str, status: int) -> None:
+        self.requests.pop(r.req.request_id, None)
+        log.warning("request %s failed (%s): %s", r.req.request_id, code, message)
+        await publish(self.nc, r.req.stream_subject,
+                      StreamError(request_id=r.req.request_id, seq=r.seq, code=code, message=message, status=status))
+
+    # ---------------------------------------------------------------- cancel
+
+    async def on_cancel(self, request_id: str, reason: str) -> None:
+        r = self.requests.get(request_id)
+        if r is None:
+            return
+        r.cancelled = True
+        self.requests.pop(request_id, None)
+        if r.in_engine:
+            await self.runner.call(lambda e: e.abort(request_id))
+        elif r.mode == "remote":
+            blocks = await self.runner.call(lambda e: e.abandon_remote(request_id, quarantine=True))
+            self._quarantine(f"{request_id}:{r.attempt}", blocks,
+                             self.attempt_deadline.get(request_id, time.time() + self.s.prefill_timeout))
+        log.info("request %s cancelled (%s)", request_id, reason or "no reason given")
+        await publish(self.nc, r.req.stream_subject,
+                      StreamFinish(request_id=request_id, seq=r.seq, finish_reason="cancelled",
+                                   decode_worker_id=self.worker_id))

@@ -1,0 +1,179 @@
+"""PrefillActor: the `prefill_only` role.
+
+It pulls prefill jobs when it has room, checks the KV layout fingerprint, computes the prompt
+(its own prefix cache helps), writes the KV into the blocks the decode worker reserved, and
+answers with the first token and timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.msg import Msg
+
+from actors.base import WorkerActor
+from actors.decode import to_engine_params
+from bus.messages import ErrorCode, MessageError, PrefillDone, PrefillJob, decode
+from bus.publish import publish
+from bus.streams import fetch_one, pull_subscription
+from engine.engine import StepOutput
+from kv.layout import KVLayout, LayoutMismatch
+from kv.transfer.base import TransferError
+
+log = logging.getLogger(__name__)
+MAX_CONCURRENT_JOBS = 2  # one computing while the previous one's KV is in flight
+
+
+class PrefillActor(WorkerActor):
+    role = "prefill_only"
+
+    def __init__(self, settings, loaded):
+        super().__init__(settings, loaded)
+        self.jobs: dict[str, PrefillJob] = {}
+        self.first_tokens: dict[str, asyncio.Future] = {}
+        self.cancelled: set[str] = set()
+        self.subs = []
+
+    async def start(self) -> None:
+        self.psub = await pull_subscription(self.nc, self.subjects, "prefill")
+        self.subs.append(await self.nc.subscribe(self.subjects.prefill_worker(self.worker_id), cb=self._on_targeted))
+        self.tasks.append(asyncio.create_task(self._pull_loop()))
+
+    async def stop_taking_work(self) -> None:
+        for sub in self.subs:
+            await sub.unsubscribe()
+        self.subs = []
+
+    def busy(self) -> bool:
+        return bool(self.jobs)
+
+    def stats(self):
+        st = super().stats()
+        st.running = len(self.jobs)
+        return st
+
+    async def _pull_loop(self) -> None:
+        while not self.draining:
+            if len(self.jobs) >= MAX_CONCURRENT_JOBS:
+                await asyncio.sleep(0.005)
+                continue
+            try:
+                msg = await fetch_one(self.psub, timeout=1.0)
+            except Exception as e:  # reconnecting; the durable consumer keeps our place
+                log.warning("prefill pool fetch failed: %s", e)
+                await asyncio.sleep(0.5)
+                continue
+            if msg is not None:
+                await self._accept(msg, from_pool=True)
+
+    async def _on_targeted(self, msg: Msg) -> None:
+        await self._accept(msg, from_pool=False)
+
+    async def _accept(self, msg: Msg, from_pool: bool) -> None:
+        try:
+            job = decode(msg.data, PrefillJob)
+        except MessageError as e:
+            log.warning("dropping undecodable prefill job: %s", e)
+            if from_pool:
+                await msg.term()
+            return
+        if from_pool:
+            await msg.ack()
+        if not self.seen.add(f"{job.request_id}:{job.attempt}"):
+            log.info("prefill job %s attempt %d already handled; ignoring redelivery", job.request_id, job.attempt)
+            return
+        self.jobs[job.request_id] = job
+        self.tasks.append(asyncio.create_task(self._run_job(job)))
+
+    async def _run_job(self, job: PrefillJob) -> None:
+        rid = job.request_id
+        t_start = time.time()
+        timings = {"queue": max(0.0, t_start - job.created)}
+        done = PrefillDone(request_id=rid, ok=False, prefill_worker_id=self.worker_id, attempt=job.attempt,
+                           layout_fingerprint=self.layout.fingerprint())
+        held = False
+        try:
+            if job.deadline and time.time() > job.deadline:
+                raise _JobError(ErrorCode.DEADLINE_EXCEEDED, "prefill job deadline passed before it started")
+            if job.layout_fingerprint != self.layout.fingerprint():
+                theirs = KVLayout.from_dict(job.layout) if job.layout else None
+                msg = str(LayoutMismatch(self.layout, theirs)) if theirs else (
+                    f"KV layout mismatch: ours is {self.layout.describe()}, job's fingerprint is {job.layout_fingerprint}")
+                raise _JobError(ErrorCode.LAYOUT_MISMATCH, msg)
+            await self.ensure_peer(job.dst.worker_id, job.dst.incarnation)
+            self._check_cancel(rid)
+            params = to_engine_params(job.sampling)
+            params.max_tokens, params.ignore_eos, params.stop, params.stop_token_ids = 1, True, [], []
+            fut = asyncio.get_running_loop().create_future()
+            self.first_tokens[rid] = fut
+            await self.runner.call(lambda e: e.add_request(rid, job.prompt_ids, params, hold_blocks=True))
+            held = True
+            remaining = (job.deadline - time.time()) if job.deadline else self.s.prefill_timeout
+            out: StepOutput = await asyncio.wait_for(fut, timeout=max(0.0, remaining))
+            t_computed = time.time()
+            timings["compute"] = t_computed - t_start
+            self._check_cancel(rid)
+            seq = self.engine.held[rid]
+            bs = self.layout.block_size
+            local = seq.block_table[job.dst.first_token_index // bs:]
+            if len(local) != len(job.dst.block_ids):
+                raise _JobError(ErrorCode.BAD_REQUEST, f"destination has {len(job.dst.block_ids)} blocks, "
+                                                       f"the prompt needs {len(local)} from token {job.dst.first_token_index}")
+            deadline_mono = time.monotonic() + max(0.0, (job.deadline or time.time() + 60) - time.time())
+            handle = self.transfer.write(job.dst.worker_id, local, list(job.dst.block_ids),
+                                         notify=f"{rid}:{job.attempt}", deadline=deadline_mono)
+            await asyncio.to_thread(handle.wait)
+            timings["transfer"] = time.time() - t_computed
+            lp = out.logprobs[0] if out.logprobs else None
+            done.ok = True
+            done.first_token = out.token_ids[0]
+            done.first_logprob = lp.logprob if lp else None
+            done.first_top_logprobs = lp.top if lp else None
+            done.cached_tokens = out.cached_tokens
+            log.info("prefill %s: %d tokens (%d cached) in %.3fs, transfer %.3fs", rid, len(job.prompt_ids),
+                     out.cached_tokens, timings["compute"], timings["transfer"])
+        except _JobError as e:
+            done.error, done.error_code = e.message, e.code
+        except TransferError as e:
+            done.error, done.error_code = str(e), ErrorCode.TRANSFER_FAILED
+        except asyncio.TimeoutError:
+            done.error, done.error_code = "prefill job deadline passed", ErrorCode.DEADLINE_EXCEEDED
+        except Exception as e:  # reported to the decode worker, which retries or falls back
+            log.exception("prefill job %s failed", rid)
+            done.error, done.error_code = f"{type(e).__name__}: {e}", ErrorCode.INTERNAL
+        finally:
+            self.first_tokens.pop(rid, None)
+            if held:
+                await self.runner.call(lambda e: (e.abort(rid), e.release_held(rid)))
+            self.jobs.pop(rid, None)
+            self.cancelled.discard(rid)
+        if not done.ok:
+            log.warning("prefill %s failed (%s): %s", rid, done.error_code, done.error)
+        done.timings = timings
+        await publish(self.nc, job.reply_subject, done)
+
+    def _check_cancel(self, rid: str) -> None:
+        if rid in self.cancelled:
+            raise _JobError(ErrorCode.CANCELLED, "request was cancelled")
+
+    def on_outputs(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            fut = self.first_tokens.get(out.request_id)
+            if fut is not None and not fut.done() and out.finish_reason is not None:
+                fut.set_result(out)
+
+    async def on_cancel(self, request_id: str, reason: str) -> None:
+        if request_id not in self.jobs:
+            return
+        self.cancelled.add(request_id)
+        fut = self.first_tokens.get(request_id)
+        if fut is not None and not fut.done():
+            fut.set_exception(_JobError(ErrorCode.CANCELLED, "request was cancelled"))
+
+
+class _JobError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message

@@ -1,0 +1,391 @@
+"""The one interface every KV transfer engine implements, and the pieces they share.
+
+A worker builds one engine over its local `KVPool` at start. `metadata()` describes how peers
+reach that pool (a JSON-able dict the caller carries over NATS, at ``tandem.kv.meta.<worker>``);
+a peer passes it to `add_peer()` and then `write()`s blocks of its own pool into blocks of ours.
+Every engine pushes (the prefill side writes, the decode side receives), so the side that owns
+the destination blocks learns that bytes landed only through `completed()`, which returns the
+notify tags of writes that have fully landed. Poll on both sides: the receiver calls
+`completed()` in its loop and the writer polls or waits on its handles — NIXL without a progress
+thread moves bytes only while both do (DESIGN §5). A write's bytes may be used only after its
+tag appears in `completed()`; after a failure or `cancel()` the destination blocks hold undefined
+bytes and a late write may still land, so the receiver quarantines them (DESIGN §4).
+
+Metadata shape (every engine, including ``auto``)::
+
+    {"engine": "shm", "worker_id": ..., "incarnation": ..., "host_id": ..., "pid": ...,
+     "device": "cpu", "layout": {...}, "fingerprint": ..., "num_blocks": ...,
+     "mechanisms": {"shm": {...}, "tcp": {...}, "nixl": {...}}}
+
+``mechanisms`` lists what a peer may use to reach this pool; a single engine lists itself,
+``auto`` lists all of its sub-engines (see `kv.transfer.auto`). Byte ranges follow the
+block-major pool: a block's bytes are contiguous, and inside a block each layer's K and V are
+contiguous, so a run of adjacent blocks is one range and a layer range of one block is one range.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from kv.layout import KVLayout, LayoutMismatch
+from kv.pool import KVPool, paired_runs
+
+log = logging.getLogger("kv.transfer")
+
+# A write without an explicit deadline still ends: never a hang (DESIGN §4).
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class TransferError(RuntimeError):
+    """A write that failed, stalled past its deadline or was cancelled; names engine, peer, bytes."""
+
+    def __init__(self, engine: str, peer: str, nbytes: int, reason: str):
+        super().__init__(f"KV transfer via {engine} to {peer} ({nbytes} bytes) failed: {reason}")
+        self.engine = engine
+        self.peer = peer
+        self.nbytes = nbytes
+        self.reason = reason
+
+
+def new_incarnation() -> str:
+    """A fresh id per process run, so peers notice a restart and drop cached metadata."""
+    return uuid.uuid4().hex
+
+
+def host_id() -> str:
+    """Hostname plus kernel boot id: equal only for processes that can share memory on one host."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def device_kind(device: Any) -> str:
+    """'cpu' or 'cuda': what matters for choosing an engine."""
+    return "cuda" if str(device).startswith("cuda") else "cpu"
+
+
+def byte_ranges(
+    layout: KVLayout,
+    local_blocks: list[int],
+    remote_blocks: list[int],
+    layers: tuple[int, int] | None = None,
+) -> list[tuple[int, int, int]]:
+    """(local_offset, remote_offset, nbytes) ranges for a block-to-block copy.
+
+    Adjacent blocks on both sides are coalesced into one range; with a layer range
+    ``[first, last)`` that is not every layer, each block contributes one range (the layer
+    slices of one block are contiguous, those of two blocks are not).
+    """
+    block = layout.block_bytes
+    runs = paired_runs(list(local_blocks), list(remote_blocks))
+    if layers is None or (layers[0] == 0 and layers[1] == layout.num_layers):
+        return [(s * block, d * block, n * block) for s, d, n in runs]
+    first, last = layers
+    if not 0 <= first < last <= layout.num_layers:
+        raise ValueError(f"layer range {layers} outside [0, {layout.num_layers})")
+    per_layer = block // layout.num_layers
+    head, length = first * per_layer, (last - first) * per_layer
+    ranges: list[tuple[int, int, int]] = []
+    for s, d, n in runs:
+        for i in range(n):
+            ranges.append(((s + i) * block + head, (d + i) * block + head, length))
+    return ranges
+
+
+def strided_groups(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int, int, int]]:
+    """Fold equal-length ranges at constant strides: (src, dst, nbytes, count, src_stride, dst_stride).
+
+    A layer-range write of n blocks is n ranges one block apart; as one strided group it is one
+    copy call instead of n (per-call overhead dominates small ranges).
+    """
+    groups: list[list[int]] = []
+    for s, d, n in ranges:
+        if groups:
+            g = groups[-1]
+            if g[2] == n:
+                if g[3] == 1 and s - g[0] >= n and d - g[1] >= n:
+                    g[3], g[4], g[5] = 2, s - g[0], d - g[1]
+                    continue
+                if g[3] > 1 and s == g[0] + g[3] * g[4] and d == g[1] + g[3] * g[5]:
+                    g[3] += 1
+                    continue
+        groups.append([s, d, n, 1, n, n])
+    return [(g[0], g[1], g[2], g[3], g[4], g[5]) for g in groups]
+
+
+class TransferHandle(abc.ABC):
+    """One write in flight. `poll()` never blocks; `wait()` blocks at most until the deadline."""
+
+    def __init__(self, engine: str, peer: str, nbytes: int, deadline: float, notify: str):
+        self.engine = engine
+        self.peer = peer
+        self.nbytes = nbytes
+        self.deadline = deadline
+        self.notify = notify
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self._error: TransferError | None = None
+
+    def error(self, reason: str) -> TransferError:
+        return TransferError(self.engine, self.peer, self.nbytes, reason)
+
+    @abc.abstractmethod
+    def _check(self) -> bool:
+        """True once the bytes landed; raises TransferError on failure."""
+
+    @abc.abstractmethod
+    def _abort(self) -> None:
+        """Stop the transfer as far as the engine can (the remote blocks are then undefined)."""
+
+    def _block(self, seconds: float) -> None:
+        """Wait up to `seconds` for progress; engines with a future override this."""
+        time.sleep(min(seconds, 0.0005))
+
+    def poll(self) -> bool:
+        """True when done, False while pending; raises TransferError on failure or deadline."""
+        if self._error is not None:
+            raise self._error
+        if self.finished is not None:
+            return True
+        try:
+            done = self._check()
+        except TransferError as e:
+            self._error = e
+            raise
+        if done:
+            self.finished = time.monotonic()
+            return True
+        if time.monotonic() >= self.deadline:
+            self._fail(f"deadline passed after {time.monotonic() - self.started:.3f}s")
+        return False
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done; a failure, the deadline or `timeout` raises TransferError (and cancels)."""
+        end = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
+        while not self.poll():
+            left = end - time.monotonic()
+            if left <= 0:
+                self._fail(f"not done within wait timeout after {time.monotonic() - self.started:.3f}s")
+            self._block(left)
+
+    def cancel(self) -> None:
+        """Abandon the write; the destination blocks are undefined until the peer reuses them safely."""
+        if self.finished is None and self._error is None:
+            self._abort()
+            self._error = self.error("cancelled")
+
+    @property
+    def elapsed(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    def _fail(self, reason: str) -> None:
+        self._abort()
+        self._error = self.error(reason)
+        raise self._error
+
+
+class FutureHandle(TransferHandle):
+    """A write run by a background thread; the thread checks `cancelled` between chunks."""
+
+    def __init__(self, engine: str, peer: str, nbytes: int, deadline: float, notify: str):
+        super().__init__(engine, peer, nbytes, deadline, notify)
+        self.future: Future[None] = Future()
+        self.cancelled = threading.Event()
+
+    def _check(self) -> bool:
+        if not self.future.done():
+            return False
+        exc = self.future.exception()
+        if exc is None:
+            return True
+        if isinstance(exc, TransferError):
+            raise exc
+        raise self.error(f"{type(exc).__name__}: {exc}") from exc
+
+    def _abort(self) -> None:
+        self.cancelled.set()
+
+    def _block(self, seconds: float) -> None:
+        try:
+            self.future.exception(timeout=seconds)
+        except FutureTimeout:
+            return
+
+
+class DoneHandle(TransferHandle):
+    """A write that finished inside `write()` (nothing to move, or a synchronous engine)."""
+
+    def __init__(self, engine: str, peer: str, nbytes: int, notify: str):
+        super().__init__(engine, peer, nbytes, time.monotonic() + DEFAULT_TIMEOUT_S, notify)
+
+    def _check(self) -> bool:
+        return True
+
+    def _abort(self) -> None:
+        return None
+
+
+class TransferEngine(abc.ABC):
+    """Move KV blocks from this worker's pool into a peer's pool; observe writes into ours.
+
+    Constructed over a local pool (allocated by `kv.transfer.create_engine`, which knows where
+    each engine needs it: shm engines need it in a shared-memory segment).
+    """
+
+    name: str = "base"
+
+    def __init__(self, pool: KVPool, worker_id: str, incarnation: str | None = None):
+        self.pool = pool
+        self.worker_id = worker_id
+        self.incarnation = incarnation or new_incarnation()
+        self.host_id = host_id()
+        self.peers: dict[str, dict[str, Any]] = {}
+        self._closed = False
+
+    # ---- description -------------------------------------------------------------------------
+
+    def mechanisms(self) -> dict[str, dict[str, Any]]:
+        """Engine fields under metadata['mechanisms']: how peers reach this pool."""
+        return {self.name: self._mechanism()}
+
+    @abc.abstractmethod
+    def _mechanism(self) -> dict[str, Any]:
+        """This engine's JSON-able fields (agent blob, segment name, host/port)."""
+
+    def metadata(self) -> dict[str, Any]:
+        """Everything a peer needs to write into our pool; JSON-serialisable."""
+        return {
+            "engine": self.name,
+            "worker_id": self.worker_id,
+            "incarnation": self.incarnation,
+            "host_id": self.host_id,
+            "pid": os.getpid(),
+            "device": device_kind(self.pool.device),
+            "layout": self.pool.layout.to_dict(),
+            "fingerprint": self.pool.layout.fingerprint(),
+            "num_blocks": self.pool.num_blocks,
+            "mechanisms": self.mechanisms(),
+        }
+
+    # ---- peers --------------------------------------------------------------------------------
+
+    def add_peer(self, meta: dict[str, Any]) -> bool:
+        """Cache a peer's metadata; True when it is new or replaced an older incarnation.
+
+        Raises `LayoutMismatch` when the peer's KV layout differs from ours.
+        """
+        theirs = KVLayout.from_dict(meta["layout"])
+        if theirs.fingerprint() != self.pool.layout.fingerprint():
+            raise LayoutMismatch(self.pool.layout, theirs)
+        worker = meta["worker_id"]
+        old = self.peers.get(worker)
+        if old is not None and old["incarnation"] == meta["incarnation"]:
+            return False
+        if old is not None:
+            del self.peers[worker]
+            log.info(
+                "kv peer %s restarted (incarnation %s -> %s)", worker, old["incarnation"], meta["incarnation"]
+            )
+            self._forget(old)
+        self._connect(meta)
+        self.peers[worker] = meta
+        return True
+
+    def remove_peer(self, worker_id: str) -> None:
+        """Drop a peer (it left); later writes to it fail until it is added again."""
+        old = self.peers.pop(worker_id, None)
+        if old is not None:
+            self._forget(old)
+
+    def _connect(self, meta: dict[str, Any]) -> None:
+        """Prepare to write to a newly added peer (map a segment, load an agent); default: nothing."""
+        if self.name not in meta["mechanisms"]:
+            raise TransferError(
+                self.name, meta["worker_id"], 0, f"peer offers only {sorted(meta['mechanisms'])}"
+            )
+
+    def _forget(self, meta: dict[str, Any]) -> None:
+        """Release what `_connect` set up for a peer's old incarnation; default: nothing."""
+        return None
+
+    def peer(self, worker_id: str) -> dict[str, Any]:
+        try:
+            return self.peers[worker_id]
+        except KeyError:
+            raise TransferError(self.name, worker_id, 0, "unknown peer: add_peer(metadata) first") from None
+
+    # ---- transfers ----------------------------------------------------------------------------
+
+    def write(
+        self,
+        peer_worker_id: str,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        notify: str,
+        layers: tuple[int, int] | None = None,
+        deadline: float | None = None,
+    ) -> TransferHandle:
+        """Write our `local_blocks` into the peer's `remote_blocks` (pairwise), asynchronously.
+
+        `notify` ("" for none) appears in the peer's `completed()` once these bytes landed.
+        `layers` = [first, last) restricts the write to those layers (layer-wise streaming).
+        `deadline` is a `time.monotonic()` instant; default now + DEFAULT_TIMEOUT_S.
+        """
+        if self._closed:
+            raise TransferError(self.name, peer_worker_id, 0, "engine is closed")
+        meta = self.peer(peer_worker_id)
+        self._check_blocks(local_blocks, self.pool.num_blocks, "local")
+        self._check_blocks(remote_blocks, meta["num_blocks"], f"{peer_worker_id}'s")
+        ranges = byte_ranges(self.pool.layout, local_blocks, remote_blocks, layers)
+        nbytes = sum(n for _, _, n in ranges)
+        if deadline is None:
+            deadline = time.monotonic() + DEFAULT_TIMEOUT_S
+        return self._write(meta, ranges, nbytes, notify, deadline)
+
+    @staticmethod
+    def _check_blocks(blocks: list[int], num_blocks: int, whose: str) -> None:
+        for b in blocks:
+            if not 0 <= b < num_blocks:
+                raise ValueError(f"block {b} outside {whose} pool of {num_blocks} blocks")
+
+    @abc.abstractmethod
+    def _write(
+        self,
+        meta: dict[str, Any],
+        ranges: list[tuple[int, int, int]],
+        nbytes: int,
+        notify: str,
+        deadline: float,
+    ) -> TransferHandle:
+        """Start moving `ranges` (local_offset, remote_offset, nbytes) to the peer."""
+
+    def cancel(self, handle: TransferHandle) -> None:
+        """Abandon a write (same as handle.cancel()); the peer must quarantine those blocks."""
+        handle.cancel()
+
+    @abc.abstractmethod
+    def completed(self) -> list[str]:
+        """Notify tags of writes into our pool that fully landed since the last call."""
+
+    def close(self) -> None:
+        """Release sockets, segments and registrations; idempotent."""
+        self._closed = True
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

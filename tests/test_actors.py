@@ -1,0 +1,301 @@
+"""The three pipeline roles end to end: real nats-server, real worker processes, the real model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import nats
+import pytest
+
+from bus.server import EmbeddedNats
+from tests.cluster import Client, start_workers
+from tests.conftest import chat_ids
+
+pytestmark = pytest.mark.timeout(600)
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the moon.",
+    "What is 12 times 12?",
+]
+LONG_CONTEXT = " ".join(f"Fact {i}: the number {i} is followed by {i + 1}." for i in range(60))
+
+
+def rid() -> str:
+    return uuid.uuid4().hex
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """NATS + 2 prefill + 2 decode (remote prefill forced) + 1 aggregated worker in its own namespace."""
+    logs = tmp_path_factory.mktemp("logs")
+    with EmbeddedNats() as srv:
+        disagg = ["--local-prefill-max-tokens", "0", "--max-batch", "4", "--prefill-timeout", "40"]
+        workers = start_workers([
+            ("prefill_only", "p1"),
+            ("prefill_only", "p2"),
+            ("decode_only", "d1", *disagg),
+            ("decode_only", "d2", *disagg),
+            ("prefill_and_decode", "a1", "--namespace", "agg"),
+        ], srv.url, logs)
+        by_id = {w.worker_id: w for w in workers}
+        time.sleep(1.5)  # decode workers hear the prefill workers' first load reports
+        try:
+            yield srv.url, by_id
+        finally:
+            for w in workers:
+                w.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_disaggregated_equals_aggregated(cluster, smollm):
+    url, _ = cluster
+    prompts = [chat_ids(smollm, q) for q in QUESTIONS]
+
+    async def go(namespace):
+        async with Client(url, namespace) as c:
+            return await asyncio.gather(*[c.generate(rid(), p, max_tokens=16) for p in prompts])
+
+    disagg = run(go("tandem"))
+    agg = run(go("agg"))
+    for d, a in zip(disagg, agg):
+        assert "finish" in d and "finish" in a, (d, a)
+        assert d["finish"]["prefill_mode"] == "remote"
+        assert a["finish"]["prefill_mode"] == "aggregate"
+        assert d["token_ids"] == a["token_ids"]
+        assert d["text"] == a["text"]
+    assert "Paris" in disagg[0]["text"]
+
+
+def test_raw_json_request_and_every_message_is_json(cluster, smollm):
+    url, _ = cluster
+
+    async def go():
+        nc = await nats.connect(url)
+        seen = []
+
+        async def record(m):
+            seen.append(m)
+
+        spy = await nc.subscribe("tandem.>", cb=record)
+        r = rid()
+        stream = f"tandem.stream.cli.{r}"
+        sub = await nc.subscribe(stream)
+        body = {"request_id": r, "prompt": "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
+                "stream_subject": stream, "sampling": {"max_tokens": 8, "temperature": 0}}
+        ack = await nc.request("tandem.smollm2-135m-instruct.generate", json.dumps(body).encode(), timeout=5)
+        assert json.loads(ack.data)["stream"]  # a JetStream PubAck, as the brief says
+        kinds = []
+        while True:
+            d = json.loads((await sub.next_msg(timeout=60)).data)
+            kinds.append(d["kind"])
+            if d["kind"] != "stream_tokens":
+                break
+        await asyncio.sleep(0.3)
+        await spy.unsubscribe()
+        await nc.close()
+        return kinds, seen
+
+    kinds, seen = run(go())
+    assert kinds[-1] == "stream_finish" and "stream_tokens" in kinds
+    assert seen
+    parsed = [json.loads(m.data) for m in seen]  # raises if any message is not JSON
+    assert {"prefill_job", "prefill_done", "stream_tokens", "stream_finish"} <= {p.get("kind") for p in parsed}
+    assert any("stream_subject" in p for p in parsed)  # our hand-written request (no "kind": optional)
+
+
+def test_micro_discovery_lists_workers(cluster):
+    url, workers = cluster
+
+    async def go():
+        nc = await nats.connect(url)
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish("$SRV.INFO", b"", reply=inbox)
+        infos = []
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            try:
+                infos.append(json.loads((await sub.next_msg(timeout=0.5)).data))
+            except nats.errors.TimeoutError:
+                break
+        ping = await nc.request("$SRV.PING.tandem-prefill-only", b"", timeout=2)
+        await nc.close()
+        return infos, json.loads(ping.data)
+
+    infos, ping = run(go())
+    by_worker = {i["metadata"]["worker_id"]: i for i in infos}
+    assert set(workers) <= set(by_worker)
+    for wid, w in workers.items():
+        md = by_worker[wid]["metadata"]
+        assert md["role"] == w.role
+        assert md["model"] == "smollm2-135m-instruct"
+        assert len(md["layout_fingerprint"]) == 16
+        assert {e["name"] for e in by_worker[wid]["endpoints"]} == {"info", "stats"}
+    assert ping["name"] == "tandem-prefill-only"
+
+
+def test_prefix_cache_hit_skips_transfer(cluster, smollm):
+    url, _ = cluster
+    a = chat_ids(smollm, LONG_CONTEXT + " What follows 7?")
+    b = chat_ids(smollm, LONG_CONTEXT + " What follows 9?")
+
+    async def go():
+        async with Client(url) as c:
+            jobs = []
+
+            async def record(m):
+                jobs.append(json.loads(m.data))
+
+            js_spy = await c.nc.subscribe("tandem.>", cb=record)
+            ra, rb = rid(), rid()
+            first = await c.generate(ra, a, worker="d1", max_tokens=4)
+            second = await c.generate(rb, b, worker="d1", max_tokens=4)
+            await js_spy.unsubscribe()
+            jobs = [j for j in jobs if j.get("kind") == "prefill_job"]
+            return first, second, [j for j in jobs if j["request_id"] == ra], [j for j in jobs if j["request_id"] == rb]
+
+    first, second, jobs_a, jobs_b = run(go())
+    assert first["finish"]["prefill_mode"] == second["finish"]["prefill_mode"] == "remote"
+    assert second["finish"]["usage"]["cached_tokens"] > len(a) // 2
+    assert len(jobs_a) == len(jobs_b) == 1, (jobs_a, jobs_b)
+    job_a, job_b = jobs_a[0], jobs_b[0]
+    assert job_a["dst"]["first_token_index"] <= 32  # at most the shared system-prompt blocks
+    assert job_b["dst"]["first_token_index"] == second["finish"]["usage"]["cached_tokens"]
+    assert len(job_b["dst"]["block_ids"]) < len(job_a["dst"]["block_ids"]) // 3
+
+
+def test_layout_mismatch_names_both_layouts(cluster):
+    url, _ = cluster
+
+    async def go():
+        nc = await nats.connect(url)
+        r = rid()
+        reply = f"tandem.prefill.done.nobody.{r}"
+        sub = await nc.subscribe(reply)
+        layout = {"model": "smollm2-x", "dtype": "float32", "block_size": 32, "num_layers": 30,
+                  "num_kv_heads": 3, "head_dim": 64, "order": "block,layer,kv,slot,head,dim"}
+        job = {"kind": "prefill_job", "request_id": r, "prompt_ids": [1, 2, 3], "layout_fingerprint": "0" * 16,
+               "layout": layout, "reply_subject": reply, "deadline": time.time() + 30,
+               "dst": {"engine": "shm", "worker_id": "nobody", "incarnation": "x", "block_ids": [0]}}
+        await nc.publish("tandem.smollm2-135m-instruct.prefill.p1", json.dumps(job).encode())
+        done = json.loads((await sub.next_msg(timeout=10)).data)
+        await nc.close()
+        return done
+
+    done = run(go())
+    assert done["ok"] is False and done["error_code"] == "layout_mismatch"
+    assert "block_size=32" in done["error"] and "block_size=16" in done["error"]
+
+
+def test_unknown_target_endpoint_is_an_error(cluster, smollm):
+    url, _ = cluster
+
+    async def go():
+        async with Client(url) as c:
+            return await c.generate(rid(), chat_ids(smollm, "hi"), target_endpoint="no-such-worker", timeout=20)
+
+    out = run(go())
+    assert out["error"]["code"] == "unknown_target" and out["error"]["status"] == 400
+    assert "no-such-worker" in out["error"]["message"]
+
+
+def test_target_endpoint_routes_to_that_prefill_worker(cluster, smollm):
+    url, _ = cluster
+
+    async def go():
+        async with Client(url) as c:
+            return await asyncio.gather(*[
+                c.generate(rid(), chat_ids(smollm, q), target_endpoint=t, max_tokens=4)
+                for q, t in [(QUESTIONS[0], "p2"), (QUESTIONS[1], "tandem.smollm2-135m-instruct.prefill.p1")]])
+
+    a, b = run(go())
+    assert a["finish"]["prefill_worker_id"] == "p2"
+    assert b["finish"]["prefill_worker_id"] == "p1"
+
+
+def test_bad_request_reports_error(cluster):
+    url, _ = cluster
+
+    async def go():
+        async with Client(url) as c:
+            return await c.generate(rid(), [1, 2, 999999], timeout=20)
+
+    out = run(go())
+    assert out["error"]["status"] == 400 and "vocabulary" in out["error"]["message"]
+
+
+def test_cancel_mid_prefill_and_mid_decode_frees_blocks(cluster, smollm):
+    url, workers = cluster
+    long_prompt = chat_ids(smollm, LONG_CONTEXT * 2 + " Summarize.")
+    assert len(long_prompt) > 2000
+
+    async def go():
+        async with Client(url) as c:
+            # Mid-prefill: cancel as soon as the prefill job is on the bus.
+            jobs = await c.nc.subscribe(c.subjects.prefill_pool)
+            r1 = rid()
+            s1 = await c.start(r1, long_prompt, worker="d1", max_tokens=8)
+            await jobs.next_msg(timeout=30)
+            await c.nc.publish(c.subjects.cancel(r1), json.dumps({"request_id": r1, "reason": "test"}).encode())
+            end1 = await c.collect(s1, timeout=30)
+            # Mid-decode: cancel after a few tokens.
+            r2 = rid()
+            s2 = await c.start(r2, chat_ids(smollm, "Count from 1 to 500."), worker="d2", max_tokens=300,
+                               ignore_eos=True)
+            for _ in range(3):
+                await s2.next_msg(timeout=60)
+            await c.nc.publish(c.subjects.cancel(r2), json.dumps({"request_id": r2}).encode())
+            end2 = await c.collect(s2, timeout=30)
+            await c.wait_all_free(list(workers[w] for w in ("p1", "p2", "d1", "d2")), timeout=30)
+            return end1, end2
+
+    end1, end2 = run(go())
+    assert end1["finish"]["finish_reason"] == "cancelled"
+    assert end2["finish"]["finish_reason"] == "cancelled"
+
+
+def test_two_prefill_two_decode_share_load(cluster, smollm):
+    url, _ = cluster
+    prompts = [chat_ids(smollm, f"{q} Answer in one word. ({i})") for i, q in enumerate(QUESTIONS * 3)]
+
+    async def go():
+        async with Client(url) as c:
+            return await asyncio.gather(*[c.generate(rid(), p, max_tokens=24, ignore_eos=True) for p in prompts])
+
+    outs = run(go())
+    assert all("finish" in o for o in outs)
+    assert {o["finish"]["decode_worker_id"] for o in outs} == {"d1", "d2"}
+    assert {o["finish"]["prefill_worker_id"] for o in outs} == {"p1", "p2"}
+
+
+def test_sigkill_prefill_mid_job_still_completes(cluster, smollm):
+    """Runs last in this module: it kills p2."""
+    url, workers = cluster
+    prompt = chat_ids(smollm, LONG_CONTEXT + " What follows 3?")
+
+    async def go():
+        async with Client(url) as c:
+            reference = await c.generate(rid(), prompt, worker="d1", target_endpoint="p1", max_tokens=6)
+            jobs = await c.nc.subscribe(c.subjects.prefill_worker("p2"))
+            r = rid()
+            t0 = time.monotonic()
+            s = await c.start(r, prompt, worker="d2", target_endpoint="p2", max_tokens=6)
+            await jobs.next_msg(timeout=30)
+            await asyncio.sleep(0.3)
+            workers["p2"].kill()
+            out = await c.collect(s, timeout=90)
+            return reference, out, time.monotonic() - t0
+
+    reference, out, elapsed = run(go())
+    assert "finish" in out, out
+    assert out["token_ids"] == reference["token_ids"]
+    assert out["finish"]["prefill_worker_id"] in ("p1", None)  # retried on p1, or prefilled locally
+    assert elapsed < 40  # the dead worker is noticed well before the 40 s prefill deadline
