@@ -21,6 +21,7 @@ from bus.streams import fetch_one, pull_subscription
 from engine.engine import StepOutput
 from kv.layout import KVLayout, LayoutMismatch
 from kv.transfer.base import TransferError
+from tandem.metrics import observe_transfer
 
 log = logging.getLogger(__name__)
 MAX_CONCURRENT_JOBS = 2  # one computing while the previous one's KV is in flight
@@ -108,24 +109,27 @@ class PrefillActor(WorkerActor):
             params.max_tokens, params.ignore_eos, params.stop, params.stop_token_ids = 1, True, [], []
             fut = asyncio.get_running_loop().create_future()
             self.first_tokens[rid] = fut
-            await self.runner.call(lambda e: e.add_request(rid, job.prompt_ids, params, hold_blocks=True))
+            deadline_mono = time.monotonic() + max(0.0, (job.deadline or time.time() + 60) - time.time())
+            stream = LayerStream(self, job, deadline_mono) if self.s.layerwise_transfer else None
+            await self.runner.call(self._admit, job, params, stream)
             held = True
             remaining = (job.deadline - time.time()) if job.deadline else self.s.prefill_timeout
             out: StepOutput = await asyncio.wait_for(fut, timeout=max(0.0, remaining))
             t_computed = time.time()
             timings["compute"] = t_computed - t_start
             self._check_cancel(rid)
-            seq = self.engine.held[rid]
-            bs = self.layout.block_size
-            local = seq.block_table[job.dst.first_token_index // bs:]
-            if len(local) != len(job.dst.block_ids):
-                raise _JobError(ErrorCode.BAD_REQUEST, f"destination has {len(job.dst.block_ids)} blocks, "
-                                                       f"the prompt needs {len(local)} from token {job.dst.first_token_index}")
-            deadline_mono = time.monotonic() + max(0.0, (job.deadline or time.time() + 60) - time.time())
-            handle = self.transfer.write(job.dst.worker_id, local, list(job.dst.block_ids),
-                                         notify=f"{rid}:{job.attempt}", deadline=deadline_mono)
+            tag = f"{rid}:{job.attempt}"
+            if stream is not None:  # layers went out during compute; wait for them, then notify
+                await asyncio.to_thread(stream.finish)
+                handle = self.transfer.write(job.dst.worker_id, [], [], notify=tag, deadline=deadline_mono)
+            else:
+                local = self._local_blocks(self.engine.held[rid].block_table, job)
+                handle = self.transfer.write(job.dst.worker_id, local, list(job.dst.block_ids),
+                                             notify=tag, deadline=deadline_mono)
             await asyncio.to_thread(handle.wait)
             timings["transfer"] = time.time() - t_computed
+            nbytes = len(job.dst.block_ids) * self.layout.block_bytes
+            observe_transfer(self.transfer.name, nbytes, timings["transfer"] + (stream.seconds if stream else 0.0))
             lp = out.logprobs[0] if out.logprobs else None
             done.ok = True
             done.first_token = out.token_ids[0]
@@ -146,13 +150,28 @@ class PrefillActor(WorkerActor):
         finally:
             self.first_tokens.pop(rid, None)
             if held:
-                await self.runner.call(lambda e: (e.abort(rid), e.release_held(rid)))
+                await self.runner.call(lambda e: (e.layer_hooks.pop(rid, None), e.abort(rid), e.release_held(rid)))
             self.jobs.pop(rid, None)
             self.cancelled.discard(rid)
         if not done.ok:
             log.warning("prefill %s failed (%s): %s", rid, done.error_code, done.error)
         done.timings = timings
         await publish(self.nc, job.reply_subject, done)
+
+    @staticmethod
+    def _local_blocks(block_table: list[int], job: PrefillJob) -> list[int]:
+        bs = job.layout.get("block_size", 16) if job.layout else 16
+        local = block_table[job.dst.first_token_index // bs:]
+        if len(local) != len(job.dst.block_ids):
+            raise _JobError(ErrorCode.BAD_REQUEST, f"destination has {len(job.dst.block_ids)} blocks, the prompt "
+                                                   f"needs {len(local)} from token {job.dst.first_token_index}")
+        return local
+
+    def _admit(self, engine, job: PrefillJob, params, stream: LayerStream | None) -> None:
+        """On the model thread: queue the prompt, holding its blocks for the transfer."""
+        engine.add_request(job.request_id, job.prompt_ids, params, hold_blocks=True)
+        if stream is not None:
+            engine.layer_hooks[job.request_id] = stream.on_layer
 
     def _check_cancel(self, rid: str) -> None:
         if rid in self.cancelled:
@@ -171,6 +190,40 @@ class PrefillActor(WorkerActor):
         fut = self.first_tokens.get(request_id)
         if fut is not None and not fut.done():
             fut.set_exception(_JobError(ErrorCode.CANCELLED, "request was cancelled"))
+
+
+class LayerStream:
+    """Ships each layer's KV as soon as the model has written it (runs on the model thread)."""
+
+    def __init__(self, actor: PrefillActor, job: PrefillJob, deadline: float):
+        self.actor, self.job, self.deadline = actor, job, deadline
+        self.handles: list = []
+        self.error: Exception | None = None
+        self.local: list[int] | None = None
+        self.started = 0.0
+        self.seconds = 0.0
+
+    def on_layer(self, layer: int) -> None:
+        if self.error is not None:
+            return
+        try:
+            if self.local is None:
+                self.started = time.time()
+                table = self.actor.engine.seqs[self.job.request_id].block_table
+                self.local = PrefillActor._local_blocks(table, self.job)
+            self.handles.append(self.actor.transfer.write(
+                self.job.dst.worker_id, self.local, list(self.job.dst.block_ids), notify="",
+                layers=(layer, layer + 1), deadline=self.deadline))
+        except Exception as e:  # reported by finish(); the model thread must keep running
+            self.error = e
+
+    def finish(self) -> None:
+        """Wait for every layer's write; raise the first failure."""
+        if self.error is not None:
+            raise self.error
+        for h in self.handles:
+            h.wait()
+        self.seconds = time.time() - self.started if self.started else 0.0
 
 
 class _JobError(Exception):

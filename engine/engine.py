@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,8 @@ class LLMEngine:
         self.max_model_len = min(self.cfg.max_model_len or mc.max_position, mc.max_position)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
+        # request id -> fn(layer): called per layer in the step that completes that request's prompt
+        self.layer_hooks: dict[str, Callable[[int], None]] = {}
         self.device = torch.device(self.cfg.device)
         self.last_plan_size = 0
 
@@ -201,7 +204,9 @@ class LLMEngine:
         if not plan:
             return []
         batch, sampled = self._build_batch(plan)
-        logits = self.model.forward(batch, self.pool) if batch.tokens.numel() else None
+        hooks = [self.layer_hooks[s.request_id] for s in sampled if s.request_id in self.layer_hooks]
+        layer_done = (lambda li: [h(li) for h in hooks]) if hooks else None
+        logits = self.model.forward(batch, self.pool, layer_done) if batch.tokens.numel() else None
         for seq, n in plan:
             self.scheduler.commit(seq, n)
         outputs: list[StepOutput] = []

@@ -8,6 +8,7 @@ longer than one token (prefill) and batched for one-token chunks (decode).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,8 +103,13 @@ class LlamaModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """Writes the batch's K/V into `pool` and returns float32 logits for `batch.logit_rows`."""
+    def forward(self, batch: ForwardBatch, pool: KVPool,
+                layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Writes the batch's K/V into `pool` and returns float32 logits for `batch.logit_rows`.
+
+        `layer_done(l)` runs once layer l's K/V of the whole batch sit in the pool, so a caller can
+        ship that layer while the next one computes (layer-wise KV streaming).
+        """
         cfg = self.cfg
         h = F.embedding(batch.tokens, self.w["embed"])
         cos = self.cos[batch.positions].unsqueeze(1)
@@ -124,6 +130,8 @@ class LlamaModel:
             x = rms_norm(h, layer["ffn_norm"], cfg.rms_eps)
             gate, up = (x @ layer["w_gate_up"].T).chunk(2, dim=-1)
             h = h + (F.silu(gate) * up) @ layer["w_down"].T
+            if layer_done is not None:
+                layer_done(li)
         if batch.logit_rows.numel() == 0:
             return h.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
         h = rms_norm(h[batch.logit_rows], self.w["norm"], cfg.rms_eps)

@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--remote-prefill-fallback", default=None, choices=["local", "error"])
     sv.add_argument("--prefill-timeout", type=float, default=None)
     sv.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false", default=None)
+    sv.add_argument("--no-layerwise-transfer", dest="layerwise_transfer", action="store_false", default=None,
+                    help="prefill: send the KV after the whole prompt, not layer by layer")
     sv.set_defaults(func=cmd_serve)
 
     from bus.server import build_parser as nats_parser
@@ -123,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 _SERVE_FIELDS = ("role", "model", "dtype", "device", "nats_url", "namespace", "worker_id", "metrics_port",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
-                 "local_prefill_max_tokens", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache")
+                 "local_prefill_max_tokens", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",
+                 "layerwise_transfer")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

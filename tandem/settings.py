@@ -32,6 +32,7 @@ class Settings:
     max_batch: int = 32
     max_step_tokens: int = 512
     enable_prefix_cache: bool = True
+    layerwise_transfer: bool = True  # prefill ships each layer's KV while the next layer computes
     local_prefill_max_tokens: int = 32  # decode_only: prefill locally at or below this many uncached tokens
     remote_prefill_fallback: str = "local"  # local|error
     prefill_timeout: float = 60.0  # seconds a decode worker waits for a remote prefill

@@ -25,7 +25,9 @@ class Worker:
         self.log_path = log_dir / f"{worker_id}.log"
         env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "tandem.cli", "--log-level", "INFO", "serve", "--pipeline-role", role,
-               "--worker-id", worker_id, "--nats-url", nats_url, "--num-blocks", "160", *extra]
+               "--worker-id", worker_id, "--nats-url", nats_url, *extra]
+        if "--num-blocks" not in extra:
+            cmd += ["--num-blocks", "160"]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True)
         self.ready = threading.Event()

@@ -1,0 +1,84 @@
+"""Every Prometheus metric tandem exports, in one place (names documented in docs/metrics.md).
+
+Each process serves its own registry on its own port (`--metrics-port` / TANDEM_METRICS_PORT);
+a metric that does not apply to a role simply stays at zero there.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+# Milliseconds to minutes.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0, 600.0)
+BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))
+
+# --- gateway
+GATEWAY_REQUESTS = Counter("tandem_gateway_requests_total", "HTTP requests by endpoint and status",
+                           ["endpoint", "status"], registry=REGISTRY)
+GATEWAY_IN_FLIGHT = Gauge("tandem_gateway_requests_in_flight", "Requests being served", registry=REGISTRY)
+GATEWAY_TTFT = Histogram("tandem_gateway_time_to_first_token_seconds", "Time to first token",
+                         buckets=LATENCY_BUCKETS, registry=REGISTRY)
+GATEWAY_ITL = Histogram("tandem_gateway_inter_token_latency_seconds", "Time between streamed token messages",
+                        buckets=LATENCY_BUCKETS, registry=REGISTRY)
+GATEWAY_TPOT = Histogram("tandem_gateway_time_per_output_token_seconds",
+                         "Decode time divided by output tokens after the first", buckets=LATENCY_BUCKETS,
+                         registry=REGISTRY)
+GATEWAY_E2E = Histogram("tandem_gateway_e2e_latency_seconds", "Request latency, arrival to last byte",
+                        buckets=LATENCY_BUCKETS, registry=REGISTRY)
+GATEWAY_PROMPT_TOKENS = Counter("tandem_gateway_prompt_tokens_total", "Prompt tokens received", registry=REGISTRY)
+GATEWAY_GENERATED_TOKENS = Counter("tandem_gateway_generated_tokens_total", "Tokens generated",
+                                   registry=REGISTRY)
+
+# --- workers (decode and aggregate)
+RUNNING = Gauge("tandem_worker_running_sequences", "Sequences in the running batch", ["role"], registry=REGISTRY)
+WAITING = Gauge("tandem_worker_waiting_sequences", "Sequences waiting for blocks or a batch slot", ["role"],
+                registry=REGISTRY)
+KV_BLOCKS = Gauge("tandem_kv_blocks", "KV blocks by state (used, free, quarantined)", ["role", "state"],
+                  registry=REGISTRY)
+PREFIX_HIT_RATE = Gauge("tandem_prefix_cache_hit_rate", "Share of looked-up full blocks found in the prefix cache",
+                        ["role"], registry=REGISTRY)
+PREFILL_DECISIONS = Counter("tandem_decode_prefill_decisions_total", "Where prompts were prefilled, and why",
+                            ["mode", "reason"], registry=REGISTRY)
+REMOTE_PREFILL_WAIT = Histogram("tandem_decode_remote_prefill_wait_seconds",
+                                "From publishing a prefill job to the KV having landed", buckets=LATENCY_BUCKETS,
+                                registry=REGISTRY)
+PREEMPTIONS = Counter("tandem_decode_preemptions_total", "Sequences preempted for recompute", registry=REGISTRY)
+WORKER_TTFT = Histogram("tandem_worker_time_to_first_token_seconds", "Accepted to first token, on the worker",
+                        buckets=LATENCY_BUCKETS, registry=REGISTRY)
+WORKER_GENERATED_TOKENS = Counter("tandem_worker_generated_tokens_total", "Tokens generated", ["role"],
+                                  registry=REGISTRY)
+
+# --- prefill
+PREFILL_QUEUE_WAIT = Histogram("tandem_prefill_queue_wait_seconds", "From job creation to the start of work",
+                               buckets=LATENCY_BUCKETS, registry=REGISTRY)
+PREFILL_TOKENS = Counter("tandem_prefill_tokens_total", "Prompt tokens prefilled (computed or cached)",
+                         ["kind"], registry=REGISTRY)
+PREFILL_COMPUTE = Histogram("tandem_prefill_compute_seconds", "Prefill compute time per job",
+                            buckets=LATENCY_BUCKETS, registry=REGISTRY)
+PREFILL_JOBS = Counter("tandem_prefill_jobs_total", "Prefill jobs by outcome", ["outcome"], registry=REGISTRY)
+
+# --- KV transfer
+TRANSFER_BYTES = Counter("tandem_kv_transfer_bytes_total", "KV bytes written to peers", ["engine"],
+                         registry=REGISTRY)
+TRANSFER_SECONDS = Histogram("tandem_kv_transfer_duration_seconds", "Duration of one KV write", ["engine"],
+                             buckets=LATENCY_BUCKETS, registry=REGISTRY)
+TRANSFER_RATE = Gauge("tandem_kv_transfer_last_bytes_per_second", "Throughput of the latest KV write",
+                      ["engine"], registry=REGISTRY)
+TRANSFER_FAILURES = Counter("tandem_kv_transfer_failures_total", "KV writes that failed", ["engine"],
+                            registry=REGISTRY)
+
+
+def observe_transfer(engine: str, nbytes: int, seconds: float) -> None:
+    TRANSFER_BYTES.labels(engine).inc(nbytes)
+    TRANSFER_SECONDS.labels(engine).observe(seconds)
+    if seconds > 0:
+        TRANSFER_RATE.labels(engine).set(nbytes / seconds)
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
+    """Expose /metrics on `port` (0: no server) from a background thread."""
+    if port:
+        start_http_server(port, addr=host, registry=REGISTRY)
