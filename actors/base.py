@@ -28,6 +28,7 @@ from engine.engine import EngineConfig, LLMEngine, StepOutput
 from engine.loader import LoadedModel, model_name
 from kv.transfer.auto import create_engine
 from kv.transfer.base import new_incarnation
+from tandem import metrics
 from tandem.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,9 @@ class WorkerActor:
         self.peer_incarnations: dict[str, str] = {}
         self.nc = None
         self.runner: EngineRunner | None = None
-        self.metrics_url = f"http://127.0.0.1:{settings.metrics_port}/metrics" if settings.metrics_port else ""
+        self.metrics_url = (f"http://{settings.advertise_host}:{settings.metrics_port}/metrics"
+                            if settings.metrics_port else "")
+        self._preemptions_seen = 0
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -156,6 +159,19 @@ class WorkerActor:
     async def on_cancel(self, request_id: str, reason: str) -> None:
         raise NotImplementedError
 
+    def update_gauges(self) -> None:
+        e, role = self.engine, self.role
+        metrics.RUNNING.labels(role).set(e.num_running)
+        metrics.WAITING.labels(role).set(e.num_waiting)
+        quarantined = len(e.blocks.quarantined)
+        metrics.KV_BLOCKS.labels(role, "free").set(e.blocks.num_free)
+        metrics.KV_BLOCKS.labels(role, "quarantined").set(quarantined)
+        metrics.KV_BLOCKS.labels(role, "used").set(e.blocks.num_blocks - e.blocks.num_free - quarantined)
+        metrics.PREFIX_HIT_RATE.labels(role).set(e.blocks.hit_rate())
+        preempted = e.scheduler.preemptions
+        metrics.PREEMPTIONS.inc(preempted - self._preemptions_seen)
+        self._preemptions_seen = preempted
+
     def stats(self) -> WorkerStats:
         e = self.engine
         return WorkerStats(
@@ -199,6 +215,7 @@ class WorkerActor:
     async def _stats_loop(self) -> None:
         subject = self.subjects.stats(self.role, self.worker_id)
         while True:
+            self.update_gauges()
             try:
                 await publish(self.nc, subject, self.stats())
             except Exception as e:  # the bus is reconnecting; the next tick tries again

@@ -38,6 +38,7 @@ from bus.streams import fetch_one, pull_subscription
 from engine.engine import LLMEngine, StepOutput
 from engine.sampling import SamplingParams, TokenLogprob
 from kv.blocks import prefix_hashes
+from tandem import metrics
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class DecodeActor(WorkerActor):
         if from_pool:
             await msg.ack()
         if not self.seen.add(req.request_id):
-            log.info("request %s already handled here; ignoring redelivery", req.request_id)
+            log.info("request %s already handled here; ignoring redelivery", req.request_id, extra={"request_id": req.request_id})
             return
         r = Request(req, list(req.prompt_ids))
         self.requests[req.request_id] = r
@@ -163,12 +164,16 @@ class DecodeActor(WorkerActor):
             await self._fail(r, f.code, f.message, f.status)
             return
         r.mode = mode
-        self.decisions[(mode, reason)] += 1
-        log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids))
+        self.count_decision(mode, reason)
+        log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids), extra={"request_id": req.request_id})
         if mode == "remote":
             self.tasks.append(asyncio.create_task(self._remote_prefill(r, target)))
         else:
             await self._start_local(r)
+
+    def count_decision(self, mode: str, reason: str) -> None:
+        self.decisions[(mode, reason)] += 1
+        metrics.PREFILL_DECISIONS.labels(mode, reason).inc()
 
     def _validate(self, r: Request) -> None:
         req = r.req
@@ -238,12 +243,13 @@ class DecodeActor(WorkerActor):
                 return
             reserved = await self.runner.call(lambda e: e.reserve_remote(rid, r.prompt_ids, params))
             if reserved is None:
-                self.decisions[("local", "no_blocks_for_remote")] += 1
+                self.count_decision("local", "no_blocks_for_remote")
                 break
             seq, fresh = reserved
             if r.cancelled:  # the cancel's abandon_remote ran after this reservation
                 return
             first_index = seq.num_cached
+            t_attempt = time.time()
             try:
                 done = await self._run_prefill_job(r, fresh, first_index, attempt, target)
             except RequestFailed as f:
@@ -253,6 +259,7 @@ class DecodeActor(WorkerActor):
             if r.cancelled:
                 return
             if done is not None and done.ok:
+                metrics.REMOTE_PREFILL_WAIT.observe(time.time() - t_attempt)
                 r.prefill_worker = done.prefill_worker_id
                 r.transfer_s = done.timings.get("transfer", 0.0)
                 r.prefill_s = time.time() - t0
@@ -268,8 +275,8 @@ class DecodeActor(WorkerActor):
             blocks = await self.runner.call(LLMEngine.abandon_remote, rid, timed_out)
             self._quarantine(f"{rid}:{attempt}", blocks, self.attempt_deadline.pop(rid, time.time()))
             why = "timed out" if timed_out else f"failed: {done.error}"
-            log.warning("request %s: remote prefill attempt %d %s", rid, attempt, why)
-            self.decisions[("remote_failed", "timeout" if timed_out else done.error_code or "error")] += 1
+            log.warning("request %s: remote prefill attempt %d %s", rid, attempt, why, extra={"request_id": rid})
+            self.count_decision("remote_failed", "timeout" if timed_out else done.error_code or "error")
             if done is not None and done.prefill_worker_id:
                 tried.append(done.prefill_worker_id)
             others = [w for w in self.alive_prefill_workers() if w not in tried and w != target]
@@ -279,8 +286,8 @@ class DecodeActor(WorkerActor):
         if self.s.remote_prefill_fallback == "error":
             await self._fail(r, ErrorCode.WORKER_LOST, "remote prefill failed twice", 503)
             return
-        self.decisions[("local", "remote_fallback")] += 1
-        log.info("request %s: falling back to local prefill", rid)
+        self.count_decision("local", "remote_fallback")
+        log.info("request %s: falling back to local prefill", rid, extra={"request_id": rid})
         r.mode = "local"
         await self._start_local(r)
 
@@ -424,7 +431,7 @@ class DecodeActor(WorkerActor):
                 try:
                     await self._emit(r, out)
                 except Exception as e:  # one bad publish must not stop the others' streams
-                    log.error("stream publish for %s failed: %s", out.request_id, e)
+                    log.error("stream publish for %s failed: %s", out.request_id, e, extra={"request_id": out.request_id})
 
     async def _emit(self, r: Request, out: StepOutput) -> None:
         rid = r.req.request_id
@@ -432,6 +439,8 @@ class DecodeActor(WorkerActor):
         if out.token_ids or out.text:
             if r.first_token_at is None:
                 r.first_token_at = now
+                metrics.WORKER_TTFT.observe(now - r.accepted)
+            metrics.WORKER_GENERATED_TOKENS.labels(self.role).inc(len(out.token_ids))
             msg = StreamTokens(request_id=rid, seq=r.seq, token_ids=out.token_ids, text=out.text)
             if r.req.sampling.logprobs:
                 msg.logprobs = [lp.logprob for lp in out.logprobs]
@@ -455,7 +464,7 @@ class DecodeActor(WorkerActor):
 
     async def _fail(self, r: Request, code: str, message: str, status: int) -> None:
         self.requests.pop(r.req.request_id, None)
-        log.warning("request %s failed (%s): %s", r.req.request_id, code, message)
+        log.warning("request %s failed (%s): %s", r.req.request_id, code, message, extra={"request_id": r.req.request_id})
         await publish(self.nc, r.req.stream_subject,
                       StreamError(request_id=r.req.request_id, seq=r.seq, code=code, message=message, status=status))
 
@@ -473,7 +482,7 @@ class DecodeActor(WorkerActor):
             blocks = await self.runner.call(lambda e: e.abandon_remote(request_id, quarantine=True))
             self._quarantine(f"{request_id}:{r.attempt}", blocks,
                              self.attempt_deadline.get(request_id, time.time() + self.s.prefill_timeout))
-        log.info("request %s cancelled (%s)", request_id, reason or "no reason given")
+        log.info("request %s cancelled (%s)", request_id, reason or "no reason given", extra={"request_id": request_id})
         await publish(self.nc, r.req.stream_subject,
                       StreamFinish(request_id=request_id, seq=r.seq, finish_reason="cancelled",
                                    decode_worker_id=self.worker_id))

@@ -21,6 +21,7 @@ from bus.streams import fetch_one, pull_subscription
 from engine.engine import StepOutput
 from kv.layout import KVLayout, LayoutMismatch
 from kv.transfer.base import TransferError
+from tandem import metrics
 from tandem.metrics import observe_transfer
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class PrefillActor(WorkerActor):
         if from_pool:
             await msg.ack()
         if not self.seen.add(f"{job.request_id}:{job.attempt}"):
-            log.info("prefill job %s attempt %d already handled; ignoring redelivery", job.request_id, job.attempt)
+            log.info("prefill job %s attempt %d already handled; ignoring redelivery", job.request_id, job.attempt, extra={"request_id": job.request_id})
             return
         self.jobs[job.request_id] = job
         self.tasks.append(asyncio.create_task(self._run_job(job)))
@@ -92,6 +93,7 @@ class PrefillActor(WorkerActor):
         rid = job.request_id
         t_start = time.time()
         timings = {"queue": max(0.0, t_start - job.created)}
+        metrics.PREFILL_QUEUE_WAIT.observe(timings["queue"])
         done = PrefillDone(request_id=rid, ok=False, prefill_worker_id=self.worker_id, attempt=job.attempt,
                            layout_fingerprint=self.layout.fingerprint())
         held = False
@@ -136,16 +138,20 @@ class PrefillActor(WorkerActor):
             done.first_logprob = lp.logprob if lp else None
             done.first_top_logprobs = lp.top if lp else None
             done.cached_tokens = out.cached_tokens
+            metrics.PREFILL_COMPUTE.observe(timings["compute"])
+            metrics.PREFILL_TOKENS.labels("cached").inc(out.cached_tokens)
+            metrics.PREFILL_TOKENS.labels("computed").inc(len(job.prompt_ids) - out.cached_tokens)
             log.info("prefill %s: %d tokens (%d cached) in %.3fs, transfer %.3fs", rid, len(job.prompt_ids),
-                     out.cached_tokens, timings["compute"], timings["transfer"])
+                     out.cached_tokens, timings["compute"], timings["transfer"], extra={"request_id": rid})
         except _JobError as e:
             done.error, done.error_code = e.message, e.code
         except TransferError as e:
             done.error, done.error_code = str(e), ErrorCode.TRANSFER_FAILED
+            metrics.TRANSFER_FAILURES.labels(self.transfer.name).inc()
         except asyncio.TimeoutError:
             done.error, done.error_code = "prefill job deadline passed", ErrorCode.DEADLINE_EXCEEDED
         except Exception as e:  # reported to the decode worker, which retries or falls back
-            log.exception("prefill job %s failed", rid)
+            log.exception("prefill job %s failed", rid, extra={"request_id": rid})
             done.error, done.error_code = f"{type(e).__name__}: {e}", ErrorCode.INTERNAL
         finally:
             self.first_tokens.pop(rid, None)
@@ -153,8 +159,9 @@ class PrefillActor(WorkerActor):
                 await self.runner.call(lambda e: (e.layer_hooks.pop(rid, None), e.abort(rid), e.release_held(rid)))
             self.jobs.pop(rid, None)
             self.cancelled.discard(rid)
+        metrics.PREFILL_JOBS.labels("ok" if done.ok else done.error_code or "error").inc()
         if not done.ok:
-            log.warning("prefill %s failed (%s): %s", rid, done.error_code, done.error)
+            log.warning("prefill %s failed (%s): %s", rid, done.error_code, done.error, extra={"request_id": rid})
         done.timings = timings
         await publish(self.nc, job.reply_subject, done)
 

@@ -14,8 +14,10 @@ log = logging.getLogger(__name__)
 def serve(settings: Settings) -> int:
     from actors.decode import DecodeActor
     from actors.prefill import PrefillActor
+    from tandem.metrics import serve_metrics
 
     loaded = load_model(settings.model, settings.dtype)
+    serve_metrics(settings.metrics_port)
     actor_cls = PrefillActor if settings.role == "prefill_only" else DecodeActor
     actor = actor_cls(settings, loaded)
     asyncio.run(actor.run())

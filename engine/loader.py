@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from engine.chat_template import CHATML, ChatTemplate
 from engine.config import ModelConfig
@@ -156,57 +157,53 @@ def _gguf_config(fields: dict, name: str) -> ModelConfig:
     )
 
 
+def _stat_digest(path: Path) -> str:
+    """The file's SHA-256, remembered per (path, size, mtime) so a warm start need not rehash it."""
+    st = path.stat()
+    index = cache_dir() / "weights" / "digests.json"
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    known = json.loads(index.read_text()) if index.exists() else {}
+    if key not in known:
+        known[key] = file_digest(path)
+        _write_atomic(index, json.dumps(known, indent=1).encode())
+    return known[key]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # a concurrent reader sees the old state or the whole file
+
+
 def _load_gguf(path: Path, dtype: str) -> LoadedModel:
+    digest = _stat_digest(path)
+    base = cache_dir() / "weights" / f"{digest[:24]}"
+    weights_path = Path(f"{base}-{dtype}-v{_CACHE_FORMAT}.safetensors")
+    meta_path = Path(f"{base}-meta-v{_CACHE_FORMAT}.json")
+    if weights_path.exists() and meta_path.exists():
+        # Warm start: no GGUF parse, no dequantization; the weights file is memory-mapped.
+        meta = json.loads(meta_path.read_text())
+        cfg = ModelConfig(**meta["config"])
+        tok = TextTokenizer(Tokenizer.from_str(meta["tokenizer"]), set(meta["eos_ids"]), meta["bos_id"])
+        template = ChatTemplate(meta["chat_template"], meta["bos_token"], meta["eos_token"])
+        return LoadedModel(cfg, load_file(str(weights_path)), tok, template, meta["identity"], path, 0.0, True)
+
     import gguf
-    from gguf.quants import dequantize
 
     reader = gguf.GGUFReader(str(path))
     fields = _gguf_fields(reader)
     name = fields.get("general.basename") or path.stem
     cfg = _gguf_config(fields, path.stem)
-    digest = file_digest(path)
     tensors = {t.name: t for t in reader.tensors}
-    ttype = torch.float32
-    cached_path = cache_dir() / "weights" / f"{digest[:24]}-{dtype}-v{_CACHE_FORMAT}.safetensors"
     rope_freqs = tensors.get("rope_freqs.weight")
     if rope_freqs is not None:  # llama3 scaling baked into a tensor of frequency divisors
         cfg = ModelConfig(**{**cfg.__dict__, "rope_scaling": {"rope_type": "factors",
                                                               "factors": np.asarray(rope_freqs.data).tolist()}})
-    from_cache = cached_path.exists()
-    if from_cache:
-        weights = load_file(str(cached_path))
-    else:
-
-        def get(name: str, permute_heads: int = 0) -> torch.Tensor:
-            t = tensors[name]
-            if t.tensor_type.name not in _SUPPORTED_QUANTS:
-                raise ModelLoadError(f"{path.name}: tensor {name} has unsupported quant type {t.tensor_type.name}")
-            arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            arr = arr.reshape([int(d) for d in reversed(t.shape)])
-            if permute_heads:
-                arr = _unpermute(arr, permute_heads)
-            if not arr.flags.writeable or not arr.flags.c_contiguous:
-                arr = np.array(arr, order="C")
-            return torch.from_numpy(arr).to(ttype)
-
-        raw: dict[str, torch.Tensor] = {"embed": get("token_embd.weight"), "norm": get("output_norm.weight")}
-        if "output.weight" in tensors:
-            raw["lm_head"] = get("output.weight")
-        for i in range(cfg.num_layers):
-            p = f"blk.{i}."
-            raw.update({
-                f"layers.{i}.attn_norm": get(p + "attn_norm.weight"),
-                f"layers.{i}.ffn_norm": get(p + "ffn_norm.weight"),
-                f"layers.{i}.wq": get(p + "attn_q.weight", cfg.num_heads),
-                f"layers.{i}.wk": get(p + "attn_k.weight", cfg.num_kv_heads),
-                f"layers.{i}.wv": get(p + "attn_v.weight"),
-                f"layers.{i}.wo": get(p + "attn_output.weight"),
-                f"layers.{i}.w_gate": get(p + "ffn_gate.weight"),
-                f"layers.{i}.w_up": get(p + "ffn_up.weight"),
-                f"layers.{i}.w_down": get(p + "ffn_down.weight"),
-            })
-        weights = fuse_weights(raw, cfg, DTYPES[dtype])
-        _save_cache(weights, cached_path)
+    from_cache = weights_path.exists()
+    weights = load_file(str(weights_path)) if from_cache else _dequantize_gguf(path, tensors, cfg, dtype)
+    if not from_cache:
+        _save_cache(weights, weights_path)
     if "lm_head" not in weights:
         cfg = ModelConfig(**{**cfg.__dict__, "tie_embeddings": True})
     tok = TextTokenizer.from_gguf_fields(fields)
@@ -218,14 +215,55 @@ def _load_gguf(path: Path, dtype: str) -> LoadedModel:
         bos_token=tokens[bos] if bos is not None else "",
         eos_token=tokens[eos] if eos is not None else "",
     )
-    return LoadedModel(cfg, weights, tok, template, f"{name}-{digest[:12]}", path, 0.0, from_cache)
+    identity = f"{name}-{digest[:12]}"
+    meta = {
+        "config": cfg.__dict__, "tokenizer": tok.tok.to_str(), "eos_ids": sorted(tok.declared_eos_ids),
+        "bos_id": tok.bos_id, "chat_template": template.source, "bos_token": template.bos_token,
+        "eos_token": template.eos_token, "identity": identity,
+    }
+    _write_atomic(meta_path, json.dumps(meta).encode())
+    return LoadedModel(cfg, weights, tok, template, identity, path, 0.0, from_cache)
+
+
+def _dequantize_gguf(path: Path, tensors: dict, cfg: ModelConfig, dtype: str) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    def get(name: str, permute_heads: int = 0) -> torch.Tensor:
+        t = tensors[name]
+        if t.tensor_type.name not in _SUPPORTED_QUANTS:
+            raise ModelLoadError(f"{path.name}: tensor {name} has unsupported quant type {t.tensor_type.name}")
+        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        arr = arr.reshape([int(d) for d in reversed(t.shape)])
+        if permute_heads:
+            arr = _unpermute(arr, permute_heads)
+        if not arr.flags.writeable or not arr.flags.c_contiguous:
+            arr = np.array(arr, order="C")
+        return torch.from_numpy(arr)
+
+    raw: dict[str, torch.Tensor] = {"embed": get("token_embd.weight"), "norm": get("output_norm.weight")}
+    if "output.weight" in tensors:
+        raw["lm_head"] = get("output.weight")
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        raw.update({
+            f"layers.{i}.attn_norm": get(p + "attn_norm.weight"),
+            f"layers.{i}.ffn_norm": get(p + "ffn_norm.weight"),
+            f"layers.{i}.wq": get(p + "attn_q.weight", cfg.num_heads),
+            f"layers.{i}.wk": get(p + "attn_k.weight", cfg.num_kv_heads),
+            f"layers.{i}.wv": get(p + "attn_v.weight"),
+            f"layers.{i}.wo": get(p + "attn_output.weight"),
+            f"layers.{i}.w_gate": get(p + "ffn_gate.weight"),
+            f"layers.{i}.w_up": get(p + "ffn_up.weight"),
+            f"layers.{i}.w_down": get(p + "ffn_down.weight"),
+        })
+    return fuse_weights(raw, cfg, DTYPES[dtype])
 
 
 def _save_cache(weights: dict[str, torch.Tensor], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
-    os.replace(tmp, path)  # atomic: a concurrent reader sees the old state or the whole file
+    os.replace(tmp, path)
 
 
 def fuse_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:

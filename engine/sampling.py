@@ -60,7 +60,7 @@ class Sampler:
         outputs: list[list[int]],
         generators: list[torch.Generator | None],
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        logits = logits.float()
+        logits = logits.float().cpu()  # per-request generators live on the CPU; rows are small
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             logits = logits.clone()
             for i, (p, out) in enumerate(zip(params, outputs)):

@@ -43,6 +43,7 @@ class TextTokenizer:
     def __init__(self, tok: Tokenizer, eos_ids: set[int], bos_id: int | None = None):
         self.tok = tok
         self.bos_id = bos_id
+        self.declared_eos_ids = set(eos_ids)
         vocab = tok.get_vocab(with_added_tokens=True)
         self.eog_ids = set(eos_ids) | {vocab[n] for n in _EOG_NAMES if n in vocab}
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 
@@ -69,6 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"])
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion locally (no server)")
@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--namespace", default=None)
     sv.add_argument("--worker-id", default=None)
     sv.add_argument("--metrics-port", type=int, default=None)
+    sv.add_argument("--advertise-host", default=None, help="host in the advertised metrics URL")
     sv.add_argument("--max-batch", type=int, default=None)
     sv.add_argument("--num-blocks", type=int, default=None)
     sv.add_argument("--block-size", type=int, default=None)
@@ -116,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 
+
+
+
+
     b = sub.add_parser("bench", help="benchmarks")
     b.add_argument("what", choices=["engine"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -124,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _SERVE_FIELDS = ("role", "model", "dtype", "device", "nats_url", "namespace", "worker_id", "metrics_port",
+                 "advertise_host",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
                  "local_prefill_max_tokens", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",
                  "layerwise_transfer")
@@ -157,7 +163,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from tandem.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format)
     return args.func(args)
 
 

@@ -23,6 +23,7 @@ class Settings:
     namespace: str = "tandem"
     nats_url: str = "nats://127.0.0.1:4222"
     metrics_port: int = 0  # 0: no metrics server
+    advertise_host: str = "127.0.0.1"  # host in the metrics URL this worker advertises
     kv_transfer: str = "auto"  # auto|nixl|shm|tcp|cuda_ipc
     nixl_backend: str = "ucx"  # ucx|libfabric|uccl
     device: str = "cpu"

@@ -11,7 +11,7 @@ import nats
 import pytest
 
 from bus.server import EmbeddedNats
-from tests.cluster import Client, start_workers
+from bench.cluster import Client, start_workers
 from tests.conftest import chat_ids
 
 pytestmark = pytest.mark.timeout(600)

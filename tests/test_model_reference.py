@@ -121,6 +121,10 @@ def test_gguf_cache_round_trip(tiny_dirs):
     warm = load_model(str(tiny_dirs["gguf_q8"]))
     assert not cold.from_cache and warm.from_cache
     assert cold.identity == warm.identity
+    assert cold.config == warm.config
+    assert cold.tokenizer.eog_ids == warm.tokenizer.eog_ids
+    assert cold.tokenizer.encode(PROMPT) == warm.tokenizer.encode(PROMPT)
+    assert cold.chat_template.source == warm.chat_template.source
     for k, v in cold.weights.items():
         assert torch.equal(v, warm.weights[k]), k
 

@@ -1,4 +1,4 @@
-"""Test harness: a real nats-server and real `tandem serve` worker processes."""
+"""A real nats-server and real `tandem serve` worker processes, for tests and benchmarks."""
 
 from __future__ import annotations
 
