@@ -116,6 +116,10 @@ class WorkerActor:
         """Stop taking work, finish what we hold (bounded), then leave the bus."""
         log.info("%s %s draining", self.role, self.worker_id)
         self.draining = True
+        try:  # tell routers at once rather than at the next 1 Hz tick
+            await publish(self.nc, self.subjects.stats(self.role, self.worker_id), self.stats())
+        except Exception as e:  # draining anyway
+            log.warning("could not announce draining: %s", e)
         await self.stop_taking_work()
         deadline = time.monotonic() + timeout
         while self.busy() and time.monotonic() < deadline:
@@ -178,7 +182,7 @@ class WorkerActor:
             role=self.role, worker_id=self.worker_id, model=self.model, running=e.num_running,
             queued=e.num_waiting, free_blocks=e.blocks.num_free, total_blocks=e.blocks.num_blocks,
             prefix_hit_rate=e.blocks.hit_rate(), uptime=time.time() - self.started,
-            incarnation=self.incarnation, max_batch=self.s.max_batch,
+            incarnation=self.incarnation, max_batch=self.s.max_batch, draining=self.draining,
         )
 
     # ---------------------------------------------------------------- plumbing

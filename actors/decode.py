@@ -105,6 +105,7 @@ class DecodeActor(WorkerActor):
             self.tasks.append(asyncio.create_task(self._landing_poller()))
         self.tasks.append(asyncio.create_task(self._pull_loop()))
         self.tasks.append(asyncio.create_task(self._emitter()))
+        self.tasks.append(asyncio.create_task(self._deadline_watch()))
 
     async def stop_taking_work(self) -> None:
         for sub in self.subs:
@@ -441,7 +442,8 @@ class DecodeActor(WorkerActor):
                 r.first_token_at = now
                 metrics.WORKER_TTFT.observe(now - r.accepted)
             metrics.WORKER_GENERATED_TOKENS.labels(self.role).inc(len(out.token_ids))
-            msg = StreamTokens(request_id=rid, seq=r.seq, token_ids=out.token_ids, text=out.text)
+            msg = StreamTokens(request_id=rid, seq=r.seq, token_ids=out.token_ids, text=out.text,
+                               worker_id=self.worker_id if r.seq == 0 else "")
             if r.req.sampling.logprobs:
                 msg.logprobs = [lp.logprob for lp in out.logprobs]
                 msg.top_logprobs = [lp.top for lp in out.logprobs]
@@ -471,18 +473,34 @@ class DecodeActor(WorkerActor):
     # ---------------------------------------------------------------- cancel
 
     async def on_cancel(self, request_id: str, reason: str) -> None:
-        r = self.requests.get(request_id)
+        r = await self._drop(request_id)
         if r is None:
             return
-        r.cancelled = True
-        self.requests.pop(request_id, None)
-        if r.in_engine:
-            await self.runner.call(lambda e: e.abort(request_id))
-        elif r.mode == "remote":
-            blocks = await self.runner.call(lambda e: e.abandon_remote(request_id, quarantine=True))
-            self._quarantine(f"{request_id}:{r.attempt}", blocks,
-                             self.attempt_deadline.get(request_id, time.time() + self.s.prefill_timeout))
         log.info("request %s cancelled (%s)", request_id, reason or "no reason given", extra={"request_id": request_id})
         await publish(self.nc, r.req.stream_subject,
                       StreamFinish(request_id=request_id, seq=r.seq, finish_reason="cancelled",
                                    decode_worker_id=self.worker_id))
+
+    async def _drop(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is: in the engine, or waiting for a remote prefill."""
+        r = self.requests.pop(request_id, None)
+        if r is None:
+            return None
+        r.cancelled = True
+        if r.in_engine:
+            await self.runner.call(lambda e: e.abort(request_id))
+        elif r.mode == "remote":
+            blocks = await self.runner.call(LLMEngine.abandon_remote, request_id, True)
+            self._quarantine(f"{request_id}:{r.attempt}", blocks,
+                             self.attempt_deadline.get(request_id, time.time() + self.s.prefill_timeout))
+        return r
+
+    async def _deadline_watch(self) -> None:
+        """A request past its deadline stops here and its client gets a 504, not a late answer."""
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.time()
+            for rid in [rid for rid, r in self.requests.items() if r.req.deadline and now > r.req.deadline]:
+                r = await self._drop(rid)
+                if r is not None:
+                    await self._fail(r, ErrorCode.DEADLINE_EXCEEDED, "request deadline passed", 504)

@@ -71,7 +71,30 @@ def bench_decode(engine: LLMEngine, batch: int, steps: int = 24, prompt_len: int
     return batch / statistics.median(times)
 
 
+def start_times(model: str, dtype: str) -> tuple[float, float]:
+    """Seconds to load the model with an empty weight cache (parse + dequantize) and with a warm one."""
+    import tempfile
+
+    old = os.environ.get("TANDEM_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TANDEM_CACHE_DIR"] = tmp
+        try:
+            t = time.perf_counter()
+            load_model(model, dtype)
+            cold = time.perf_counter() - t
+            t = time.perf_counter()
+            load_model(model, dtype)
+            warm = time.perf_counter() - t
+        finally:
+            if old is None:
+                del os.environ["TANDEM_CACHE_DIR"]
+            else:
+                os.environ["TANDEM_CACHE_DIR"] = old
+    return cold, warm
+
+
 def run(model: str, dtype: str, device: str) -> str:
+    cold, warm = start_times(model, dtype)
     loaded = load_model(model, dtype)
     engine = LLMEngine(loaded, EngineConfig(dtype=dtype, device=device, num_blocks=600, max_batch=32,
                                             max_step_tokens=4096, enable_prefix_cache=False))
@@ -103,6 +126,8 @@ def run(model: str, dtype: str, device: str) -> str:
         f"| single-process copy bandwidth | {bw / 1e9:,.2f} | GB/s |",
         f"| decode roofline at batch 1 (bandwidth / weight bytes) | {roofline:,.1f} | tok/s |",
         f"| decode batch 1 as share of roofline | {100 * decode[1] / roofline:,.0f} | % |",
+        f"| model load, cold (parse + dequantize + write cache) | {cold:,.2f} | s |",
+        f"| model load, warm (weights cache memory-mapped) | {warm:,.2f} | s |",
     ]
     return "\n".join(lines) + "\n"
 

@@ -220,6 +220,7 @@ class StreamTokens(_Msg, tag="stream_tokens", kw_only=True):
     seq: NonNegInt
     token_ids: list[TokenId]
     text: str = ""
+    worker_id: str = ""  # the decode worker streaming it (set on the first message)
     logprobs: list[float] | None = None
     top_logprobs: list[list[TopLogprob]] | None = None
 
@@ -294,6 +295,7 @@ class WorkerStats(_Msg, tag="worker_stats", kw_only=True):
     uptime: float = 0.0
     incarnation: str = ""
     max_batch: NonNegInt = 0
+    draining: bool = False  # stopping: route nothing new here
     ts: float = msgspec.field(default_factory=time.time)
 
 

@@ -42,6 +42,18 @@ class ModelLoadError(ValueError):
 
 
 @dataclass
+class ModelText:
+    """A model without its weights: what a gateway needs to tokenize, template and check lengths."""
+
+    config: ModelConfig
+    tokenizer: TextTokenizer
+    chat_template: ChatTemplate
+    identity: str  # name + weights digest, part of the KV layout fingerprint
+    path: Path
+    from_cache: bool
+
+
+@dataclass
 class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
@@ -94,6 +106,16 @@ def file_digest(path: Path) -> str:
         while chunk := f.read(1 << 24):
             h.update(chunk)
     return h.hexdigest()
+
+
+def load_text(spec: str) -> ModelText:
+    """Tokenizer, chat template and config of `spec`, without touching weights.
+
+    A GGUF's metadata is parsed once and cached as JSON beside the weight cache (keyed by the
+    file's digest), so a gateway or a worker starts in milliseconds the second time.
+    """
+    path = resolve_model_path(spec)
+    return _hf_text(path) if path.is_dir() else _gguf_text(path)[0]
 
 
 def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
@@ -176,36 +198,31 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)  # a concurrent reader sees the old state or the whole file
 
 
-def _load_gguf(path: Path, dtype: str) -> LoadedModel:
+def _meta_path(digest: str) -> Path:
+    return cache_dir() / "weights" / f"{digest[:24]}-meta-v{_CACHE_FORMAT}.json"
+
+
+def _gguf_text(path: Path):
+    """(ModelText, the GGUFReader if we had to parse the file, else None)."""
     digest = _stat_digest(path)
-    base = cache_dir() / "weights" / f"{digest[:24]}"
-    weights_path = Path(f"{base}-{dtype}-v{_CACHE_FORMAT}.safetensors")
-    meta_path = Path(f"{base}-meta-v{_CACHE_FORMAT}.json")
-    if weights_path.exists() and meta_path.exists():
-        # Warm start: no GGUF parse, no dequantization; the weights file is memory-mapped.
+    meta_path = _meta_path(digest)
+    if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        cfg = ModelConfig(**meta["config"])
         tok = TextTokenizer(Tokenizer.from_str(meta["tokenizer"]), set(meta["eos_ids"]), meta["bos_id"])
         template = ChatTemplate(meta["chat_template"], meta["bos_token"], meta["eos_token"])
-        return LoadedModel(cfg, load_file(str(weights_path)), tok, template, meta["identity"], path, 0.0, True)
+        return ModelText(ModelConfig(**meta["config"]), tok, template, meta["identity"], path, True), None
 
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     fields = _gguf_fields(reader)
-    name = fields.get("general.basename") or path.stem
     cfg = _gguf_config(fields, path.stem)
-    tensors = {t.name: t for t in reader.tensors}
-    rope_freqs = tensors.get("rope_freqs.weight")
+    tensor_names = {t.name for t in reader.tensors}
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:  # llama3 scaling baked into a tensor of frequency divisors
         cfg = ModelConfig(**{**cfg.__dict__, "rope_scaling": {"rope_type": "factors",
                                                               "factors": np.asarray(rope_freqs.data).tolist()}})
-    from_cache = weights_path.exists()
-    weights = load_file(str(weights_path)) if from_cache else _dequantize_gguf(path, tensors, cfg, dtype)
-    if not from_cache:
-        _save_cache(weights, weights_path)
-    if "lm_head" not in weights:
-        cfg = ModelConfig(**{**cfg.__dict__, "tie_embeddings": True})
+    cfg = ModelConfig(**{**cfg.__dict__, "tie_embeddings": "output.weight" not in tensor_names})
     tok = TextTokenizer.from_gguf_fields(fields)
     tokens = fields["tokenizer.ggml.tokens"]
     bos = fields.get("tokenizer.ggml.bos_token_id")
@@ -215,14 +232,31 @@ def _load_gguf(path: Path, dtype: str) -> LoadedModel:
         bos_token=tokens[bos] if bos is not None else "",
         eos_token=tokens[eos] if eos is not None else "",
     )
-    identity = f"{name}-{digest[:12]}"
+    identity = f"{fields.get('general.basename') or path.stem}-{digest[:12]}"
     meta = {
         "config": cfg.__dict__, "tokenizer": tok.tok.to_str(), "eos_ids": sorted(tok.declared_eos_ids),
         "bos_id": tok.bos_id, "chat_template": template.source, "bos_token": template.bos_token,
         "eos_token": template.eos_token, "identity": identity,
     }
     _write_atomic(meta_path, json.dumps(meta).encode())
-    return LoadedModel(cfg, weights, tok, template, identity, path, 0.0, from_cache)
+    return ModelText(cfg, tok, template, identity, path, False), reader
+
+
+def _load_gguf(path: Path, dtype: str) -> LoadedModel:
+    text, reader = _gguf_text(path)
+    weights_path = cache_dir() / "weights" / f"{_stat_digest(path)[:24]}-{dtype}-v{_CACHE_FORMAT}.safetensors"
+    from_cache = weights_path.exists()
+    if from_cache:  # memory-mapped: no dequantization
+        weights = load_file(str(weights_path))
+    else:
+        if reader is None:
+            import gguf
+
+            reader = gguf.GGUFReader(str(path))
+        weights = _dequantize_gguf(path, {t.name: t for t in reader.tensors}, text.config, dtype)
+        _save_cache(weights, weights_path)
+    return LoadedModel(text.config, weights, text.tokenizer, text.chat_template, text.identity, path, 0.0,
+                       from_cache)
 
 
 def _dequantize_gguf(path: Path, tensors: dict, cfg: ModelConfig, dtype: str) -> dict[str, torch.Tensor]:
@@ -325,16 +359,45 @@ def _hf_config(path: Path) -> ModelConfig:
     )
 
 
-def _load_hf(path: Path, dtype: str) -> LoadedModel:
+def _hf_text(path: Path) -> ModelText:
     cfg = _hf_config(path)
+    if not (path / "tokenizer.json").exists():
+        raise ModelLoadError(f"{path}: tokenizer.json is missing")
+    digest = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+    eos_ids: set[int] = set()
+    for cfg_name in ("generation_config.json", "config.json"):
+        p = path / cfg_name
+        if p.exists():
+            eos = json.loads(p.read_text()).get("eos_token_id")
+            if eos is not None:
+                eos_ids |= set(eos) if isinstance(eos, list) else {eos}
+    tok = TextTokenizer.from_hf_dir(path, eos_ids)
+    tc_path = path / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
+    template_src = None
+    if (path / "chat_template.jinja").exists():
+        template_src = (path / "chat_template.jinja").read_text()
+    elif isinstance(tc.get("chat_template"), str):
+        template_src = tc["chat_template"]
+
+    def tok_str(key: str) -> str:
+        v = tc.get(key) or ""
+        return v.get("content", "") if isinstance(v, dict) else v
+
+    template = ChatTemplate(template_src or CHATML, bos_token=tok_str("bos_token"), eos_token=tok_str("eos_token"))
+    return ModelText(cfg, tok, template, f"{path.name}-{digest.hexdigest()[:12]}", path, False)
+
+
+def _load_hf(path: Path, dtype: str) -> LoadedModel:
+    text = _hf_text(path)
+    cfg = text.config
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
     raw: dict[str, torch.Tensor] = {}
-    digest = hashlib.sha256()
     for f in files:
-        st = f.stat()
-        digest.update(f"{f.name}:{st.st_size}".encode())
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
                 t = sf.get_tensor(key)
@@ -353,25 +416,4 @@ def _load_hf(path: Path, dtype: str) -> LoadedModel:
     if "lm_head" not in raw and not cfg.tie_embeddings:
         raise ModelLoadError(f"{path}: lm_head.weight missing and tie_word_embeddings is false")
     weights = fuse_weights(raw, cfg, DTYPES[dtype])
-    eos_ids: set[int] = set()
-    for cfg_name in ("generation_config.json", "config.json"):
-        p = path / cfg_name
-        if p.exists():
-            eos = json.loads(p.read_text()).get("eos_token_id")
-            if eos is not None:
-                eos_ids |= set(eos) if isinstance(eos, list) else {eos}
-    tok = TextTokenizer.from_hf_dir(path, eos_ids)
-    template_src = None
-    tc_path = path / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
-    if (path / "chat_template.jinja").exists():
-        template_src = (path / "chat_template.jinja").read_text()
-    elif isinstance(tc.get("chat_template"), str):
-        template_src = tc["chat_template"]
-
-    def tok_str(key: str) -> str:
-        v = tc.get(key) or ""
-        return v.get("content", "") if isinstance(v, dict) else v
-
-    template = ChatTemplate(template_src or CHATML, bos_token=tok_str("bos_token"), eos_token=tok_str("eos_token"))
-    return LoadedModel(cfg, weights, tok, template, f"{path.name}-{digest.hexdigest()[:12]}", path, 0.0, False)
+    return LoadedModel(cfg, weights, text.tokenizer, text.chat_template, text.identity, path, 0.0, False)

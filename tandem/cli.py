@@ -113,9 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     n = nats_parser(sub.add_parser("nats", help="run the embedded nats-server (JetStream) alone"))
     n.set_defaults(func=cmd_nats)
 
+    from gateway.server import configure_parser as gateway_parser
 
+    gateway_parser(sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway"))
 
+    from tandem.up import configure_parser as up_parser
 
+    up_parser(sub.add_parser("up", help="start NATS, the workers and the gateway on this machine"))
 
 
 

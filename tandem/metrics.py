@@ -15,22 +15,27 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    120.0, 300.0, 600.0)
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))
 
-# --- gateway
-GATEWAY_REQUESTS = Counter("tandem_gateway_requests_total", "HTTP requests by endpoint and status",
-                           ["endpoint", "status"], registry=REGISTRY)
-GATEWAY_IN_FLIGHT = Gauge("tandem_gateway_requests_in_flight", "Requests being served", registry=REGISTRY)
-GATEWAY_TTFT = Histogram("tandem_gateway_time_to_first_token_seconds", "Time to first token",
-                         buckets=LATENCY_BUCKETS, registry=REGISTRY)
-GATEWAY_ITL = Histogram("tandem_gateway_inter_token_latency_seconds", "Time between streamed token messages",
-                        buckets=LATENCY_BUCKETS, registry=REGISTRY)
-GATEWAY_TPOT = Histogram("tandem_gateway_time_per_output_token_seconds",
-                         "Decode time divided by output tokens after the first", buckets=LATENCY_BUCKETS,
-                         registry=REGISTRY)
-GATEWAY_E2E = Histogram("tandem_gateway_e2e_latency_seconds", "Request latency, arrival to last byte",
-                        buckets=LATENCY_BUCKETS, registry=REGISTRY)
-GATEWAY_PROMPT_TOKENS = Counter("tandem_gateway_prompt_tokens_total", "Prompt tokens received", registry=REGISTRY)
-GATEWAY_GENERATED_TOKENS = Counter("tandem_gateway_generated_tokens_total", "Tokens generated",
-                                   registry=REGISTRY)
+# --- gateway: one set per app (own registry), so tests can run several gateways in one process
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("tandem_gateway_requests_total", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge("tandem_gateway_requests_in_flight", "Choices being generated", registry=r)
+        self.live_workers = Gauge("tandem_gateway_live_workers", "Decode-capable workers heard from recently",
+                                  registry=r)
+        self.ttft = Histogram("tandem_gateway_time_to_first_token_seconds", "Dispatch to a choice's first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem_gateway_inter_token_latency_seconds", "Time between token messages of a choice",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tandem_gateway_time_per_output_token_seconds",
+                              "After the first token: decode time per output token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("tandem_gateway_e2e_latency_seconds", "HTTP request arrival to last byte", ["endpoint"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tandem_gateway_prompt_tokens_total", "Prompt tokens received", registry=r)
+        self.generated_tokens = Counter("tandem_gateway_generated_tokens_total", "Tokens generated", registry=r)
+
 
 # --- workers (decode and aggregate)
 RUNNING = Gauge("tandem_worker_running_sequences", "Sequences in the running batch", ["role"], registry=REGISTRY)

@@ -10,8 +10,8 @@ import uuid
 import nats
 import pytest
 
-from bus.server import EmbeddedNats
 from bench.cluster import Client, start_workers
+from bus.server import EmbeddedNats
 from tests.conftest import chat_ids
 
 pytestmark = pytest.mark.timeout(600)
@@ -43,6 +43,10 @@ def cluster(tmp_path_factory):
             ("decode_only", "d1", *disagg),
             ("decode_only", "d2", *disagg),
             ("prefill_and_decode", "a1", "--namespace", "agg"),
+            # A decode worker whose KV layout differs from its prefill worker's (block size 32 vs 16).
+            ("prefill_only", "mp1", "--namespace", "mm", "--num-blocks", "64"),
+            ("decode_only", "md1", "--namespace", "mm", "--block-size", "32", "--num-blocks", "64",
+             "--local-prefill-max-tokens", "0"),
         ], srv.url, logs)
         by_id = {w.worker_id: w for w in workers}
         time.sleep(1.5)  # decode workers hear the prefill workers' first load reports
@@ -195,6 +199,19 @@ def test_layout_mismatch_names_both_layouts(cluster):
     done = run(go())
     assert done["ok"] is False and done["error_code"] == "layout_mismatch"
     assert "block_size=32" in done["error"] and "block_size=16" in done["error"]
+
+
+def test_layout_mismatch_between_workers_reaches_the_client(cluster, smollm):
+    url, _ = cluster
+
+    async def go():
+        async with Client(url, "mm") as c:
+            return await c.generate(rid(), chat_ids(smollm, QUESTIONS[0]), timeout=30)
+
+    out = run(go())
+    err = out["error"]
+    assert err["code"] == "layout_mismatch"
+    assert "block_size=32" in err["message"] and "block_size=16" in err["message"]
 
 
 def test_unknown_target_endpoint_is_an_error(cluster, smollm):

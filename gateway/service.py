@@ -1,0 +1,586 @@
+"""One HTTP request's life at the gateway: validate, tokenize, fan out, collect or stream back.
+
+Why here and not in the endpoints: chat and text completions differ only in how the prompt
+is built and how a choice is printed; routing, the per-request queue, deadlines, worker loss,
+cancellation and usage are the same. :class:`Run` owns the bus side of one HTTP request
+(one :class:`Job` per prompt × ``n``); the endpoints in :mod:`gateway.app` turn its events
+into OpenAI JSON or server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from bus.messages import GenerateRequest, StreamError, StreamFinish, StreamTokens, Usage
+from bus.messages import SamplingParams as BusSampling
+from engine.chat_template import ChatTemplateError
+from engine.sampling import SamplingParams
+from gateway.bus_client import BUS_LOST, GatewayBus, NoResponders
+from gateway.config import GatewayConfig
+from gateway.errors import OpenAIError
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, as_stop_list
+from gateway.router import WorkerRegistry
+from gateway.textmodel import TextModel, TokenBytes
+from kv.blocks import prefix_hashes
+
+log = logging.getLogger("tandem.gateway")
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass
+class Job:
+    """One generated sequence: a prompt and one of its ``n`` choices."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    hashes: list[bytes]
+    sampling: BusSampling
+    request_id: str = ""
+    worker_id: str | None = None
+    route_reason: str = ""
+    retried: bool = False
+    next_seq: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    decode_worker: str = ""
+    prefill: str = ""  # "remote:<prefill worker>", "local" or "aggregate"
+    done: bool = False
+    started: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    last_token_at: float | None = None
+    token_gaps: list[float] = field(default_factory=list)  # seconds between token messages
+
+    @property
+    def text(self) -> str:
+        """The completion so far."""
+        return "".join(self.text_parts)
+
+
+@dataclass
+class Prepared:
+    """A validated request: token ids per prompt, one job per choice, output options."""
+
+    kind: Kind
+    model: str
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    jobs: list[Job]
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    echo: bool
+    target_endpoint: str | None
+    timeout: float
+
+
+@dataclass
+class Event:
+    """Something that happened to one job: new tokens, or its end."""
+
+    kind: Literal["tokens", "finish"]
+    job: Job
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Gateway:
+    """The gateway's shared state: config, text model, bus, worker registry, counters."""
+
+    def __init__(self, config: GatewayConfig, text: TextModel, bus: GatewayBus, registry: WorkerRegistry) -> None:
+        self.config = config
+        self.text = text
+        self.bus = bus
+        self.registry = registry
+        self.token_bytes = TokenBytes(text.tokenizer)
+        self.inflight = 0
+        self.created = int(time.time())
+        self.names = {n.lower() for n in (text.name, text.spec, *config.served_model_names)}
+
+    # ---- checks ------------------------------------------------------------------------
+    def check_model(self, model: str) -> None:
+        """404 unless ``model`` names the served model."""
+        if model.lower() not in self.names:
+            raise OpenAIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.text.name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_ready(self) -> None:
+        """503 (with Retry-After) when nothing could serve a request now."""
+        if not self.bus.connected:
+            raise OpenAIError(503, "the gateway is not connected to NATS", code="bus_unavailable", retry_after=2)
+        if not self.config.queue_when_no_workers and not self.registry.alive():
+            raise OpenAIError(
+                503,
+                f"no decode worker for model {self.text.name} is alive; retry later",
+                code="no_workers",
+                retry_after=5,
+            )
+
+    # ---- tokenization ------------------------------------------------------------------
+    async def _maybe_in_thread(self, size: int, fn: Any, *args: Any) -> Any:
+        if size > self.config.tokenize_in_thread_chars:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    def _chat_ids(self, messages: list[dict[str, str]]) -> tuple[list[int], str]:
+        try:
+            text = self.text.chat_template.render(messages)
+        except ChatTemplateError as e:
+            raise OpenAIError(400, str(e), param="messages", code="invalid_messages") from e
+        return self.text.tokenizer.encode(text), text
+
+    # ---- preparation -------------------------------------------------------------------
+    async def prepare_chat(self, body: ChatCompletionRequest, target: str | None, timeout: float) -> Prepared:
+        """Validate a chat request, render the template, tokenize, build its jobs."""
+        self.check_model(body.model)
+        messages = []
+        size = 0
+        for i, m in enumerate(body.messages):
+            if m.content is None:
+                if m.role != "assistant":
+                    raise OpenAIError(400, f"messages[{i}].content is required", param=f"messages[{i}].content")
+                content = ""
+            elif isinstance(m.content, str):
+                content = m.content
+            else:
+                parts = []
+                for j, part in enumerate(m.content):
+                    if part.type != "text" or part.text is None:
+                        raise OpenAIError(
+                            400,
+                            f"messages[{i}].content[{j}]: only text parts are supported (got {part.type!r})",
+                            param=f"messages[{i}].content[{j}].type",
+                            code="unsupported_content",
+                        )
+                    parts.append(part.text)
+                content = "\n".join(parts)
+            size += len(content)
+            role = "system" if m.role == "developer" else m.role
+            messages.append({"role": role, "content": content})
+        ids, text = await self._maybe_in_thread(size, self._chat_ids, messages)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        top = body.top_logprobs or 0
+        if top and not body.logprobs:
+            raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        return self._prepare(
+            "chat", body, [ids], [text], max_tokens, param, "messages", bool(body.logprobs), top,
+            echo=False, target=target, timeout=timeout,
+        )
+
+    async def prepare_completion(self, body: CompletionRequest, target: str | None, timeout: float) -> Prepared:
+        """Validate a text completion request, tokenize its prompt(s), build its jobs."""
+        self.check_model(body.model)
+        if body.suffix:
+            raise OpenAIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+        if body.best_of is not None and body.best_of != body.n:
+            raise OpenAIError(400, "best_of other than n is not supported", param="best_of",
+                              code="unsupported_parameter")
+        raw = body.prompt
+        prompts: list[list[int]] = []
+        texts: list[str] = []
+        tok = self.text.tokenizer
+        if isinstance(raw, str):
+            raw = [raw]
+        if not raw:
+            raise OpenAIError(400, "prompt is empty", param="prompt")
+        if all(isinstance(p, int) for p in raw):
+            raw = [raw]  # type: ignore[list-item]
+        for p in raw:
+            if isinstance(p, str):
+                ids = await self._maybe_in_thread(len(p), tok.encode, p)
+                prompts.append(ids)
+                texts.append(p)
+            else:
+                ids = list(p)  # type: ignore[arg-type]
+                bad = [t for t in ids if not 0 <= t < self.text.vocab_size]
+                if bad:
+                    raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt")
+                prompts.append(ids)
+                texts.append(tok.decode(ids, skip_special=False) if body.echo else "")
+        lp = body.logprobs
+        return self._prepare(
+            "completion", body, prompts, texts, body.max_tokens, "max_tokens", "prompt", lp is not None, lp or 0,
+            echo=body.echo, target=target, timeout=timeout,
+        )
+
+    def _prepare(
+        self,
+        kind: Kind,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        texts: list[str],
+        max_tokens: int | None,
+        max_tokens_param: str,
+        prompt_param: str,
+        logprobs: bool,
+        top_logprobs: int,
+        *,
+        echo: bool,
+        target: str | None,
+        timeout: float,
+    ) -> Prepared:
+        n = body.n
+        if len(prompts) * n > self.config.max_jobs_per_request:
+            raise OpenAIError(
+                400,
+                f"{len(prompts)} prompt(s) × n={n} is more than {self.config.max_jobs_per_request} sequences",
+                param="n",
+            )
+        limit = self.text.max_position
+        jobs: list[Job] = []
+        for pi, ids in enumerate(prompts):
+            if not ids:
+                raise OpenAIError(400, "prompt is empty", param=prompt_param)
+            want = max_tokens if max_tokens is not None else limit - len(ids)
+            if len(ids) >= limit or want < 1 or len(ids) + want > limit:
+                what = f" + {max_tokens_param} ({want})" if max_tokens is not None else ""
+                raise OpenAIError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{len(ids) + max(want, 0)} tokens: prompt ({len(ids)} tokens){what}.",
+                    param=max_tokens_param if max_tokens is not None and len(ids) < limit else prompt_param,
+                    code="context_length_exceeded",
+                )
+            params = SamplingParams(
+                max_tokens=want,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=body.top_k or 0,
+                seed=body.seed,
+                stop=as_stop_list(body.stop),
+                stop_token_ids=list(body.stop_token_ids or []),
+                frequency_penalty=body.frequency_penalty or 0.0,
+                presence_penalty=body.presence_penalty or 0.0,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                ignore_eos=body.ignore_eos,
+            )
+            try:
+                params.validate()
+            except ValueError as e:
+                message, param = (e.args + (None,))[:2]
+                raise OpenAIError(400, str(message), param=param, code="invalid_value") from e
+            hashes = prefix_hashes(ids, self.config.block_size)
+            for i in range(n):
+                seed = None if body.seed is None else body.seed + i
+                sampling = BusSampling(
+                    max_tokens=params.max_tokens,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k,
+                    seed=seed,
+                    stop=params.stop,
+                    stop_token_ids=params.stop_token_ids,
+                    frequency_penalty=params.frequency_penalty,
+                    presence_penalty=params.presence_penalty,
+                    logprobs=params.logprobs,
+                    top_logprobs=params.top_logprobs,
+                    ignore_eos=params.ignore_eos,
+                )
+                jobs.append(Job(len(jobs), pi, ids, hashes, sampling))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream_options is not None and not body.stream:
+            raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        return Prepared(
+            kind, body.model, prompts, texts, jobs, body.stream, include_usage, logprobs, top_logprobs,
+            echo, target, timeout,
+        )
+
+    def timeout_of(self, header: str | None) -> float:
+        """The request's deadline in seconds: ``X-Request-Timeout`` if given (capped), else the default."""
+        if header is None or header == "":
+            return self.config.request_timeout
+        try:
+            value = float(header)
+        except ValueError as e:
+            raise OpenAIError(400, f"X-Request-Timeout must be a number of seconds, got {header!r}",
+                              param="X-Request-Timeout") from e
+        if not value > 0:
+            raise OpenAIError(400, "X-Request-Timeout must be positive", param="X-Request-Timeout")
+        return min(value, self.config.max_request_timeout)
+
+    # ---- logprobs ----------------------------------------------------------------------
+    def chat_logprobs(self, ids: Sequence[int], lps: Sequence[float], tops: Sequence[Sequence[tuple[int, float]]],
+                      ) -> dict[str, Any]:
+        """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+        content = []
+        for k, (tid, lp) in enumerate(zip(ids, lps)):
+            text, raw = self.token_bytes(tid)
+            top = []
+            for t, tl in (tops[k] if k < len(tops) else []):
+                ttext, traw = self.token_bytes(t)
+                top.append({"token": ttext, "logprob": tl, "bytes": traw})
+            content.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": top})
+        return {"content": content}
+
+    def completion_logprobs(
+        self, ids: Sequence[int], lps: Sequence[float], tops: Sequence[Sequence[tuple[int, float]]],
+        offset: int, with_top: bool,
+    ) -> dict[str, Any]:
+        """Legacy ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+        tokens, offsets, top_out = [], [], []
+        pos = offset
+        for k, tid in enumerate(ids):
+            text, _ = self.token_bytes(tid)
+            tokens.append(text)
+            offsets.append(pos)
+            pos += len(text)
+            if with_top:
+                top_out.append({self.token_bytes(t)[0]: tl for t, tl in (tops[k] if k < len(tops) else [])})
+        return {
+            "tokens": tokens,
+            "token_logprobs": list(lps[: len(ids)]),
+            "top_logprobs": top_out if with_top else None,
+            "text_offset": offsets,
+        }
+
+
+def new_request_id() -> str:
+    """A request id: uuid hex (one subject token, no dots)."""
+    return uuid.uuid4().hex
+
+
+class Run:
+    """The bus side of one HTTP request: dispatch its jobs, turn their streams into events."""
+
+    def __init__(self, gw: Gateway, prep: Prepared) -> None:
+        self.gw = gw
+        self.prep = prep
+        self.jobs = prep.jobs
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.deadline = time.time() + prep.timeout
+        self._give_up_at = time.monotonic() + prep.timeout + gw.config.deadline_grace
+        self._counted = 0
+        self._next_check = time.monotonic() + 1.0
+        self.closed = False
+
+    # ---- dispatch ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Check capacity and publish every job (raises OpenAIError: 429/503/400)."""
+        gw = self.gw
+        gw.check_ready()
+        need = len(self.jobs)
+        if gw.inflight + need > gw.config.max_inflight:
+            raise OpenAIError(
+                429, f"too many requests in flight at this gateway ({gw.inflight}); retry later",
+                code="too_many_requests",
+            )
+        gw.inflight += need
+        self._counted = need
+        for job in self.jobs:
+            await self._dispatch(job)
+
+    async def _dispatch(self, job: Job, exclude: frozenset[str] = frozenset()) -> None:
+        gw = self.gw
+        reg = gw.registry
+        job.request_id = new_request_id()
+        bs = gw.config.block_size
+        route = reg.choose(job.hashes, (len(job.prompt_ids) + bs - 1) // bs, exclude)
+        live = [w for w in reg.alive() if w.worker_id not in exclude]
+        if route.worker_id is None and not live and not gw.config.queue_when_no_workers:
+            raise OpenAIError(503, f"no decode worker for model {gw.text.name} is alive; retry later",
+                              code="no_workers", retry_after=5)
+        subject = gw.bus.open(job.request_id, self.queue, job.index)
+        req = GenerateRequest(
+            request_id=job.request_id,
+            prompt_ids=job.prompt_ids,
+            sampling=job.sampling,
+            stream_subject=subject,
+            gateway_id=gw.config.gateway_id,
+            deadline=self.deadline,
+            target_endpoint=self.prep.target_endpoint,
+            model=gw.text.name,
+        )
+        try:
+            await gw.bus.submit(req, route.worker_id)
+        except BaseException:
+            gw.bus.close_request(job.request_id)
+            raise
+        job.worker_id = route.worker_id
+        job.route_reason = route.reason
+        job.started = time.monotonic()
+        reg.dispatched(route.worker_id, job.hashes)
+        log.debug("request %s -> %s (%s, %d cached blocks)", job.request_id,
+                  route.worker_id or "pool", route.reason, route.matched_blocks)
+
+    # ---- events ------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        """Every job ended."""
+        return all(j.done for j in self.jobs)
+
+    async def next_event(self, idle: float | None = None) -> Event | None:
+        """The next event of any job; None after ``idle`` seconds without one.
+
+        Raises OpenAIError: the worker's error, 504 past the deadline, 503 when the worker
+        holding a job stopped reporting after it sent tokens.
+        """
+        idle_until = None if idle is None else time.monotonic() + idle
+        while True:
+            now = time.monotonic()
+            if now >= self._next_check:  # also while other jobs of this request keep streaming
+                self._next_check = now + 1.0
+                await self._check_workers()
+            if now >= self._give_up_at:
+                raise OpenAIError(
+                    504, f"the request's deadline of {self.prep.timeout:g}s passed", code="deadline_exceeded"
+                )
+            wait = min(1.0, self._give_up_at - now)
+            if idle_until is not None:
+                if now >= idle_until:
+                    return None
+                wait = min(wait, idle_until - now)
+            try:
+                idx, msg = await asyncio.wait_for(self.queue.get(), wait)
+            except asyncio.TimeoutError:
+                continue
+            job = self.jobs[idx]
+            if job.done:
+                continue
+            if isinstance(msg, NoResponders):
+                if job.worker_id is not None:
+                    await self._lost(job, job.worker_id, "is not listening (stopped or draining)")
+                continue
+            event = self._apply(job, msg)
+            if event is not None:
+                return event
+
+    def _apply(self, job: Job, msg: Any) -> Event | None:
+        gw = self.gw
+        if isinstance(msg, StreamTokens):
+            if msg.request_id != job.request_id:
+                return None  # a late message of a job that was re-dispatched
+            if msg.seq < job.next_seq:
+                return None  # duplicate
+            if msg.seq > job.next_seq:
+                raise OpenAIError(
+                    502, f"lost part of the token stream (expected message {job.next_seq}, got {msg.seq})",
+                    code="stream_gap",
+                )
+            job.next_seq = msg.seq + 1
+            holder = getattr(msg, "worker_id", "")  # if workers name themselves, pool jobs get watched too
+            if holder and job.worker_id is None:
+                job.worker_id = holder
+            if msg.token_ids:
+                now = time.monotonic()
+                if job.first_token_s is None:
+                    job.first_token_s = now - job.started
+                elif job.last_token_at is not None:
+                    job.token_gaps.append(now - job.last_token_at)
+                job.last_token_at = now
+            job.token_ids.extend(msg.token_ids)
+            if msg.text:
+                job.text_parts.append(msg.text)
+            lps = tops = None
+            if msg.logprobs is not None:
+                lps = list(msg.logprobs)
+                job.logprobs.extend(lps)
+                tops = [[(int(t), float(lp)) for t, lp in row] for row in (msg.top_logprobs or [[] for _ in lps])]
+                job.top_logprobs.extend(tops)
+            return Event("tokens", job, msg.text, list(msg.token_ids), lps, tops)
+        if isinstance(msg, StreamFinish):
+            if msg.request_id != job.request_id:
+                return None
+            if msg.seq > job.next_seq and msg.finish_reason != "cancelled":
+                raise OpenAIError(
+                    502, f"lost the end of the token stream (expected message {job.next_seq}, got {msg.seq})",
+                    code="stream_gap",
+                )
+            job.done = True
+            gw.bus.close_request(job.request_id)
+            if msg.finish_reason == "cancelled":
+                raise OpenAIError(503, "the request was cancelled by the worker", code="cancelled", retry_after=1)
+            job.finish_reason = msg.finish_reason if msg.finish_reason in ("stop", "length") else "stop"
+            job.usage = msg.usage
+            job.decode_worker = msg.decode_worker_id
+            job.prefill = msg.prefill_mode or ""
+            if msg.prefill_worker_id:
+                job.prefill += f":{msg.prefill_worker_id}"
+            if msg.text:
+                job.text_parts.append(msg.text)
+            if msg.decode_worker_id and job.worker_id is None:
+                gw.registry.remember(msg.decode_worker_id, job.hashes)
+            return Event("finish", job, msg.text, [])
+        if isinstance(msg, StreamError):
+            if msg.request_id != job.request_id:
+                return None
+            job.done = True
+            gw.bus.close_request(job.request_id)
+            raise OpenAIError(msg.status, msg.message, code=msg.code)
+        if msg is BUS_LOST:
+            raise OpenAIError(503, "the gateway lost its NATS connection while the request ran; retry",
+                              code="bus_unavailable", retry_after=2)
+        return None
+
+    async def _check_workers(self) -> None:
+        """Jobs whose worker went silent are handled by :meth:`_lost`."""
+        reg = self.gw.registry
+        for job in self.jobs:
+            if job.done or job.worker_id is None:
+                continue
+            if not reg.is_alive(job.worker_id, within=self.gw.config.worker_lost_after):
+                await self._lost(job, job.worker_id, "stopped reporting")
+
+    async def _lost(self, job: Job, worker: str, why: str) -> None:
+        """The worker holding ``job`` is gone: before any token, re-send the job once elsewhere; else fail."""
+        if job.next_seq == 0 and not job.retried:
+            log.warning("request %s: worker %s %s; re-sending the request", job.request_id, worker, why)
+            self.gw.bus.cancel_soon(job.request_id, f"worker {worker} {why}")
+            job.retried = True
+            await self._dispatch(job, exclude=frozenset({worker}))
+            return
+        raise OpenAIError(503, f"decode worker {worker} {why}", code="worker_lost", retry_after=1)
+
+    async def collect(self) -> None:
+        """Wait until every job ended (raises the first error)."""
+        while not self.finished:
+            await self.next_event()
+
+    def close(self, reason: str) -> None:
+        """Cancel every job still running (never awaits: safe in a cancelled task) and release capacity."""
+        if self.closed:
+            return
+        self.closed = True
+        for job in self.jobs:
+            if job.request_id and not job.done:
+                self.gw.bus.cancel_soon(job.request_id, reason)
+            elif job.request_id:
+                self.gw.bus.close_request(job.request_id)
+        self.gw.inflight -= self._counted
+        self._counted = 0
+
+    # ---- usage -------------------------------------------------------------------------
+    def usage(self) -> dict[str, Any]:
+        """OpenAI ``usage``: prompts counted once each, completions summed over choices."""
+        prompt = sum(len(p) for p in self.prep.prompts)
+        completion = 0
+        cached: dict[int, int] = {}
+        for j in self.jobs:
+            completion += j.usage.completion_tokens if j.usage and j.usage.completion_tokens else len(j.token_ids)
+            if j.usage:
+                cached[j.prompt_index] = max(cached.get(j.prompt_index, 0), j.usage.cached_tokens)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+        }

@@ -1,0 +1,998 @@
+"""gateway/: the OpenAI-compatible API, tested against a fake decode worker on a real nats-server.
+
+No weights are loaded: the gateway loads only the tokenizer and chat template, and the fake
+worker (a raw nats-py client speaking the real bus messages) answers with canned text
+tokenized by the real tokenizer. Behaviours are selected by words in the prompt:
+
+    [error400]   StreamError 400 at once          [busy]     StreamError 503 (overloaded)
+    [queuefull]  StreamError 429                  [hang]     never answers
+    [slow]       one token every 0.1 s, 300 max   [failmid]  3 tokens, then StreamError 500
+    [utf8]       a reply with multi-byte characters, split mid-character by the tokenizer
+
+The real cluster (`tandem up` with real workers) is exercised in tests/test_gateway_cluster.py.
+"""
+
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import nats
+import nats.errors
+import openai
+import pytest
+import uvicorn
+from nats.aio.msg import Msg
+
+from bus import messages as m
+from bus.publish import publish
+from bus.server import EmbeddedNats
+from bus.streams import ensure_streams, fetch_one, pull_subscription
+from bus.subjects import ROLE_PREFILL_AND_DECODE, Subjects
+from engine.loader import DEFAULT_MODEL
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.router import Route, WorkerRegistry
+from gateway.textmodel import TextModel, TokenBytes, load_text_model
+from kv.blocks import prefix_hashes
+
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
+         "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango"]
+UTF8_REPLY = "Grüße aus Köln 🙂 — 日本語のテキスト 🎉 done."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; ``run(coro)`` waits for a result with a deadline."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fake-workers", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 20.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class FakeWorker:
+    """A decode worker that answers with canned text (see the module docstring)."""
+
+    def __init__(self, url: str, subjects: Subjects, text: TextModel, worker_id: str,
+                 role: str = ROLE_PREFILL_AND_DECODE, pull_pool: bool = True, max_batch: int = 8) -> None:
+        self.url = url
+        self.subjects = subjects
+        self.text = text
+        self.worker_id = worker_id
+        self.role = role
+        self.pull_pool = pull_pool
+        self.max_batch = max_batch
+        self.requests: list[tuple[str, m.GenerateRequest]] = []  # (how it arrived: "pool"|"direct", request)
+        self.cancels: list[str] = []
+        self.active: set[str] = set()
+        self.report = True  # publish stats
+        self.mute = False  # take requests but never answer
+        self.listen_direct = True  # subscribe to its own generate subject
+        self.fake_running: int | None = None  # report this many running instead of the truth
+        self.nc: Any = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._cancelled: set[str] = set()
+
+    async def start(self) -> None:
+        self.nc = await nats.connect(self.url, name=f"fake-{self.worker_id}", max_reconnect_attempts=-1,
+                                     reconnect_time_wait=0.1)
+        await ensure_streams(self.nc, self.subjects)
+        if self.listen_direct:
+            await self.nc.subscribe(self.subjects.generate_worker(self.worker_id), cb=self._direct)
+        await self.nc.subscribe(self.subjects.cancel_all, cb=self._cancel)
+        self._tasks.append(asyncio.create_task(self._stats_loop()))
+        if self.pull_pool:
+            psub = await pull_subscription(self.nc, self.subjects, "generate")
+            self._tasks.append(asyncio.create_task(self._pull_loop(psub)))
+        await self.nc.flush()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, nats.errors.Error):
+                await t
+        await self.nc.close()
+
+    def publish_stats_now(self) -> None:
+        asyncio.get_running_loop().create_task(self._publish_stats())
+
+    async def _publish_stats(self) -> None:
+        stats = m.WorkerStats(
+            role=self.role, worker_id=self.worker_id, model=self.subjects.model,
+            running=len(self.active) if self.fake_running is None else self.fake_running,
+            queued=0, free_blocks=1000, total_blocks=1024, max_batch=self.max_batch, incarnation="inc-1",
+        )
+        await publish(self.nc, self.subjects.stats(self.role, self.worker_id), stats)
+
+    async def _stats_loop(self) -> None:
+        while True:
+            if self.report:
+                await self._publish_stats()
+            await asyncio.sleep(0.2)
+
+    async def _pull_loop(self, psub: Any) -> None:
+        while True:
+            if len(self.active) >= self.max_batch:
+                await asyncio.sleep(0.05)
+                continue
+            msg = await fetch_one(psub, timeout=0.5)
+            if msg is None:
+                continue
+            await msg.ack()
+            self._take(msg, "pool")
+
+    async def _direct(self, msg: Msg) -> None:
+        self._take(msg, "direct")
+
+    async def _cancel(self, msg: Msg) -> None:
+        c = m.decode(msg.data, m.Cancel)
+        self.cancels.append(c.request_id)
+        self._cancelled.add(c.request_id)
+
+    def _take(self, msg: Msg, how: str) -> None:
+        req = m.decode(msg.data, m.GenerateRequest)
+        self.requests.append((how, req))
+        if self.mute:
+            return
+        self.active.add(req.request_id)
+        task = asyncio.get_running_loop().create_task(self._serve(req))
+        task.add_done_callback(lambda _t, rid=req.request_id: self.active.discard(rid))
+
+    # ---- generation ----------------------------------------------------------------------
+    def _reply(self, req: m.GenerateRequest, prompt: str) -> str:
+        if "[utf8]" in prompt:
+            return UTF8_REPLY
+        if "[slow]" in prompt:
+            return " ".join(WORDS * 20)
+        s = req.sampling
+        if s.temperature == 0:
+            return "Paris is the capital of France. It is known for the Eiffel Tower."
+        rng = random.Random(s.seed) if s.seed is not None else random.Random()
+        return " ".join(rng.choice(WORDS) for _ in range(12)) + "."
+
+    async def _send(self, subject: str, msg: Any) -> None:
+        await publish(self.nc, subject, msg)
+
+    async def _serve(self, req: m.GenerateRequest) -> None:
+        tok = self.text.tokenizer
+        prompt = tok.decode(list(req.prompt_ids), skip_special=False)
+        rid, subj = req.request_id, req.stream_subject
+        seq = 0
+        if req.target_endpoint is not None and req.target_endpoint not in ("prefill-1",):
+            await self._send(subj, m.StreamError(request_id=rid, code=m.ErrorCode.UNKNOWN_TARGET, status=400,
+                                                 message=f"unknown target_endpoint {req.target_endpoint!r}"))
+            return
+        for word, status, code in (("[error400]", 400, m.ErrorCode.BAD_REQUEST),
+                                   ("[busy]", 503, m.ErrorCode.OVERLOADED),
+                                   ("[queuefull]", 429, m.ErrorCode.OVERLOADED)):
+            if word in prompt:
+                await self._send(subj, m.StreamError(request_id=rid, code=code, status=status,
+                                                     message=f"fake worker says {word}"))
+                return
+        if "[hang]" in prompt:
+            while rid not in self._cancelled:
+                await asyncio.sleep(0.05)
+            return
+        s = req.sampling
+        ids = tok.encode(self._reply(req, prompt))
+        delay = 0.1 if "[slow]" in prompt else 0.0
+        emitted = 0
+        out: list[int] = []
+        finish = "stop"
+        for i, tid in enumerate(ids):
+            if rid in self._cancelled:
+                await self._send(subj, m.StreamFinish(request_id=rid, seq=seq, finish_reason="cancelled",
+                                                      decode_worker_id=self.worker_id))
+                return
+            if "[failmid]" in prompt and i == 3:
+                await self._send(subj, m.StreamError(request_id=rid, seq=seq, code=m.ErrorCode.INTERNAL, status=500,
+                                                     message="fake worker failed mid-stream"))
+                return
+            out.append(tid)
+            text = tok.decode(out)
+            stopped = False
+            hits = [text.find(st) for st in s.stop if st in text]
+            if hits:
+                text, stopped = text[: min(hits)], True
+            end = len(text)
+            if not stopped:
+                while end > emitted and text[end - 1] == "\ufffd":
+                    end -= 1
+                for st in s.stop:
+                    for k in range(min(len(st) - 1, end - emitted), 0, -1):
+                        if text[end - k: end] == st[:k]:
+                            end -= k
+                            break
+            delta = text[emitted:end] if end > emitted else ""
+            emitted = max(emitted, end)
+            lps = tops = None
+            if s.logprobs:
+                lps = [-0.25 - 0.01 * i]
+                tops = [[(tid, lps[0]), (min(tid + 1, 49151), -3.0)][: s.top_logprobs]]
+            await self._send(subj, m.StreamTokens(request_id=rid, seq=seq, token_ids=[tid], text=delta,
+                                                  logprobs=lps, top_logprobs=tops))
+            seq += 2 if ("[gap]" in prompt and i == 2) else 1
+            if stopped:
+                break
+            if len(out) >= s.max_tokens:
+                finish = "length"
+                break
+            if delay:
+                await asyncio.sleep(delay)
+        else:
+            tail = tok.decode(out)[emitted:]
+            if tail:
+                await self._send(subj, m.StreamTokens(request_id=rid, seq=seq, token_ids=[], text=tail))
+                seq += 1
+        usage = m.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(out), cached_tokens=0)
+        await self._send(subj, m.StreamFinish(request_id=rid, seq=seq, finish_reason=finish, usage=usage,
+                                              decode_worker_id=self.worker_id, prefill_mode="aggregate"))
+
+
+class ServerThread:
+    """A uvicorn server for an ASGI app in a thread, on a free port (lifespan included)."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("uvicorn exited during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn not started after {timeout}s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+# ============================================================================ fixtures
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def text_model() -> TextModel:
+    return load_text_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def nats_srv() -> Iterator[EmbeddedNats]:
+    with EmbeddedNats() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+@pytest.fixture(scope="module")
+def subjects(text_model: TextModel) -> Subjects:
+    return Subjects(text_model.name)
+
+
+@pytest.fixture(scope="module")
+def worker(nats_srv: EmbeddedNats, subjects: Subjects, text_model: TextModel,
+           loop_thread: LoopThread) -> Iterator[FakeWorker]:
+    w = FakeWorker(nats_srv.url, subjects, text_model, "fake-1")
+    loop_thread.run(w.start())
+    yield w
+    loop_thread.run(w.stop())
+
+
+def make_config(nats_url: str, **kw: Any) -> GatewayConfig:
+    kw.setdefault("deadline_grace", 0.5)
+    kw.setdefault("worker_lost_after", 1.5)
+    return GatewayConfig(model=DEFAULT_MODEL, nats_url=nats_url, **kw)
+
+
+@pytest.fixture(scope="module")
+def gw(nats_srv: EmbeddedNats, worker: FakeWorker, text_model: TextModel) -> Iterator[ServerThread]:
+    srv = ServerThread(create_app(make_config(nats_srv.url), text_model)).start()
+    wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 10, "/ready")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def client(gw: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def chat_body(content: str, **kw: Any) -> dict[str, Any]:
+    return {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def still_serving(url: str) -> None:
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat_body("ping", temperature=0), timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+
+
+# ============================================================================ pure units
+
+
+def test_registry_prefers_cached_prefix_then_least_loaded() -> None:
+    now = [100.0]
+    reg = WorkerRegistry("m", clock=lambda: now[0], rng=random.Random(0))
+
+    def stats(wid: str, running: int = 0, free: int = 100, role: str = ROLE_PREFILL_AND_DECODE) -> m.WorkerStats:
+        return m.WorkerStats(role=role, worker_id=wid, running=running, free_blocks=free, total_blocks=100,
+                             max_batch=4)
+
+    assert reg.choose([], 1).worker_id is None  # nothing known: the pool
+    reg.observe(stats("a", running=2))
+    reg.observe(stats("b", running=0))
+    reg.observe(stats("p", role="prefill_only"))
+    assert reg.choose([], 1) == Route("b", "least loaded", 0)
+    hashes = prefix_hashes(list(range(64)), 16)
+    reg.dispatched("a", hashes)  # a now holds the prefix, load 3
+    r = reg.choose(hashes, 4)
+    assert (r.worker_id, r.reason, r.matched_blocks) == ("a", "prefix affinity", 4)
+    # a longer prompt sharing the first two blocks still goes to a
+    other = prefix_hashes(list(range(32)) + [7] * 32, 16)
+    assert reg.choose(other, 4).worker_id == "a"
+    # a full worker is skipped, even with the prefix
+    reg.dispatched("a", [])
+    assert reg.workers["a"].load == 4
+    assert reg.choose(hashes, 4).worker_id == "b"
+    # a report resets the gateway's own count
+    reg.observe(stats("a", running=1))
+    assert reg.choose(hashes, 4).worker_id == "a"
+    # no free blocks for the uncached part -> not a candidate
+    reg.observe(stats("b", free=0))
+    assert reg.choose(prefix_hashes(list(range(500, 564)), 16), 4).worker_id == "a"
+    # silence: not alive after alive_after, forgotten after forget_after
+    now[0] += 5
+    assert reg.alive() == [] and reg.choose(hashes, 4) == Route(None, "no live worker")
+    now[0] += 100
+    reg.prune()
+    assert reg.workers == {}
+
+
+def test_registry_restart_forgets_cache() -> None:
+    reg = WorkerRegistry("m")
+    s = m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="a", incarnation="one", max_batch=4)
+    reg.observe(s)
+    reg.remember("a", [b"x"])
+    reg.observe(m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="a", incarnation="two", max_batch=4))
+    assert reg.workers["a"].blocks == {}
+
+
+def test_text_model_matches_full_loader(text_model: TextModel) -> None:
+    ids = text_model.tokenizer.encode(text_model.chat_template.render([{"role": "user", "content": "Hi 12 ü"}]))
+    assert text_model.max_position == 8192 and text_model.vocab_size == 49152
+    assert text_model.tokenizer.decode(ids, skip_special=False).startswith("<|im_start|>system")
+    assert text_model.from_cache or text_model.load_seconds > 0
+    again = load_text_model(DEFAULT_MODEL)  # second load: from the JSON cache, fast
+    assert again.from_cache and again.load_seconds < 2.0
+    assert again.tokenizer.encode("Grüße 123") == text_model.tokenizer.encode("Grüße 123")
+
+
+def test_token_bytes_are_exact(text_model: TextModel) -> None:
+    tb = TokenBytes(text_model.tokenizer)
+    ids = text_model.tokenizer.encode(UTF8_REPLY)
+    raw = b"".join(bytes(tb(t)[1]) for t in ids)
+    assert raw.decode("utf-8") == UTF8_REPLY
+
+
+def test_validation_error_param_path() -> None:
+    from gateway.errors import _loc_param
+
+    assert _loc_param(("body", "messages", 0, "role")) == "messages[0].role"
+    assert _loc_param(("body",)) is None
+
+
+# ============================================================================ endpoints
+
+
+def test_health_ready_models_openapi(gw: ServerThread, client: openai.OpenAI) -> None:
+    assert httpx.get(f"{gw.url}/health").json() == {"status": "ok"}
+    ready = httpx.get(f"{gw.url}/ready").json()
+    assert ready["status"] == "ready" and any(w["worker_id"] == "fake-1" for w in ready["workers"])
+    models = client.models.list()
+    assert [x.id for x in models.data] == [DEFAULT_MODEL]
+    assert client.models.retrieve(DEFAULT_MODEL).id == DEFAULT_MODEL
+    spec = httpx.get(f"{gw.url}/openapi.json").json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready"} <= set(spec["paths"])
+    assert "tandem_gateway_requests" in httpx.get(f"{gw.url}/metrics").text
+
+
+def test_chat_sync_and_usage(client: openai.OpenAI, worker: FakeWorker, text_model: TextModel) -> None:
+    r = client.chat.completions.create(model=DEFAULT_MODEL, temperature=0, max_tokens=50,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == "Paris is the capital of France. It is known for the Eiffel Tower."
+    assert r.choices[0].finish_reason == "stop"
+    want = text_model.tokenizer.encode(text_model.chat_template.render(
+        [{"role": "user", "content": "What is the capital of France?"}]))
+    assert r.usage.prompt_tokens == len(want)
+    assert r.usage.completion_tokens == len(text_model.tokenizer.encode(r.choices[0].message.content))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # what went on the bus
+    how, req = worker.requests[-1]
+    assert req.prompt_ids == want and req.sampling.max_tokens == 50 and req.sampling.temperature == 0
+    assert req.deadline > time.time() and req.model == DEFAULT_MODEL and how in ("direct", "pool")
+
+
+def test_chat_content_parts_and_system(client: openai.OpenAI, worker: FakeWorker, text_model: TextModel) -> None:
+    client.chat.completions.create(model=DEFAULT_MODEL, temperature=0, max_tokens=3, messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]},
+    ])
+    prompt = text_model.tokenizer.decode(worker.requests[-1][1].prompt_ids, skip_special=False)
+    assert "Be brief." in prompt and "part one\npart two" in prompt and "SmolLM" not in prompt
+
+
+def test_max_tokens_length(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=DEFAULT_MODEL, temperature=0, max_completion_tokens=3,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_chat_stream_sync_matches_non_stream(client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    full = client.chat.completions.create(model=DEFAULT_MODEL, messages=msgs, temperature=0)
+    chunks = list(client.chat.completions.create(model=DEFAULT_MODEL, messages=msgs, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert all(c.usage is None for c in chunks)
+
+
+def test_chat_stream_async_include_usage(gw: ServerThread) -> None:
+    asyncio.run(asyncio.wait_for(_async_stream_usage(gw), 30))
+
+
+async def _async_stream_usage(gw: ServerThread) -> None:
+    aclient = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0, timeout=30)
+    stream = await aclient.chat.completions.create(
+        model=DEFAULT_MODEL, messages=[{"role": "user", "content": "hello"}], temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens > 0
+    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
+    r = await aclient.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "hello"}],
+                                              temperature=0)
+    assert r.choices[0].message.content == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    await aclient.close()
+
+
+def test_stream_raw_sse_ends_with_done(gw: ServerThread) -> None:
+    with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=chat_body("hi", stream=True, temperature=0),
+                      timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    assert all(ln.startswith("data: ") for ln in lines)
+
+
+def test_utf8_stream_is_never_split(client: openai.OpenAI) -> None:
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=[{"role": "user", "content": "[utf8]"}], stream=True) if c.choices]
+    assert "".join(pieces) == UTF8_REPLY
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=DEFAULT_MODEL, temperature=0, stop=["capital"],
+                                       messages=[{"role": "user", "content": "x"}])
+    assert r.choices[0].message.content == "Paris is the " and r.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(model=DEFAULT_MODEL, temperature=0, stop="Eiffel", stream=True,
+                                            messages=[{"role": "user", "content": "x"}])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Paris is the capital of France. It is known for the "
+
+
+def test_n2_and_seed_reproducible(client: openai.OpenAI, worker: FakeWorker) -> None:
+    kw: dict[str, Any] = dict(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "words"}],
+                              temperature=1.0, seed=7, n=2)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    texts = [c.message.content for c in a.choices]
+    assert texts == [c.message.content for c in b.choices]
+    assert texts[0] != texts[1]  # seeds 7 and 8
+    assert sorted(r.sampling.seed for _, r in worker.requests[-2:]) == [7, 8]
+    assert a.usage.completion_tokens == sum(
+        len(worker.text.tokenizer.encode(t)) for t in texts)
+    # streamed n=2: both indexes appear and both finish
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    got = {0: "", 1: ""}
+    finished = set()
+    for c in chunks:
+        for ch in c.choices:
+            got[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert finished == {0, 1} and [got[0], got[1]] == texts
+
+
+def test_completions(client: openai.OpenAI, text_model: TextModel, worker: FakeWorker) -> None:
+    r = client.completions.create(model=DEFAULT_MODEL, prompt="The capital of France is", temperature=0,
+                                  max_tokens=200)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text.startswith("Paris") and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(text_model.tokenizer.encode("The capital of France is"))
+    assert worker.requests[-1][1].prompt_ids == text_model.tokenizer.encode("The capital of France is")
+    # default max_tokens is 16, as OpenAI's
+    r = client.completions.create(model=DEFAULT_MODEL, prompt="x", temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16
+    # several prompts, token ids, echo
+    r = client.completions.create(model=DEFAULT_MODEL, prompt=["a", "b"], temperature=0, max_tokens=2, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    r = client.completions.create(model=DEFAULT_MODEL, prompt=[1, 2, 3], temperature=0, max_tokens=2)
+    assert worker.requests[-1][1].prompt_ids == [1, 2, 3]
+    r = client.completions.create(model=DEFAULT_MODEL, prompt="Echo me", temperature=0, max_tokens=2, echo=True)
+    assert r.choices[0].text.startswith("Echo mePar")
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=DEFAULT_MODEL, prompt="hi", temperature=0, max_tokens=200, stream=True))
+    assert text == "Paris is the capital of France. It is known for the Eiffel Tower."
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=DEFAULT_MODEL, temperature=0, max_tokens=4, logprobs=True,
+                                       top_logprobs=2, messages=[{"role": "user", "content": "x"}])
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert content[0].logprob == pytest.approx(-0.25) and len(content[0].top_logprobs) == 2
+    assert content[0].top_logprobs[0].token == content[0].token
+    assert bytes(content[0].bytes).decode() == content[0].token
+    chunks = list(client.chat.completions.create(model=DEFAULT_MODEL, temperature=0, max_tokens=4, logprobs=True,
+                                                 stream=True, messages=[{"role": "user", "content": "x"}]))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    rc = client.completions.create(model=DEFAULT_MODEL, prompt="x", temperature=0, max_tokens=3, logprobs=1)
+    lp = rc.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and lp.text_offset[0] == 0
+    assert lp.top_logprobs is not None and all(len(d) == 1 for d in lp.top_logprobs)
+    assert client.chat.completions.create(model=DEFAULT_MODEL, temperature=0, max_tokens=2, messages=[
+        {"role": "user", "content": "x"}]).choices[0].logprobs is None
+
+
+def test_target_endpoint_body_and_header(client: openai.OpenAI, gw: ServerThread, worker: FakeWorker) -> None:
+    r = client.chat.completions.create(model=DEFAULT_MODEL, temperature=0, max_tokens=2,
+                                       messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"target_endpoint": "prefill-1"})
+    assert r.choices[0].message.content and worker.requests[-1][1].target_endpoint == "prefill-1"
+    r = client.chat.completions.create(model=DEFAULT_MODEL, temperature=0, max_tokens=2,
+                                       messages=[{"role": "user", "content": "x"}],
+                                       extra_headers={"X-Target-Endpoint": "prefill-1"})
+    assert worker.requests[-1][1].target_endpoint == "prefill-1"
+    resp = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("x", target_endpoint="nope"), timeout=30)
+    assert_error(resp, 400, code="unknown_target")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "x"}],
+                                       stream=True, extra_headers={"X-Target-Endpoint": "nope"})
+
+
+def test_routing_affinity_over_two_workers(nats_srv: EmbeddedNats, subjects: Subjects, text_model: TextModel,
+                                            loop_thread: LoopThread, gw: ServerThread,
+                                            worker: FakeWorker) -> None:
+    w2 = FakeWorker(nats_srv.url, subjects, text_model, "fake-2")
+    loop_thread.run(w2.start())
+    try:
+        wait_for(lambda: len(httpx.get(f"{gw.url}/ready").json()["workers"]) >= 2, 5, "two workers")
+        long_prompt = "Tell me about " + " ".join(WORDS * 5)
+        body = chat_body(long_prompt, temperature=0, max_tokens=2)
+        before = (len(worker.requests), len(w2.requests))
+        for _ in range(4):
+            assert httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30).status_code == 200
+        new = worker.requests[before[0]:] + w2.requests[before[1]:]
+        served_by = {id(r) for _, r in new}
+        assert len(served_by) == 4
+        # all four landed on one worker (prefix affinity), each as a direct request
+        assert (len(worker.requests) - before[0], len(w2.requests) - before[1]) in ((4, 0), (0, 4))
+        assert all(how == "direct" for how, _ in new)
+    finally:
+        loop_thread.run(w2.stop())
+
+
+# ============================================================================ errors
+
+
+def test_invalid_fields_are_400(gw: ServerThread) -> None:
+    url = f"{gw.url}/v1/chat/completions"
+    assert_error(httpx.post(url, json=chat_body("x", temperature=5)), 400, param="temperature")
+    assert_error(httpx.post(url, json=chat_body("x", top_p=0)), 400, param="top_p")
+    assert_error(httpx.post(url, json=chat_body("x", n=0)), 400, param="n")
+    assert_error(httpx.post(url, json=chat_body("x", max_tokens=0)), 400, param="max_tokens")
+    assert_error(httpx.post(url, json=chat_body("x", top_logprobs=3)), 400, param="top_logprobs")
+    assert_error(httpx.post(url, json=chat_body("x", stop=["a"] * 17)), 400, param="stop")
+    assert_error(httpx.post(url, json=chat_body("x", stream_options={"include_usage": True})), 400,
+                 param="stream_options")
+    assert_error(httpx.post(url, json={"model": DEFAULT_MODEL}), 400, param="messages",
+                 code="missing_required_parameter")
+    assert_error(httpx.post(url, json={"model": DEFAULT_MODEL, "messages": [{"role": "wizard", "content": "x"}]}),
+                 400, param="messages[0].role")
+    assert_error(httpx.post(url, json={"model": DEFAULT_MODEL, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}),
+        400, param="messages[0].content[0].type")
+    assert_error(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400,
+                 code="invalid_json")
+    assert_error(httpx.post(f"{gw.url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": [99999999]}),
+                 400, param="prompt")
+    assert_error(httpx.post(f"{gw.url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": ""}),
+                 400, param="prompt")
+    assert_error(httpx.post(url, json=chat_body("x"), headers={"X-Request-Timeout": "soon"}), 400)
+    assert_error(httpx.get(f"{gw.url}/v1/nothing-here"), 404)
+    still_serving(gw.url)
+
+
+def test_openai_client_raises_bad_request(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=DEFAULT_MODEL, temperature=9,
+                                       messages=[{"role": "user", "content": "x"}])
+    assert ei.value.status_code == 400 and ei.value.body["param"] == "temperature"
+
+
+def test_unknown_model_404(gw: ServerThread, client: openai.OpenAI) -> None:
+    err = assert_error(httpx.post(f"{gw.url}/v1/chat/completions", json={**chat_body("x"), "model": "gpt-9"}),
+                       404, param="model", code="model_not_found")
+    assert "gpt-9" in err["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x")
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    still_serving(gw.url)
+
+
+def test_context_length_400(gw: ServerThread) -> None:
+    url = f"{gw.url}/v1/chat/completions"
+    err = assert_error(httpx.post(url, json=chat_body("x", max_tokens=8190)), 400, param="max_tokens",
+                       code="context_length_exceeded")
+    assert "8192" in err["message"]
+    long_text = "hello " * 9000
+    assert_error(httpx.post(url, json=chat_body(long_text), timeout=30), 400, param="messages",
+                 code="context_length_exceeded")
+    assert_error(httpx.post(f"{gw.url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": long_text},
+                            timeout=30), 400, code="context_length_exceeded")
+    still_serving(gw.url)
+
+
+def test_worker_errors_pass_through(gw: ServerThread, client: openai.OpenAI) -> None:
+    url = f"{gw.url}/v1/chat/completions"
+    assert_error(httpx.post(url, json=chat_body("[error400]")), 400, code="bad_request")
+    r = httpx.post(url, json=chat_body("[busy]"))
+    assert_error(r, 503, code="overloaded")
+    assert int(r.headers["retry-after"]) >= 1
+    r = httpx.post(url, json=chat_body("[queuefull]", stream=True))
+    assert_error(r, 429)
+    assert int(r.headers["retry-after"]) >= 1
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "[queuefull]"}])
+    still_serving(gw.url)
+
+
+def test_deadline_504_and_cancel(gw: ServerThread, worker: FakeWorker) -> None:
+    t0 = time.monotonic()
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("[hang]"), headers={"X-Request-Timeout": "1"},
+                   timeout=30)
+    assert_error(r, 504, code="deadline_exceeded")
+    assert 1.0 <= time.monotonic() - t0 < 5
+    rid = worker.requests[-1][1].request_id
+    assert worker.requests[-1][1].deadline == pytest.approx(time.time() - (time.monotonic() - t0) + 1, abs=1.0)
+    wait_for(lambda: rid in worker.cancels, 5, "the cancel of the timed-out request")
+    wait_for(lambda: rid not in worker.active, 5, "the fake worker to drop it")
+    still_serving(gw.url)
+
+
+def test_error_after_stream_started_is_sse_event(gw: ServerThread, client: openai.OpenAI) -> None:
+    with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=chat_body("[failmid]", stream=True,
+                                                                             temperature=0), timeout=30) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2][len("data: "):])["error"]
+    assert err["code"] == "internal" and "mid-stream" in err["message"] and err["type"] == "server_error"
+    assert sum('"content":"' in ln for ln in lines) >= 2  # tokens came before the error
+    with pytest.raises(openai.APIError, match="mid-stream"):
+        for _ in client.chat.completions.create(model=DEFAULT_MODEL, stream=True, temperature=0,
+                                                messages=[{"role": "user", "content": "[failmid]"}]):
+            pass
+    still_serving(gw.url)
+
+
+def test_client_disconnect_mid_stream_cancels(gw: ServerThread, worker: FakeWorker) -> None:
+    n_before = len(worker.requests)
+    with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=chat_body("[slow]", stream=True),
+                      timeout=30) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 4:
+                break
+    rid = worker.requests[n_before][1].request_id
+    wait_for(lambda: rid in worker.cancels, 5, "the cancel after the client left")
+    wait_for(lambda: not worker.active, 5, "the fake worker to free everything")
+    still_serving(gw.url)
+
+
+def test_client_disconnect_non_stream_cancels(gw: ServerThread, worker: FakeWorker) -> None:
+    asyncio.run(asyncio.wait_for(_disconnect_non_stream(gw, worker), 30))
+
+
+async def _disconnect_non_stream(gw: ServerThread, worker: FakeWorker) -> None:
+    n_before = len(worker.requests)
+    async with httpx.AsyncClient(timeout=30) as ac:
+        task = asyncio.create_task(ac.post(f"{gw.url}/v1/chat/completions", json=chat_body("[slow]")))
+        deadline = time.monotonic() + 5
+        while len(worker.requests) == n_before:
+            assert time.monotonic() < deadline, "request never reached the worker"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    rid = worker.requests[n_before][1].request_id
+    deadline = time.monotonic() + 5
+    while rid not in worker.cancels or worker.active:
+        assert time.monotonic() < deadline, "no cancel after the client left"
+        await asyncio.sleep(0.02)
+
+
+def test_worker_lost_before_tokens_is_resent(nats_srv: EmbeddedNats, subjects: Subjects, text_model: TextModel,
+                                            loop_thread: LoopThread, worker: FakeWorker) -> None:
+    # a direct-only worker that takes requests, never answers, then stops reporting
+    srv = ServerThread(create_app(make_config(nats_srv.url, alive_after=0.6, worker_lost_after=1.0),
+                                  text_model)).start()
+    ghost = FakeWorker(nats_srv.url, subjects, text_model, "ghost", pull_pool=False)
+    ghost.mute = True
+    loop_thread.run(ghost.start())
+    try:
+        worker.report = False  # make the ghost the only live worker for routing
+        wait_for(lambda: [w["worker_id"] for w in httpx.get(f"{srv.url}/ready").json()["workers"]
+                          if w["age_s"] < 0.6] == ["ghost"], 5, "only the ghost reporting")
+        result: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: result.append(httpx.post(
+            f"{srv.url}/v1/chat/completions", json=chat_body("resend me", temperature=0), timeout=30)))
+        n_before = len(worker.requests)
+        t.start()
+        wait_for(lambda: len(ghost.requests) == 1, 5, "the request to reach the ghost")
+        ghost.report = False
+        worker.report = True
+        t.join(15)
+        assert result and result[0].status_code == 200, result
+        assert len(worker.requests) == n_before + 1
+        assert ghost.requests[0][1].request_id in worker.cancels
+    finally:
+        worker.report = True
+        loop_thread.run(ghost.stop())
+        srv.stop()
+
+
+def test_no_worker_503_with_retry_after(nats_srv: EmbeddedNats, text_model: TextModel) -> None:
+    srv = ServerThread(create_app(make_config(nats_srv.url, namespace="empty"), text_model)).start()
+    try:
+        ready = httpx.get(f"{srv.url}/ready")
+        assert ready.status_code == 503 and "no decode-capable worker" in ready.json()["reason"]
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("x"))
+        assert_error(r, 503, code="no_workers")
+        assert int(r.headers["retry-after"]) >= 1
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("x", stream=True))
+        assert_error(r, 503, code="no_workers")
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_gateway_inflight_limit_429(nats_srv: EmbeddedNats, worker: FakeWorker, text_model: TextModel) -> None:
+    srv = ServerThread(create_app(make_config(nats_srv.url, max_inflight=2), text_model)).start()
+    try:
+        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 5, "ready")
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("x", n=3))
+        assert_error(r, 429, code="too_many_requests")
+        assert r.headers["retry-after"] == "1"
+        still_serving(srv.url)
+    finally:
+        srv.stop()
+
+
+def test_api_keys_401(nats_srv: EmbeddedNats, worker: FakeWorker, text_model: TextModel,
+                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_API_KEYS", "k1, k2")
+    monkeypatch.setenv("TANDEM_NATS_URL", nats_srv.url)
+    cfg = GatewayConfig.from_env(model=DEFAULT_MODEL, deadline_grace=0.5)
+    assert cfg.api_keys == ("k1", "k2")
+    srv = ServerThread(create_app(cfg, text_model)).start()
+    try:
+        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 5, "ready")
+        url = f"{srv.url}/v1/chat/completions"
+        assert_error(httpx.post(url, json=chat_body("x")), 401, code="invalid_api_key")
+        assert_error(httpx.post(url, json=chat_body("x"), headers={"Authorization": "Bearer nope"}), 401,
+                     code="invalid_api_key")
+        assert_error(httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+        bad = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "x"}])
+        good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="k2", max_retries=0)
+        assert good.chat.completions.create(model=DEFAULT_MODEL, temperature=0,
+                                            messages=[{"role": "user", "content": "x"}]).choices[0].message.content
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # probes need no key
+    finally:
+        srv.stop()
+
+
+def test_stream_gap_is_an_error_not_a_hole(gw: ServerThread) -> None:
+    assert_error(httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("[gap]", temperature=0)), 502,
+                 code="stream_gap")
+    still_serving(gw.url)
+
+
+def test_route_headers(gw: ServerThread) -> None:
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("x", temperature=0, max_tokens=2, n=2))
+    assert r.headers["x-tandem-decode-worker"] == "fake-1,fake-1"
+    assert r.headers["x-tandem-prefill"] == "aggregate,aggregate"
+    assert r.headers["x-request-id"] == r.json()["id"]
+
+
+def test_disconnect_before_first_token_cancels(gw: ServerThread, worker: FakeWorker) -> None:
+    """A streamed request whose worker has not answered yet: leaving still cancels it at once."""
+    n_before = len(worker.requests)
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=30) as ac:
+            task = asyncio.create_task(ac.post(f"{gw.url}/v1/chat/completions", json=chat_body("[hang]", stream=True)))
+            while len(worker.requests) == n_before:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    t0 = time.monotonic()
+    asyncio.run(asyncio.wait_for(go(), 10))
+    rid = worker.requests[n_before][1].request_id
+    wait_for(lambda: rid in worker.cancels, 5, "the cancel")
+    assert time.monotonic() - t0 < 5  # not after the 20 s stream-start wait
+
+
+def test_nats_restart_mid_stream_fails_the_stream(text_model: TextModel, loop_thread: LoopThread) -> None:
+    """Tokens published while the gateway is disconnected are gone: the stream ends with an error event."""
+    with EmbeddedNats() as srv:
+        subj = Subjects(text_model.name)
+        w = FakeWorker(srv.url, subj, text_model, "fake-r")
+        loop_thread.run(w.start())
+        gws = ServerThread(create_app(make_config(srv.url), text_model)).start()
+        try:
+            wait_for(lambda: httpx.get(f"{gws.url}/ready").status_code == 200, 10, "ready")
+            lines: list[str] = []
+            with httpx.stream("POST", f"{gws.url}/v1/chat/completions", json=chat_body("[slow]", stream=True),
+                              timeout=30) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if not line:
+                        continue
+                    lines.append(line)
+                    if len(lines) == 3:
+                        srv.restart()
+            assert lines[-1] == "data: [DONE]"
+            err = json.loads(lines[-2][len("data: "):])["error"]
+            assert err["code"] == "bus_unavailable", lines[-3:]
+            # once reconnected, the gateway serves again
+            time.sleep(3.5)  # let load reports from before the restart age out of the 3 s liveness window
+            wait_for(lambda: httpx.get(f"{gws.url}/ready").status_code == 200, 15, "ready after the restart")
+            still_serving(gws.url)
+        finally:
+            gws.stop()
+            loop_thread.run(w.stop())
+
+
+def test_only_worker_lost_is_503_not_a_hang(nats_srv: EmbeddedNats, text_model: TextModel,
+                                           loop_thread: LoopThread) -> None:
+    ns = "lonely"
+    ghost = FakeWorker(nats_srv.url, Subjects(text_model.name, ns), text_model, "ghost", pull_pool=False)
+    ghost.mute = True
+    loop_thread.run(ghost.start())
+    srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, alive_after=0.6, worker_lost_after=1.0),
+                                  text_model)).start()
+    try:
+        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 5, "ready")
+        result: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: result.append(httpx.post(
+            f"{srv.url}/v1/chat/completions", json=chat_body("anyone?"), timeout=30)))
+        t0 = time.monotonic()
+        t.start()
+        wait_for(lambda: len(ghost.requests) == 1, 5, "the request to reach the ghost")
+        ghost.report = False
+        t.join(15)
+        assert result, "no answer"
+        r = assert_error(result[0], 503, code="no_workers")
+        assert "Retry-After" in result[0].headers and r["type"] == "service_unavailable_error"
+        assert time.monotonic() - t0 < 6
+        wait_for(lambda: ghost.requests[0][1].request_id in ghost.cancels, 5, "the cancel")
+    finally:
+        srv.stop()
+        loop_thread.run(ghost.stop())
+
+
+def test_worker_not_listening_is_skipped_at_once(nats_srv: EmbeddedNats, text_model: TextModel,
+                                                 loop_thread: LoopThread) -> None:
+    """A worker that still reports but no longer listens (draining): NATS says "no responders" and
+    the gateway re-sends the request without waiting for the worker to be declared lost."""
+    ns = "phantom"
+    subj = Subjects(text_model.name, ns)
+    phantom = FakeWorker(nats_srv.url, subj, text_model, "phantom", pull_pool=False)
+    phantom.listen_direct = False
+    busy = FakeWorker(nats_srv.url, subj, text_model, "busy")  # pulls the pool, but reports itself full
+    busy.fake_running = busy.max_batch
+    for w in (phantom, busy):
+        loop_thread.run(w.start())
+    srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, worker_lost_after=30), text_model)).start()
+    try:
+        wait_for(lambda: len(httpx.get(f"{srv.url}/ready").json()["workers"]) == 2, 5, "both workers")
+        t0 = time.monotonic()
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("hello", temperature=0), timeout=30)
+        assert r.status_code == 200, r.text
+        assert time.monotonic() - t0 < 3
+        assert [how for how, _ in busy.requests] == ["pool"] and phantom.requests == []
+        assert r.headers["x-tandem-decode-worker"] == "busy"
+    finally:
+        srv.stop()
+        for w in (phantom, busy):
+            loop_thread.run(w.stop())
