@@ -131,7 +131,7 @@ class PrefillActor(WorkerActor):
             await asyncio.to_thread(handle.wait)
             timings["transfer"] = time.time() - t_computed
             nbytes = len(job.dst.block_ids) * self.layout.block_bytes
-            observe_transfer(self.transfer.name, nbytes, timings["transfer"] + (stream.seconds if stream else 0.0))
+            observe_transfer(self.transfer.mechanism(job.dst.worker_id), nbytes, timings["transfer"] + (stream.seconds if stream else 0.0))
             lp = out.logprobs[0] if out.logprobs else None
             done.ok = True
             done.first_token = out.token_ids[0]
@@ -147,7 +147,7 @@ class PrefillActor(WorkerActor):
             done.error, done.error_code = e.message, e.code
         except TransferError as e:
             done.error, done.error_code = str(e), ErrorCode.TRANSFER_FAILED
-            metrics.TRANSFER_FAILURES.labels(self.transfer.name).inc()
+            metrics.TRANSFER_FAILURES.labels(self.transfer.mechanism(job.dst.worker_id)).inc()
         except asyncio.TimeoutError:
             done.error, done.error_code = "prefill job deadline passed", ErrorCode.DEADLINE_EXCEEDED
         except Exception as e:  # reported to the decode worker, which retries or falls back

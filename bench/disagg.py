@@ -84,6 +84,12 @@ def report(res: dict, repeats: int) -> str:
         (lt, _), (rt, rx), (wt, wx) = row["local"], row["remote"], row["remote_whole"]
         lines.append(f"| {n} | {lt * 1000:.0f} ms | {rt * 1000:.0f} ms | {rx * 1000:.1f} ms | {wt * 1000:.0f} ms | "
                      f"{wx * 1000:.1f} ms | {100 * rx / rt:.1f}% / {100 * wx / wt:.1f}% |")
+    from bench.report import plot_lines
+
+    names = {"local": "local prefill (aggregated)", "remote": "remote, layer-wise", "remote_whole": "remote, whole"}
+    series = {names[k]: [(n, row[k][0]) for n, row in res.items()] for k in names}
+    lines += ["", plot_lines("disagg_ttft", "TTFT of one request on an idle cluster", "prompt tokens", "seconds",
+                             series)]
     return "\n".join(lines) + "\n"
 
 

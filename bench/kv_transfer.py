@@ -7,7 +7,7 @@ engine, the time from `write()` on the prefill side until the decode side sees t
 single-process torch copy of the same bytes (the limit). It also compares one whole write with
 30 per-layer writes (layer-wise streaming) and estimates the share of TTFT the transfer takes.
 
-    python -m bench.kv_transfer [--engines shm,tcp,nixl] [--reps 5] [--update-docs docs/benchmarks.md]
+    python -m bench.kv_transfer [--engines shm,tcp,nixl] [--reps 5] [--write]
 
 Not a test: numbers depend on the machine. Warm-up writes come first (first touch of fresh pages
 is 20-40x slower, DESIGN §5); the figure is the median of --reps runs.
@@ -317,29 +317,16 @@ def markdown(
         "- Layer-wise writes cost more in total (30 writes, one range per block per layer) but only the "
         "last layer's share is exposed after compute. On 2 cores the copy competes with prefill compute "
         "for CPU, so the hidden part is not free; the TTFT shares above are estimates, not measured.",
-        "- No plot: matplotlib is not installed on this machine (run with it installed to add one).",
         "",
     ]
+    from bench.report import plot_lines
+
+    series = {res["engine"]: [(row["tokens"], row["bytes"] / row["whole_s"] / 1e9) for row in res["rows"]]
+              for res in results}
+    series["single-process copy (limit)"] = [
+        (t, blocks_for(t) * LAYOUT.block_bytes / limit[t] / 1e9) for t in PROMPTS]
+    lines.append(plot_lines("kv_transfer", "KV transfer between two processes", "prompt tokens", "GB/s", series))
     return "\n".join(lines)
-
-
-def update_docs(path: str, section: str) -> None:
-    """Replace the '## KV transfer' section of `path` (or append it), keeping other sections."""
-    text = ""
-    if os.path.exists(path):
-        with open(path) as f:
-            text = f.read()
-    if not text:
-        text = "# Benchmarks\n\n"
-    start = text.find("## KV transfer\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    else:
-        end = text.find("\n## ", start + 1)
-        rest = text[end + 1 :] if end >= 0 else ""
-        text = text[:start] + section.rstrip("\n") + ("\n\n" + rest if rest else "\n")
-    with open(path, "w") as f:
-        f.write(text)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -348,9 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", help="write raw results here")
-    parser.add_argument(
-        "--update-docs", metavar="PATH", help="replace the 'KV transfer' section of this file"
-    )
+    parser.add_argument("--write", action="store_true", help="update the KV transfer section of docs/benchmarks.md")
     parser.add_argument("--from-json", help="render results saved by --json instead of measuring")
     args = parser.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -371,8 +356,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "copy": copies, "engines": results}, f, indent=2)
-    if args.update_docs:
-        update_docs(args.update_docs, section)
+    if args.write:
+        from bench.report import write_section
+
+        write_section("kv-transfer", section)
 
 
 if __name__ == "__main__":

@@ -19,3 +19,31 @@ def write_section(name: str, markdown: str, path: Path = BENCH_DOC) -> None:
         text = text.rstrip() + "\n\n" + block
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def plot_lines(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, list[tuple[float, float]]],
+               logx: bool = True) -> str:
+    """Save a line plot as docs/<name>.png; returns the markdown that shows it ('' without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "(plot skipped: matplotlib is not installed; `pip install matplotlib` and rerun)\n"
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
+    for label, points in series.items():
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o", label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = BENCH_DOC.parent / f"{name}.png"
+    fig.savefig(out)
+    plt.close(fig)
+    return f"![{title}]({out.name})\n"

@@ -16,6 +16,7 @@ naming the stream, the differences and the server's reason.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -169,6 +170,10 @@ async def ensure_stream(js: JetStreamContext, config: api.StreamConfig) -> tuple
             ) from e
         log.info("created stream %s on %s", config.name, config.subjects)
         return info, "created"
+    if (info.config.num_replicas or 1) > (config.num_replicas or 1):
+        # Replication is an operator's choice (a clustered deploy creates the streams with R3);
+        # a worker starting with the default must not shrink it.
+        config = dataclasses.replace(config, num_replicas=info.config.num_replicas)
     diff = _diff(config, info.config, _STREAM_FIELDS)
     if not diff:
         return info, "unchanged"

@@ -250,28 +250,34 @@ class Subjects:
         """What a role may publish and subscribe to, as NATS permission lists.
 
         Returns ``{"publish": [...], "subscribe": [...]}`` for a nats-server ``permissions``
-        block (the deploy config). ``role`` is a pipeline role or ``"gateway"``;
-        ``worker_id="*"`` gives the rule for any worker of the role (one credential per
-        role), a concrete id narrows the worker's own subjects (for a gateway, the id is
-        the gateway id). ``_INBOX.>`` (replies, pull deliveries) and ``$SRV.>`` (NATS
-        micro discovery) are included; enable ``allow_responses`` too so request–reply
-        endpoints may answer.
+        block (``deploy/render_nats_conf.py`` renders the deploy config from it). ``role`` is a
+        pipeline role or ``"gateway"``; ``worker_id="*"`` gives the rule for any worker of the
+        role (one credential per role), a concrete id narrows the worker's own subjects (for a
+        gateway, the id is the gateway id). Every role may create the pool streams
+        (``ensure_streams`` runs in every process), use ``_INBOX.>`` (replies, pull
+        deliveries) and ``$SRV.>`` (NATS micro discovery); every worker serves its micro
+        endpoints ``tandem.svc.<worker>.info|stats``. Enable ``allow_responses`` too so
+        request–reply endpoints may answer.
         """
         ns = self.namespace
         me = worker_id if worker_id == "*" else check_token(worker_id, "worker id")
         common = ["$SRV.>", "_INBOX.>"]
         setup = self.jetstream_setup_subjects()
+        # NATS micro endpoints of one worker (actors/base.py registers info and stats).
+        micro = [f"{ns}.svc.{me}.info", f"{ns}.svc.{me}.stats"]
         if role == ROLE_PREFILL_ONLY:
             return {
                 "publish": [
                     *setup,
                     *self._pull_subjects(self.prefill_stream, self.prefill_consumer),
-                    f"{ns}.prefill.done.*.*",
+                    f"{ns}.prefill.done.*.*",  # the PrefillDone for the decode worker that asked
                     f"{ns}.stats.{role}.{me}",
-                    self.kv_meta_all,
+                    self.kv_meta_all,  # asks the decode worker for its transfer metadata
                     *common,
                 ],
-                "subscribe": [f"{self.prefill_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *common],
+                "subscribe": [
+                    f"{self.prefill_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *micro, *common,
+                ],
             }
         if role in (ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE):
             pub = [
@@ -279,15 +285,15 @@ class Subjects:
                 *self._pull_subjects(self.generate_stream, self.generate_consumer),
                 f"{ns}.stream.*.*",
                 f"{ns}.stats.{role}.{me}",
-                self.kv_meta_all,
                 *common,
             ]
-            sub = [f"{self.generate_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *common]
+            sub = [f"{self.generate_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *micro, *common]
             if role == ROLE_DECODE_ONLY:
                 # prefill jobs go to the pool (JetStream) or to one prefill worker (core);
-                # a decode worker cancels the prefills it gave up on.
+                # a decode worker cancels the prefills it gave up on, hears the prefill
+                # workers' load reports and finds them with $SRV.INFO.tandem-prefill-only.
                 pub += [self.prefill_pool, f"{self.prefill_pool}.*", self.cancel_all]
-                sub += [f"{ns}.prefill.done.{me}.*"]
+                sub += [f"{ns}.prefill.done.{me}.*", f"{ns}.stats.{ROLE_PREFILL_ONLY}.*"]
             return {"publish": pub, "subscribe": sub}
         if role == ROLE_GATEWAY:
             return {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -67,8 +68,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
-    parser.add_argument("--log-format", default="text", choices=["text", "json"])
+    parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "WARNING"))
+    parser.add_argument("--log-format", default=os.environ.get("TANDEM_LOG_FORMAT", "text"), choices=["text", "json"])
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion locally (no server)")
@@ -93,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--namespace", default=None)
     sv.add_argument("--worker-id", default=None)
     sv.add_argument("--metrics-port", type=int, default=None)
-    sv.add_argument("--advertise-host", default=None, help="host in the advertised metrics URL")
+    sv.add_argument("--advertise-host", default=None, help="this worker's address as peers see it")
+    sv.add_argument("--kv-tcp-host", default=None, help="TCP KV engine listen address (default 127.0.0.1)")
     sv.add_argument("--max-batch", type=int, default=None)
     sv.add_argument("--num-blocks", type=int, default=None)
     sv.add_argument("--block-size", type=int, default=None)
@@ -121,9 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     up_parser(sub.add_parser("up", help="start NATS, the workers and the gateway on this machine"))
 
+    from tandem.status import configure_parser as status_parser
 
+    status_parser(sub.add_parser("status", help="list every worker on the bus (NATS micro discovery)"))
 
+    from tandem.tail import configure_parser as tail_parser
 
+    tail_parser(sub.add_parser("tail", help="follow the bus (tandem.>) with token ids decoded to text"))
 
     b = sub.add_parser("bench", help="benchmarks")
     b.add_argument("what", choices=["engine"])
@@ -133,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _SERVE_FIELDS = ("role", "model", "dtype", "device", "nats_url", "namespace", "worker_id", "metrics_port",
-                 "advertise_host",
+                 "advertise_host", "kv_tcp_host",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
                  "local_prefill_max_tokens", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",
                  "layerwise_transfer")

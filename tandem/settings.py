@@ -23,7 +23,8 @@ class Settings:
     namespace: str = "tandem"
     nats_url: str = "nats://127.0.0.1:4222"
     metrics_port: int = 0  # 0: no metrics server
-    advertise_host: str = "127.0.0.1"  # host in the metrics URL this worker advertises
+    advertise_host: str = "127.0.0.1"  # this worker's address as peers see it (metrics URL, KV over TCP)
+    kv_tcp_host: str = "127.0.0.1"  # where the TCP KV engine listens (0.0.0.0 across hosts/containers)
     kv_transfer: str = "auto"  # auto|nixl|shm|tcp|cuda_ipc
     nixl_backend: str = "ucx"  # ucx|libfabric|uccl
     device: str = "cpu"
@@ -39,7 +40,6 @@ class Settings:
     prefill_timeout: float = 60.0  # seconds a decode worker waits for a remote prefill
     request_timeout: float = 600.0  # default deadline of a request
     stats_interval: float = 1.0
-    log_format: str = "text"  # text|json
     extra: dict = field(default_factory=dict)
 
     @classmethod

@@ -125,6 +125,9 @@ class AutoEngine(TransferEngine):
     ) -> TransferHandle:
         return self.engines[self.choice[meta["worker_id"]]]._write(meta, ranges, nbytes, notify, deadline)
 
+    def mechanism(self, peer_worker_id: str) -> str:
+        return self.choice.get(peer_worker_id, self.name)
+
     def completed(self) -> list[str]:
         tags: list[str] = []
         for engine in self.engines.values():

@@ -376,6 +376,10 @@ class TransferEngine(abc.ABC):
         """Abandon a write (same as handle.cancel()); the peer must quarantine those blocks."""
         handle.cancel()
 
+    def mechanism(self, peer_worker_id: str) -> str:
+        """The engine that actually moves bytes to this peer (for metrics and logs)."""
+        return self.name
+
     @abc.abstractmethod
     def completed(self) -> list[str]:
         """Notify tags of writes into our pool that fully landed since the last call."""

@@ -1,0 +1,144 @@
+"""Load generator: streaming chat completions against a running gateway (or a `tandem up` it starts).
+
+    python -m bench.serve [--url http://127.0.0.1:8000] [--concurrency 1 4 16] [--write]
+
+Each request is a ~255-token chat prompt with 64 output tokens (ignore_eos), as in the peer
+figures of DESIGN §6. Reports output tok/s, TTFT p50/p99 and ITL p50 per concurrency level,
+after a warm-up. Without --url it starts `tandem up` (disaggregated: 1 prefill + 1 decode, and
+with --aggregated one prefill_and_decode worker) on free ports and stops it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+MODEL = "smollm2-135m-instruct"
+FILLER = ("Tandem serves language models with prefill and decode on separate workers that talk over "
+          "a message bus. ")
+
+
+def prompt(i: int) -> str:
+    # ~255 tokens after the chat template; the leading number keeps prompts distinct (no shared prefix
+    # beyond the system prompt).
+    return f"Request {i}. " + FILLER * 11 + "Summarize the text above in one paragraph."
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt(i)}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = None
+    stamps: list[float] = []
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if d.get("usage"):
+                tokens = d["usage"]["completion_tokens"]
+            if d.get("choices") and d["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                first = first or now
+                stamps.append(now)
+    end = time.perf_counter()
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"ttft": (first or end) - t0, "gaps": gaps, "tokens": tokens, "start": t0, "end": end}
+
+
+async def level(url: str, concurrency: int, requests: int, max_tokens: int, offset: int) -> dict:
+    async with httpx.AsyncClient() as client:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def run(i: int) -> dict:
+            async with sem:
+                return await one(client, url, offset + i, max_tokens)
+
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*[run(i) for i in range(requests)])
+        wall = time.perf_counter() - t0
+    gaps = [g for r in res for g in r["gaps"]]
+    return {
+        "concurrency": concurrency, "requests": requests,
+        "output_tok_s": sum(r["tokens"] for r in res) / wall,
+        "ttft_p50": percentile([r["ttft"] for r in res], 0.5), "ttft_p99": percentile([r["ttft"] for r in res], 0.99),
+        "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99),
+    }
+
+
+def start_up(aggregated: bool, log_dir: Path) -> tuple[subprocess.Popen, str]:
+    ready = log_dir / "ready.json"
+    cmd = [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--nats-port", "0", "--metrics-port-base", "0",
+           "--ready-file", str(ready), "--quiet"]
+    if aggregated:
+        cmd += ["--aggregated", "--decode", "1"]
+    proc = subprocess.Popen(cmd, stdout=open(log_dir / "up.log", "wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"tandem up failed; see {log_dir / 'up.log'}")
+        time.sleep(0.2)
+    return proc, json.loads(ready.read_text())["url"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.serve", description=__doc__)
+    p.add_argument("--url", default=None)
+    p.add_argument("--aggregated", action="store_true")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--write", action="store_true")
+    args = p.parse_args(argv)
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_up(args.aggregated, Path(tempfile.mkdtemp(prefix="tandem-serve-")))
+    try:
+        asyncio.run(level(url, 2, 4, 16, 10_000))  # warm-up
+        rows = []
+        for i, c in enumerate(args.concurrency):
+            row = asyncio.run(level(url, c, max(2 * c, 4), args.max_tokens, 1000 * (i + 1)))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
+    mode = "external gateway" if args.url else ("aggregated (1 prefill_and_decode)" if args.aggregated
+                                                else "disaggregated (1 prefill_only + 1 decode_only)")
+    lines = [f"### Serving: {mode}", "",
+             f"`python -m bench.serve{' --aggregated' if args.aggregated else ''}`: streaming chat, ~255 prompt "
+             f"tokens, {args.max_tokens} output tokens, greedy, {os.cpu_count()} cores, one machine.", "",
+             "| concurrency | requests | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['concurrency']} | {r['requests']} | {r['output_tok_s']:.1f} | {r['ttft_p50']:.2f} s | "
+              f"{r['ttft_p99']:.2f} s | {r['itl_p50'] * 1000:.0f} ms | {r['itl_p99'] * 1000:.0f} ms |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.write:
+        from bench.report import write_section
+
+        write_section("serve-aggregated" if args.aggregated else "serve-disagg", text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""Real workers under deploy/nats/nats.conf: each role's credentials are enough for the real code.
+
+A prefill_only, a decode_only (remote prefill forced) and a prefill_and_decode worker run as
+`tandem serve` processes with the users `prefill`, `decode` and `aggregate`; a client with the
+`gateway` user sends requests; `tandem status` runs as `ops`. Nothing may hit a permission
+violation, and the disaggregated request must really be prefilled remotely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Iterator
+
+import nats
+import pytest
+
+from bus.messages import REQUEST_ID_HEADER
+from bus.server import EmbeddedNats
+from bus.subjects import Subjects
+from tests.test_deploy import password_env, render
+from tests.test_status import MODEL, Proc, chat_prompt_ids, run_cli, tandem
+
+pytestmark = pytest.mark.timeout(420)
+
+
+@pytest.fixture(scope="module")
+def secured() -> Iterator[tuple[str, dict[str, Proc]]]:
+    """NATS with the deploy config and three workers logged in as their roles' users."""
+    mp = pytest.MonkeyPatch()
+    for k, v in password_env().items():
+        mp.setenv(k, v)
+    workers: dict[str, Proc] = {}
+    try:
+        with EmbeddedNats(config=render.SINGLE_OUT, extra_args=["-m", "-1"]) as srv:
+
+            def start(worker_id: str, role: str, user: str, *extra: str) -> Proc:
+                env = {"TANDEM_NATS_USER": user, "TANDEM_NATS_PASSWORD": f"pw-{user}", "UCX_NET_DEVICES": "lo"}
+                p = Proc(tandem("--log-level", "INFO", "serve", "--pipeline-role", role, "--worker-id", worker_id,
+                                "--nats-url", srv.url, "--num-blocks", "64", *extra), env=env)
+                workers[worker_id] = p
+                return p
+
+            try:
+                start("p1", "prefill_only", "prefill").wait_for("ready", "out", timeout=180)
+                start("d1", "decode_only", "decode", "--local-prefill-max-tokens", "0")
+                start("a1", "prefill_and_decode", "aggregate")
+                for w in ("d1", "a1"):
+                    workers[w].wait_for("ready", "out", timeout=180)
+                yield srv.url, workers
+            finally:
+                for p in workers.values():
+                    p.stop()
+    finally:
+        mp.undo()
+
+
+async def generate(url: str, worker: str, rid: str) -> dict:
+    """As the gateway user: send a request to one worker and read its stream to the end."""
+    s = Subjects(MODEL)
+    nc = await nats.connect(url, user="gateway", password="pw-gateway", connect_timeout=5)
+    try:
+        sub = await nc.subscribe(s.stream("gw1", rid))
+        body = {"kind": "generate_request", "request_id": rid, "stream_subject": s.stream("gw1", rid),
+                "prompt_ids": chat_prompt_ids("What is the capital of France?"), "deadline": time.time() + 120,
+                "sampling": {"max_tokens": 8, "temperature": 0.0}}
+        await nc.publish(s.generate_worker(worker), json.dumps(body).encode(), headers={REQUEST_ID_HEADER: rid})
+        text, deadline = "", time.monotonic() + 120
+        while True:
+            d = json.loads((await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))).data)
+            if d["kind"] == "stream_tokens":
+                text += d["text"]
+            else:
+                return {**d, "text": text}
+    finally:
+        await nc.close()
+
+
+def test_roles_work_with_their_own_credentials(secured: tuple[str, dict[str, Proc]]) -> None:
+    url, workers = secured
+    time.sleep(1.5)  # d1 hears p1's load reports (tandem.stats.prefill_only.*)
+    disagg = asyncio.run(generate(url, "d1", uuid.uuid4().hex))
+    assert disagg["kind"] == "stream_finish", disagg
+    assert disagg["prefill_mode"] == "remote" and disagg["prefill_worker_id"] == "p1"
+    assert "Paris" in disagg["text"]
+    agg = asyncio.run(generate(url, "a1", uuid.uuid4().hex))
+    assert agg["kind"] == "stream_finish" and agg["prefill_mode"] == "aggregate" and agg["text"] == disagg["text"]
+
+    res = run_cli("status", "--json", "--nats-url", url.replace("nats://", "nats://ops:pw-ops@"))
+    assert res.returncode == 0, res.stderr
+    status = json.loads(res.stdout)
+    assert {(w["worker_id"], w["role"]) for w in status["workers"]} == {
+        ("p1", "prefill_only"), ("d1", "decode_only"), ("a1", "prefill_and_decode")}
+    assert all(w["stats_error"] is None for w in status["workers"])
+    assert all(p["error"] is None for p in status["pools"])
+
+    for wid, p in workers.items():
+        log = "\n".join(p.out + p.err).lower()
+        assert "permissions violation" not in log and "authorization violation" not in log, f"{wid}:\n{p.text()}"
