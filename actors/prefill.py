@@ -112,7 +112,7 @@ class PrefillActor(WorkerActor):
             fut = asyncio.get_running_loop().create_future()
             self.first_tokens[rid] = fut
             deadline_mono = time.monotonic() + max(0.0, (job.deadline or time.time() + 60) - time.time())
-            stream = LayerStream(self, job, deadline_mono) if self.s.layerwise_transfer else None
+            stream = LayerStream(self, job, deadline_mono) if self._layerwise(job.dst.worker_id) else None
             await self.runner.call(self._admit, job, params, stream)
             held = True
             remaining = (job.deadline - time.time()) if job.deadline else self.s.prefill_timeout
@@ -164,6 +164,10 @@ class PrefillActor(WorkerActor):
             log.warning("prefill %s failed (%s): %s", rid, done.error_code, done.error, extra={"request_id": rid})
         done.timings = timings
         await publish(self.nc, job.reply_subject, done)
+
+    def _layerwise(self, peer: str) -> bool:
+        mode = self.s.layerwise_transfer
+        return mode == "on" or (mode == "auto" and self.transfer.mechanism(peer) != "shm")
 
     @staticmethod
     def _local_blocks(block_table: list[int], job: PrefillJob) -> list[int]:

@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--remote-prefill-fallback", default=None, choices=["local", "error"])
     sv.add_argument("--prefill-timeout", type=float, default=None)
     sv.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false", default=None)
-    sv.add_argument("--no-layerwise-transfer", dest="layerwise_transfer", action="store_false", default=None,
-                    help="prefill: send the KV after the whole prompt, not layer by layer")
+    sv.add_argument("--layerwise-transfer", default=None, choices=["auto", "on", "off"],
+                    help="prefill: send each layer's KV while the next computes (auto: unless the peer is "
+                         "reached through same-host shared memory)")
     sv.set_defaults(func=cmd_serve)
 
     from bus.server import build_parser as nats_parser

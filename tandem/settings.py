@@ -34,7 +34,9 @@ class Settings:
     max_batch: int = 32
     max_step_tokens: int = 512
     enable_prefix_cache: bool = True
-    layerwise_transfer: bool = True  # prefill ships each layer's KV while the next layer computes
+    # Prefill ships each layer's KV while the next layer computes: "on", "off", or "auto" = on unless the
+    # peer is reached through same-host shared memory, where a whole-prompt copy is cheaper (docs/benchmarks.md).
+    layerwise_transfer: str = "auto"
     local_prefill_max_tokens: int = 32  # decode_only: prefill locally at or below this many uncached tokens
     remote_prefill_fallback: str = "local"  # local|error
     prefill_timeout: float = 60.0  # seconds a decode worker waits for a remote prefill
@@ -64,6 +66,8 @@ class Settings:
             raise ValueError(f"unknown pipeline role {self.role!r}; choose one of {', '.join(ROLES)}")
         if self.kv_transfer not in ("auto", "nixl", "shm", "tcp", "cuda_ipc"):
             raise ValueError(f"unknown TANDEM_KV_TRANSFER {self.kv_transfer!r}")
+        if self.layerwise_transfer not in ("auto", "on", "off"):
+            raise ValueError("--layerwise-transfer must be auto, on or off")
         if self.remote_prefill_fallback not in ("local", "error"):
             raise ValueError("--remote-prefill-fallback must be local or error")
         if any(c in self.worker_id for c in ".*> \t"):

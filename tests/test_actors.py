@@ -38,8 +38,8 @@ def cluster(tmp_path_factory):
         disagg = ["--local-prefill-max-tokens", "0", "--max-batch", "4", "--prefill-timeout", "30",
                   "--num-blocks", "400"]
         workers = start_workers([
-            ("prefill_only", "p1"),
-            ("prefill_only", "p2"),
+            ("prefill_only", "p1", "--layerwise-transfer", "on"),  # p1 streams layer by layer, p2 sends whole
+            ("prefill_only", "p2", "--layerwise-transfer", "off"),
             ("decode_only", "d1", *disagg),
             ("decode_only", "d2", *disagg),
             ("prefill_and_decode", "a1", "--namespace", "agg"),
@@ -227,17 +227,21 @@ def test_unknown_target_endpoint_is_an_error(cluster, smollm):
 
 
 def test_target_endpoint_routes_to_that_prefill_worker(cluster, smollm):
+    """p1 streams the KV layer by layer, p2 sends it whole: same tokens either way."""
     url, _ = cluster
+    prompt = chat_ids(smollm, "Name a large animal that lives in the sea.")
 
     async def go():
         async with Client(url) as c:
             return await asyncio.gather(*[
-                c.generate(rid(), chat_ids(smollm, q), target_endpoint=t, max_tokens=4)
-                for q, t in [(QUESTIONS[0], "p2"), (QUESTIONS[1], "tandem.smollm2-135m-instruct.prefill.p1")]])
+                c.generate(rid(), prompt, worker=d, target_endpoint=t, max_tokens=8)
+                for d, t in [("d1", "p2"), ("d2", "tandem.smollm2-135m-instruct.prefill.p1")]])
 
     a, b = run(go())
     assert a["finish"]["prefill_worker_id"] == "p2"
     assert b["finish"]["prefill_worker_id"] == "p1"
+    assert a["finish"]["prefill_mode"] == b["finish"]["prefill_mode"] == "remote"
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) > 0
 
 
 def test_bad_request_reports_error(cluster):
