@@ -184,10 +184,6 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def is_idle(self) -> bool:
-        """No request of any kind holds blocks (used by tests and drain)."""
-        return not self.seqs and not self.held and not self.has_work()
-
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

@@ -33,13 +33,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bus.connection import BusOptions
 from bus.subjects import Subjects
 from gateway.bus_client import GatewayBus
-from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, install_handlers
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.router import WorkerRegistry
 from gateway.service import Event, Gateway, Prepared, Run
 from gateway.textmodel import TextModel, load_text_model
 from tandem.metrics import GatewayMetrics
+from tandem.settings import GatewayConfig
 
 log = logging.getLogger("tandem.gateway")
 

@@ -1,6 +1,6 @@
 """``tandem gateway``: run the OpenAI-compatible HTTP gateway with uvicorn.
 
-Flags override ``TANDEM_*`` variables (see :class:`gateway.config.GatewayConfig`). The
+Flags override ``TANDEM_*`` variables (see :class:`tandem.settings.GatewayConfig`). The
 heavy imports (FastAPI, uvicorn, the tokenizer) happen only when the command runs, so
 ``tandem --help`` stays fast.
 """
@@ -38,8 +38,8 @@ def main(args: argparse.Namespace) -> int:
 
     from engine.loader import ModelLoadError
     from gateway.app import create_app
-    from gateway.config import GatewayConfig
     from gateway.textmodel import load_text_model
+    from tandem.settings import GatewayConfig
 
     try:
         config = GatewayConfig.from_env(

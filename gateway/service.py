@@ -22,12 +22,12 @@ from bus.messages import SamplingParams as BusSampling
 from engine.chat_template import ChatTemplateError
 from engine.sampling import SamplingParams
 from gateway.bus_client import BUS_LOST, GatewayBus, NoResponders
-from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, as_stop_list
 from gateway.router import WorkerRegistry
 from gateway.textmodel import TextModel, TokenBytes
 from kv.blocks import prefix_hashes
+from tandem.settings import GatewayConfig
 
 log = logging.getLogger("tandem.gateway")
 

@@ -51,16 +51,9 @@ class KVPool:
     def data_ptr(self) -> int:
         return self.tensor.data_ptr()
 
-    def block_offset(self, block: int) -> int:
-        """Byte offset of `block` from the start of the pool."""
-        return block * self.layout.block_bytes
-
     def as_bytes(self) -> torch.Tensor:
         """The whole pool as a flat uint8 tensor (a view, no copy)."""
         return self.tensor.view(-1).view(torch.uint8)
-
-    def block_bytes_view(self, block: int) -> torch.Tensor:
-        return self.tensor[block].view(-1).view(torch.uint8)
 
     def keys(self, layer: int) -> torch.Tensor:
         """[num_blocks, block_size, kv_heads, head_dim] strided view of layer's K."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
+from bus.subjects import check_token
 from engine.loader import DEFAULT_MODEL
 
 ROLES = ("prefill_and_decode", "prefill_only", "decode_only")
@@ -42,14 +44,11 @@ class Settings:
     prefill_timeout: float = 60.0  # seconds a decode worker waits for a remote prefill
     request_timeout: float = 600.0  # default deadline of a request
     stats_interval: float = 1.0
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:
         s = cls()
         for f in fields(cls):
-            if f.name == "extra":
-                continue
             raw = os.environ.get(f"TANDEM_{f.name.upper()}")
             if raw is not None:
                 setattr(s, f.name, _convert(raw, getattr(s, f.name)))
@@ -82,3 +81,91 @@ def _convert(raw: str, like):
     if isinstance(like, float):
         return float(raw)
     return raw
+
+
+# ---------------------------------------------------------------- gateway
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return float(raw) if raw else default
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return int(raw) if raw else default
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    return raw.strip().lower() in ("1", "true", "yes", "on") if raw else default
+
+
+def api_keys_from_env() -> tuple[str, ...]:
+    """``TANDEM_API_KEYS``: comma-separated bearer keys; empty means no authentication."""
+    raw = os.environ.get("TANDEM_API_KEYS", "")
+    return tuple(k.strip() for k in raw.split(",") if k.strip())
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything one gateway process needs to know."""
+
+    model: str
+    nats_url: str
+    namespace: str = "tandem"
+    gateway_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex[:8]}")
+    #: accepted bearer keys (``TANDEM_API_KEYS``); empty: no authentication
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    #: default deadline of a request (seconds), and the most a client may ask for (X-Request-Timeout)
+    request_timeout: float = 600.0
+    max_request_timeout: float = 3600.0
+    #: after the deadline, how long to wait for the worker's own 504 before answering ours
+    deadline_grace: float = 1.0
+    #: KV block size the workers use (prefix hashes for routing)
+    block_size: int = 16
+    #: choices in flight at this gateway before new requests get 429
+    max_inflight: int = 512
+    #: jobs (prompts × n) one HTTP request may fan out to
+    max_jobs_per_request: int = 64
+    #: publish to the pool even when no worker is alive (scale from zero), instead of 503
+    queue_when_no_workers: bool = False
+    #: a worker counts as alive this long after its last stats report (/ready, routing)
+    alive_after: float = 3.0
+    #: a request targeted at a worker silent this long is retried on the pool (or fails)
+    worker_lost_after: float = 10.0
+    #: SSE comment sent after this many idle seconds (keeps proxies and disconnect detection going)
+    sse_keepalive: float = 15.0
+    #: prompts longer than this many characters are tokenized in a thread
+    tokenize_in_thread_chars: int = 4096
+    #: extra names the model answers to (besides its own name and spec)
+    served_model_names: tuple[str, ...] = ()
+    #: connect to NATS with this deadline (seconds)
+    connect_timeout: float = 30.0
+    #: create the pool streams at start (off when permissions forbid it)
+    ensure_streams: bool = True
+
+    def __post_init__(self) -> None:
+        check_token(self.gateway_id, "gateway id")
+        if self.request_timeout <= 0 or self.max_request_timeout < self.request_timeout:
+            raise ValueError("request timeout must be positive and at most max_request_timeout")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> GatewayConfig:
+        """Read ``TANDEM_*`` (shared settings plus ``TANDEM_API_KEYS`` and ``TANDEM_GATEWAY_*``)."""
+        s = Settings.from_env()
+        cfg = cls(
+            model=s.model,
+            nats_url=s.nats_url,
+            namespace=s.namespace,
+            api_keys=api_keys_from_env(),
+            request_timeout=s.request_timeout,
+            max_request_timeout=max(s.request_timeout, _env_float("TANDEM_GATEWAY_MAX_REQUEST_TIMEOUT", 3600.0)),
+            block_size=s.block_size,
+            max_inflight=_env_int("TANDEM_GATEWAY_MAX_INFLIGHT", 512),
+            queue_when_no_workers=_env_bool("TANDEM_GATEWAY_QUEUE_WHEN_NO_WORKERS", False),
+        )
+        if os.environ.get("TANDEM_GATEWAY_ID"):
+            cfg = replace(cfg, gateway_id=os.environ["TANDEM_GATEWAY_ID"])
+        changes = {k: v for k, v in overrides.items() if v is not None}
+        return replace(cfg, **changes) if changes else cfg

@@ -466,7 +466,7 @@ def parse_tandem(cmd: list[str]) -> Any:
 OTHER_ENV = {
     "TANDEM_NATS_USER", "TANDEM_NATS_PASSWORD", "TANDEM_NATS_TOKEN", "TANDEM_NATS_NKEY_SEED", "TANDEM_NATS_CREDS",
     "TANDEM_NATS_TLS_CA", "TANDEM_NATS_TLS_CERT", "TANDEM_NATS_TLS_KEY",  # bus/connection.py
-    "TANDEM_GATEWAY_ID", "TANDEM_API_KEYS", "TANDEM_CACHE_DIR",  # gateway/config.py, engine/loader.py
+    "TANDEM_GATEWAY_ID", "TANDEM_API_KEYS", "TANDEM_CACHE_DIR",  # tandem/settings.py, engine/loader.py
     "TANDEM_STREAM_REPLICAS", "TANDEM_STREAMS_TIMEOUT",  # deploy/k8s/init-streams.py
     "TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT",  # tandem/cli.py
 }

@@ -40,10 +40,10 @@ from bus.streams import ensure_streams, fetch_one, pull_subscription
 from bus.subjects import ROLE_PREFILL_AND_DECODE, Subjects
 from engine.loader import DEFAULT_MODEL
 from gateway.app import create_app
-from gateway.config import GatewayConfig
 from gateway.router import Route, WorkerRegistry
 from gateway.textmodel import TextModel, TokenBytes, load_text_model
 from kv.blocks import prefix_hashes
+from tandem.settings import GatewayConfig
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
          "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango"]
