@@ -72,6 +72,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return xf.to(x.dtype) * weight
 
 
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T, shaped for MKL on the CPU.
+
+    For up to 128 rows (decode batches, short chunks) MKL is much faster computed as (w @ x.T).T,
+    and a single row is fastest padded to two: its matrix-vector path streams the weights at less
+    than half the bandwidth of the two-column product (whole model: 45 ms vs 19 ms here).
+    """
+    n = x.shape[0]
+    if x.device.type != "cpu" or n > 128:
+        return x @ w.T
+    if n == 1:
+        return torch.mm(w, torch.cat([x, x]).T)[:, :1].T.contiguous()
+    return torch.mm(w, x.T).T.contiguous()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split (rotate_half) RoPE on [N, heads, head_dim] with cos/sin [N, 1, head_dim/2]."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -117,7 +132,7 @@ class LlamaModel:
         n = h.shape[0]
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer["attn_norm"], cfg.rms_eps)
-            qkv = x @ layer["wqkv"].T
+            qkv = linear(x, layer["wqkv"])
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q = apply_rope(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
@@ -126,16 +141,16 @@ class LlamaModel:
             kc[batch.slot_blocks, batch.slot_offsets] = k
             vc[batch.slot_blocks, batch.slot_offsets] = v
             attn = self._attention(q, k, v, kc, vc, batch)
-            h = h + attn.reshape(n, self.q_size) @ layer["wo"].T
+            h = h + linear(attn.reshape(n, self.q_size), layer["wo"])
             x = rms_norm(h, layer["ffn_norm"], cfg.rms_eps)
-            gate, up = (x @ layer["w_gate_up"].T).chunk(2, dim=-1)
-            h = h + (F.silu(gate) * up) @ layer["w_down"].T
+            gate, up = linear(x, layer["w_gate_up"]).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, layer["w_down"])
             if layer_done is not None:
                 layer_done(li)
         if batch.logit_rows.numel() == 0:
             return h.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
         h = rms_norm(h[batch.logit_rows], self.w["norm"], cfg.rms_eps)
-        return (h @ self.lm_head.T).float()
+        return linear(h, self.lm_head).float()
 
     def _attention(self, q, k, v, kc, vc, batch: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)
