@@ -8,10 +8,10 @@ drains on SIGTERM: stop pulling, finish what it holds, then exit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import signal
+import threading
 import time
 from collections import OrderedDict
 
@@ -86,16 +86,37 @@ class WorkerActor:
         self.peer_incarnations: dict[str, str] = {}
         self.nc = None
         self.runner: EngineRunner | None = None
+        self.error: BaseException | None = None
         self.metrics_url = (f"http://{settings.advertise_host}:{settings.metrics_port}/metrics"
                             if settings.metrics_port else "")
         self._preemptions_seen = 0
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+    def serve_forever(self) -> None:
+        """The model loop on this (main) thread, the bus on an event loop in a second thread."""
+        loop = asyncio.new_event_loop()
         self.runner = EngineRunner(self.engine, loop, self._outputs_from_thread)
-        self.runner.start()
+
+        def bus() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.run())
+            except BaseException as e:  # reported by serve(); the model loop must still end
+                log.exception("%s %s: bus side failed", self.role, self.worker_id)
+                self.error = e
+            finally:
+                self.runner.stop()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(self.stop_event.set))
+        io = threading.Thread(target=bus, name="bus", daemon=True)
+        io.start()
+        self.runner.run()
+        io.join(60)
+        loop.close()
+
+    async def run(self) -> None:
         opts = BusOptions.from_env(servers=[u.strip() for u in self.s.nats_url.split(",")])
         self.nc = await connect(opts, name=f"tandem-{self.role}-{self.worker_id}")
         await ensure_streams(self.nc, self.subjects)
@@ -104,9 +125,6 @@ class WorkerActor:
         await self.start()
         self.service = await self._register_service()
         self.tasks.append(asyncio.create_task(self._stats_loop()))
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.stop_event.set)
         log.info("%s %s ready: model %s, layout %s, transfer %s", self.role, self.worker_id, self.model,
                  self.layout.describe(), self.transfer.name)
         print(f"tandem {self.role} {self.worker_id} ready", flush=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from engine.loader import load_model
@@ -20,5 +19,5 @@ def serve(settings: Settings) -> int:
     serve_metrics(settings.metrics_port)
     actor_cls = PrefillActor if settings.role == "prefill_only" else DecodeActor
     actor = actor_cls(settings, loaded)
-    asyncio.run(actor.run())
-    return 0 if actor.runner is None or actor.runner.failure is None else 1
+    actor.serve_forever()
+    return 0 if actor.error is None and actor.runner.failure is None else 1
