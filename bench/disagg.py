@@ -86,14 +86,17 @@ def report(res: dict, repeats: int) -> str:
                      f"{wx * 1000:.1f} ms | {100 * rx / rt:.1f}% / {100 * wx / wt:.1f}% |")
     small = [n for n in res if n <= 64]
     overhead = statistics.median(res[n]["remote"][0] - res[n]["local"][0] for n in small) if small else float("nan")
+    big = max(res)
+    rate = big / res[big]["local"][0]  # prompt tokens per second of a local prefill, long prompt
     lines += [
         "",
-        f"Remote prefill adds a fixed ~{overhead * 1000:.0f} ms to TTFT at {min(small)}–{max(small)} tokens (bus round "
-        "trips, the prefill worker's scheduling, the landing check). Below a few dozen tokens a local prefill also "
-        "costs the decode batch less than one decode step, so the decode worker prefills prompts with at most "
-        "`--local-prefill-max-tokens` = 32 uncached tokens itself and sends longer ones to a prefill worker, which "
-        "keeps them off the decode batch. KV transfer is a small share of TTFT on one host either way: shm moves "
-        "the KV of 2048 tokens in tens of milliseconds against seconds of CPU prefill.",
+        f"Remote prefill adds a fixed ~{overhead * 1000:.0f} ms to TTFT at {min(small)}–{max(small)} tokens (bus "
+        f"round trips, the prefill worker's scheduling, the landing check): as long as a local prefill of "
+        f"~{overhead * rate:.0f} tokens at this machine's ~{rate:.0f} tok/s. So the decode worker prefills prompts "
+        "with at most `--local-prefill-max-tokens` = 32 uncached tokens itself (cheaper for the request, and "
+        "only about two decode steps of stall for the batch) and sends longer ones to a prefill worker, which "
+        "keeps them off the decode batch. KV transfer is a small share of TTFT on one host either way: shm "
+        "moves the KV of 2048 tokens in ~20 ms against seconds of CPU prefill.",
     ]
     from bench.report import plot_lines
 
