@@ -635,7 +635,7 @@ def test_routing_affinity_over_two_workers(nats_srv: EmbeddedNats, subjects: Sub
     w2 = FakeWorker(nats_srv.url, subjects, text_model, "fake-2")
     loop_thread.run(w2.start())
     try:
-        wait_for(lambda: len(httpx.get(f"{gw.url}/ready").json()["workers"]) >= 2, 5, "two workers")
+        wait_for(lambda: len(httpx.get(f"{gw.url}/ready").json()["workers"]) >= 2, 15, "two workers")
         long_prompt = "Tell me about " + " ".join(WORDS * 5)
         body = chat_body(long_prompt, temperature=0, max_tokens=2)
         before = (len(worker.requests), len(w2.requests))

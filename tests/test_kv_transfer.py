@@ -299,6 +299,20 @@ def test_peer_killed_mid_transfer_fails_within_deadline(trio: tuple[str, Peer, P
         victim.close()
 
 
+def wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP lands asynchronously: wait until every thread of `pid` is in state T."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout}s")
+
+
 def test_stalled_peer(trio: tuple[str, Peer, Peer, Peer]) -> None:
     """A stopped receiver: tcp and nixl writes fail at their deadline; shm writes still land."""
     kind, _, _, writer = trio
@@ -307,6 +321,7 @@ def test_stalled_peer(trio: tuple[str, Peer, Peer, Peer]) -> None:
         writer.add(stalled)
         writer.call("write", peer="stalled", local=[1], remote=[1], notify="warm")
         os.kill(stalled.proc.pid, signal.SIGSTOP)
+        wait_stopped(stalled.proc.pid)
         t0 = time.monotonic()
         try:
             if kind == "shm":
