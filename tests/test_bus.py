@@ -260,6 +260,34 @@ def test_user_password_auth(tmp_path: Path) -> None:
         run(go())
 
 
+def _nkey_seed_file(path: Path) -> str:
+    """A fresh user NKey: writes its seed to `path`, returns its public key."""
+    import nkeys
+
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    path.write_bytes(seed)
+    return nkeys.from_seed(bytearray(seed)).public_key.decode()
+
+
+def test_nkey_auth(tmp_path: Path) -> None:
+    allowed = _nkey_seed_file(tmp_path / "user.nk")
+    _nkey_seed_file(tmp_path / "stranger.nk")
+    conf = tmp_path / "nkey.conf"
+    conf.write_text(f'authorization {{ users = [ {{ nkey: "{allowed}" }} ] }}\n')
+    with EmbeddedNats(config=conf) as srv:
+
+        async def go() -> None:
+            nc = await connect(fast(srv.url, nkey_seed=str(tmp_path / "user.nk")), "nk-ok")
+            sub = await nc.subscribe("tandem.x")
+            await nc.publish("tandem.x", b"{}")
+            assert (await sub.next_msg(timeout=2)).data == b"{}"
+            await nc.close()
+            with pytest.raises(BusConnectError, match="refused"):
+                await connect(fast(srv.url, nkey_seed=str(tmp_path / "stranger.nk"), connect_timeout=10), "nk-bad")
+
+        run(go())
+
+
 def test_no_server_fails_within_deadline() -> None:
     async def go() -> None:
         t0 = time.monotonic()
