@@ -253,6 +253,7 @@ class TransferEngine(abc.ABC):
         self.incarnation = incarnation or new_incarnation()
         self.host_id = host_id()
         self.peers: dict[str, dict[str, Any]] = {}
+        self._inflight: set[TransferHandle] = set()  # writes not finished yet, cancelled by close()
         self._closed = False
 
     # ---- description -------------------------------------------------------------------------
@@ -375,6 +376,14 @@ class TransferEngine(abc.ABC):
     def cancel(self, handle: TransferHandle) -> None:
         """Abandon a write (same as handle.cancel()); the peer must quarantine those blocks."""
         handle.cancel()
+
+    def _future_handle(self, peer_worker_id: str, nbytes: int, deadline: float, notify: str) -> FutureHandle:
+        """A running FutureHandle for a write done on a worker thread, tracked until it ends."""
+        handle = FutureHandle(self.name, peer_worker_id, nbytes, deadline, notify)
+        handle.future.set_running_or_notify_cancel()
+        self._inflight.add(handle)
+        handle.future.add_done_callback(lambda _f: self._inflight.discard(handle))
+        return handle
 
     def mechanism(self, peer_worker_id: str) -> str:
         """The engine that actually moves bytes to this peer (for metrics and logs)."""

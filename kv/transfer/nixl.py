@@ -141,7 +141,6 @@ class NixlEngine(TransferEngine):
         self._bell_reg = self.agent.register_memory(self._doorbell, backends=[self.backend])
         self._blob = base64.b64encode(self.agent.get_agent_metadata()).decode()
         self._remote: dict[str, str] = {}
-        self._inflight: set[_NixlHandle] = set()
         self._done: list[str] = []
         self._poller: threading.Thread | None = None
         if poll_interval is not None:

@@ -270,7 +270,6 @@ class ShmEngine(TransferEngine):
         self._local = pool.as_bytes()
         self._mapped: dict[str, _Peer] = {}
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-shm")
-        self._inflight: set[FutureHandle] = set()
         self._outbox = NotifyOutbox()
         self._inbox = NotifyInbox(segment.path + ".sock") if segment is not None else None
 
@@ -308,10 +307,7 @@ class ShmEngine(TransferEngine):
         deadline: float,
     ) -> TransferHandle:
         peer = self._mapped[meta["worker_id"]]
-        handle = FutureHandle(self.name, meta["worker_id"], nbytes, deadline, notify)
-        handle.future.set_running_or_notify_cancel()
-        self._inflight.add(handle)
-        handle.future.add_done_callback(lambda _f: self._inflight.discard(handle))
+        handle = self._future_handle(meta["worker_id"], nbytes, deadline, notify)
         self._thread.submit(self._run, handle, peer, ranges, notify)
         return handle
 

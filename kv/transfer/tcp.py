@@ -116,7 +116,6 @@ class TcpEngine(TransferEngine):
         self._done_lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._peers: dict[str, _Peer] = {}
-        self._inflight: set[FutureHandle] = set()
         self._listener = socket.create_server((host, port), reuse_port=False)
         self._listener.settimeout(0.25)
         self.host = advertise_host or (host if host not in ("0.0.0.0", "") else socket.gethostname())
@@ -232,10 +231,7 @@ class TcpEngine(TransferEngine):
         deadline: float,
     ) -> TransferHandle:
         peer = self._peers[meta["worker_id"]]
-        handle = FutureHandle(self.name, meta["worker_id"], nbytes, deadline, notify)
-        handle.future.set_running_or_notify_cancel()
-        self._inflight.add(handle)
-        handle.future.add_done_callback(lambda _f: self._inflight.discard(handle))
+        handle = self._future_handle(meta["worker_id"], nbytes, deadline, notify)
         peer.thread.submit(self._run, handle, peer, ranges, notify)
         return handle
 
