@@ -14,15 +14,17 @@ import signal
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import TypeVar
 
 import nats.micro
 from nats.aio.msg import Msg
 
 from actors.runner import EngineRunner
 from bus.connection import BusOptions, connect
-from bus.messages import Cancel, KVMetaReply, KVMetaRequest, WorkerStats, decode, encode
+from bus.messages import Cancel, KVMetaReply, KVMetaRequest, MessageError, WorkerStats, decode, encode
 from bus.publish import publish, request
-from bus.streams import ensure_streams
+from bus.streams import ensure_streams, fetch_one, pull_subscription
 from bus.subjects import Subjects
 from engine.engine import EngineConfig, LLMEngine, StepOutput
 from engine.loader import LoadedModel, model_name
@@ -32,6 +34,7 @@ from tandem import metrics
 from tandem.settings import Settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 VERSION = "0.1.0"
 
 
@@ -54,6 +57,7 @@ class SeenIds:
 
 class WorkerActor:
     role = "worker"
+    capacity_poll_s = 0.01  # how often a full worker looks again for room to pull
 
     def __init__(self, settings: Settings, loaded: LoadedModel):
         self.s = settings
@@ -85,6 +89,7 @@ class WorkerActor:
         self.seen = SeenIds()
         self.peer_incarnations: dict[str, str] = {}
         self.nc = None
+        self.subs: list = []  # subscriptions that bring new work (dropped first when draining)
         self.runner: EngineRunner | None = None
         self.error: BaseException | None = None
         self.metrics_url = (f"http://{settings.advertise_host}:{settings.metrics_port}/metrics"
@@ -160,6 +165,57 @@ class WorkerActor:
         self.transfer.close()
         log.info("%s %s stopped", self.role, self.worker_id)
 
+    # ---------------------------------------------------------------- taking work
+
+    async def take_work(self, pool: str, targeted_subject: str) -> None:
+        """Pull from `pool` when there is capacity; hear messages sent to this worker alone."""
+        self.psub = await pull_subscription(self.nc, self.subjects, pool)
+        self.subs.append(await self.nc.subscribe(targeted_subject, cb=self._on_targeted))
+        self.tasks.append(asyncio.create_task(self._pull_loop(pool)))
+
+    async def stop_taking_work(self) -> None:
+        for sub in self.subs:
+            await sub.unsubscribe()
+        self.subs = []
+
+    async def _pull_loop(self, pool: str) -> None:
+        while not self.draining:
+            if not self.has_capacity():
+                await asyncio.sleep(self.capacity_poll_s)
+                continue
+            try:
+                msg = await fetch_one(self.psub, timeout=1.0)
+            except Exception as e:  # reconnecting; the consumer is durable, so just try again
+                log.warning("%s pool fetch failed: %s", pool, e)
+                await asyncio.sleep(0.5)
+                continue
+            if msg is not None:
+                await self.accept(msg, from_pool=True)
+
+    async def _on_targeted(self, msg: Msg) -> None:
+        await self.accept(msg, from_pool=False)
+
+    async def receive(self, msg: Msg, from_pool: bool, type_: type[T], key: Callable[[T], str]) -> T | None:
+        """Decode and acknowledge a work message; None if it is bad or a redelivery handled before.
+
+        A pool message is acked once decoded (this worker owns it now); an undecodable one is
+        terminated so JetStream does not redeliver it.
+        """
+        try:
+            item = decode(msg.data, type_)
+        except MessageError as e:
+            log.warning("dropping undecodable %s: %s", type_.__name__, e)
+            if from_pool:
+                await msg.term()
+            return None
+        if from_pool:
+            await msg.ack()
+        if not self.seen.add(key(item)):
+            log.info("%s %s already handled here; ignoring redelivery", type_.__name__, key(item),
+                     extra={"request_id": item.request_id})
+            return None
+        return item
+
     def check_runner(self) -> None:
         if self.runner.failure is not None:
             log.error("model thread died (%s); exiting", self.runner.failure)
@@ -170,7 +226,11 @@ class WorkerActor:
     async def start(self) -> None:
         raise NotImplementedError
 
-    async def stop_taking_work(self) -> None:
+    def has_capacity(self) -> bool:
+        """Room for one more unit of work: only then does the worker pull from its pool."""
+        raise NotImplementedError
+
+    async def accept(self, msg: Msg, from_pool: bool) -> None:
         raise NotImplementedError
 
     def busy(self) -> bool:

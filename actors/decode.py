@@ -34,7 +34,6 @@ from bus.messages import (
 )
 from bus.messages import SamplingParams as WireSampling
 from bus.publish import js_publish, publish
-from bus.streams import fetch_one, pull_subscription
 from engine.engine import LLMEngine, StepOutput
 from engine.sampling import SamplingParams, TokenLogprob
 from kv.blocks import prefix_hashes
@@ -91,26 +90,18 @@ class DecodeActor(WorkerActor):
         self.landed: set[str] = set()  # notify tags of KV writes that have fully arrived
         self.decisions: Counter = Counter()
         self.outbox: asyncio.Queue = asyncio.Queue()
-        self.subs = []
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        self.psub = await pull_subscription(self.nc, self.subjects, "generate")
-        self.subs.append(await self.nc.subscribe(self.subjects.generate_worker(self.worker_id), cb=self._on_targeted))
         if self.role == "decode_only":
             await self.nc.subscribe(self.subjects.prefill_done_of_worker(self.worker_id), cb=self._on_prefill_done)
             await self.nc.subscribe(f"{self.s.namespace}.stats.prefill_only.*", cb=self._on_prefill_stats)
             await self._discover_prefill()
             self.tasks.append(asyncio.create_task(self._landing_poller()))
-        self.tasks.append(asyncio.create_task(self._pull_loop()))
         self.tasks.append(asyncio.create_task(self._emitter()))
         self.tasks.append(asyncio.create_task(self._deadline_watch()))
-
-    async def stop_taking_work(self) -> None:
-        for sub in self.subs:
-            await sub.unsubscribe()
-        self.subs = []
+        await self.take_work("generate", self.subjects.generate_worker(self.worker_id))
 
     def busy(self) -> bool:
         return bool(self.requests) or not self.outbox.empty()
@@ -124,37 +115,11 @@ class DecodeActor(WorkerActor):
         e = self.engine
         return len(self.requests) < self.s.max_batch and e.blocks.num_free > 0 and e.num_waiting == 0
 
-    async def _pull_loop(self) -> None:
-        while not self.draining:
-            if not self.has_capacity():
-                await asyncio.sleep(0.01)
-                continue
-            try:
-                msg = await fetch_one(self.psub, timeout=1.0)
-            except Exception as e:  # reconnecting; the consumer is durable, so just try again
-                log.warning("generate pool fetch failed: %s", e)
-                await asyncio.sleep(0.5)
-                continue
-            if msg is not None:
-                await self._accept(msg, from_pool=True)
-
-    async def _on_targeted(self, msg: Msg) -> None:
-        await self._accept(msg, from_pool=False)
-
     # ---------------------------------------------------------------- admission
 
-    async def _accept(self, msg: Msg, from_pool: bool) -> None:
-        try:
-            req = decode(msg.data, GenerateRequest)
-        except MessageError as e:
-            log.warning("dropping undecodable generate request: %s", e)
-            if from_pool:
-                await msg.term()
-            return
-        if from_pool:
-            await msg.ack()
-        if not self.seen.add(req.request_id):
-            log.info("request %s already handled here; ignoring redelivery", req.request_id, extra={"request_id": req.request_id})
+    async def accept(self, msg: Msg, from_pool: bool) -> None:
+        req = await self.receive(msg, from_pool, GenerateRequest, lambda r: r.request_id)
+        if req is None:
             return
         r = Request(req, list(req.prompt_ids))
         self.requests[req.request_id] = r

@@ -15,9 +15,8 @@ from nats.aio.msg import Msg
 
 from actors.base import WorkerActor
 from actors.decode import to_engine_params
-from bus.messages import ErrorCode, MessageError, PrefillDone, PrefillJob, decode
+from bus.messages import ErrorCode, PrefillDone, PrefillJob
 from bus.publish import publish
-from bus.streams import fetch_one, pull_subscription
 from engine.engine import StepOutput
 from kv.layout import KVLayout, LayoutMismatch
 from kv.transfer.base import TransferError
@@ -30,23 +29,19 @@ MAX_CONCURRENT_JOBS = 2  # one computing while the previous one's KV is in fligh
 
 class PrefillActor(WorkerActor):
     role = "prefill_only"
+    capacity_poll_s = 0.005
 
     def __init__(self, settings, loaded):
         super().__init__(settings, loaded)
         self.jobs: dict[str, PrefillJob] = {}
         self.first_tokens: dict[str, asyncio.Future] = {}
         self.cancelled: set[str] = set()
-        self.subs = []
 
     async def start(self) -> None:
-        self.psub = await pull_subscription(self.nc, self.subjects, "prefill")
-        self.subs.append(await self.nc.subscribe(self.subjects.prefill_worker(self.worker_id), cb=self._on_targeted))
-        self.tasks.append(asyncio.create_task(self._pull_loop()))
+        await self.take_work("prefill", self.subjects.prefill_worker(self.worker_id))
 
-    async def stop_taking_work(self) -> None:
-        for sub in self.subs:
-            await sub.unsubscribe()
-        self.subs = []
+    def has_capacity(self) -> bool:
+        return len(self.jobs) < MAX_CONCURRENT_JOBS
 
     def busy(self) -> bool:
         return bool(self.jobs)
@@ -56,35 +51,9 @@ class PrefillActor(WorkerActor):
         st.running = len(self.jobs)
         return st
 
-    async def _pull_loop(self) -> None:
-        while not self.draining:
-            if len(self.jobs) >= MAX_CONCURRENT_JOBS:
-                await asyncio.sleep(0.005)
-                continue
-            try:
-                msg = await fetch_one(self.psub, timeout=1.0)
-            except Exception as e:  # reconnecting; the durable consumer keeps our place
-                log.warning("prefill pool fetch failed: %s", e)
-                await asyncio.sleep(0.5)
-                continue
-            if msg is not None:
-                await self._accept(msg, from_pool=True)
-
-    async def _on_targeted(self, msg: Msg) -> None:
-        await self._accept(msg, from_pool=False)
-
-    async def _accept(self, msg: Msg, from_pool: bool) -> None:
-        try:
-            job = decode(msg.data, PrefillJob)
-        except MessageError as e:
-            log.warning("dropping undecodable prefill job: %s", e)
-            if from_pool:
-                await msg.term()
-            return
-        if from_pool:
-            await msg.ack()
-        if not self.seen.add(f"{job.request_id}:{job.attempt}"):
-            log.info("prefill job %s attempt %d already handled; ignoring redelivery", job.request_id, job.attempt, extra={"request_id": job.request_id})
+    async def accept(self, msg: Msg, from_pool: bool) -> None:
+        job = await self.receive(msg, from_pool, PrefillJob, lambda j: f"{j.request_id}:{j.attempt}")
+        if job is None:
             return
         self.jobs[job.request_id] = job
         self.tasks.append(asyncio.create_task(self._run_job(job)))
