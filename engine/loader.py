@@ -115,7 +115,7 @@ def load_text(spec: str) -> ModelText:
     file's digest), so a gateway or a worker starts in milliseconds the second time.
     """
     path = resolve_model_path(spec)
-    return _hf_text(path) if path.is_dir() else _gguf_text(path)[0]
+    return _hf_text(path) if path.is_dir() else _gguf_text(path, _stat_digest(path))[0]
 
 
 def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
@@ -198,14 +198,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)  # a concurrent reader sees the old state or the whole file
 
 
-def _meta_path(digest: str) -> Path:
-    return cache_dir() / "weights" / f"{digest[:24]}-meta-v{_CACHE_FORMAT}.json"
+def _cache_file(digest: str, kind: str, suffix: str) -> Path:
+    """<cache>/weights/<digest>-<kind>-v<format><suffix>: everything derived from one model file."""
+    return cache_dir() / "weights" / f"{digest[:24]}-{kind}-v{_CACHE_FORMAT}{suffix}"
 
 
-def _gguf_text(path: Path):
+def _gguf_text(path: Path, digest: str):
     """(ModelText, the GGUFReader if we had to parse the file, else None)."""
-    digest = _stat_digest(path)
-    meta_path = _meta_path(digest)
+    meta_path = _cache_file(digest, "meta", ".json")
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
         tok = TextTokenizer(Tokenizer.from_str(meta["tokenizer"]), set(meta["eos_ids"]), meta["bos_id"])
@@ -243,8 +243,9 @@ def _gguf_text(path: Path):
 
 
 def _load_gguf(path: Path, dtype: str) -> LoadedModel:
-    text, reader = _gguf_text(path)
-    weights_path = cache_dir() / "weights" / f"{_stat_digest(path)[:24]}-{dtype}-v{_CACHE_FORMAT}.safetensors"
+    digest = _stat_digest(path)
+    text, reader = _gguf_text(path, digest)
+    weights_path = _cache_file(digest, dtype, ".safetensors")
     from_cache = weights_path.exists()
     if from_cache:  # memory-mapped: no dequantization
         weights = load_file(str(weights_path))
