@@ -132,7 +132,7 @@ def test_micro_discovery_lists_workers(cluster):
                 infos.append(json.loads((await sub.next_msg(timeout=0.5)).data))
             except nats.errors.TimeoutError:
                 break
-        ping = await nc.request("$SRV.PING.tandem-prefill-only", b"", timeout=2)
+        ping = await nc.request("$SRV.PING.tandem-prefill-only", b"", timeout=10)
         await nc.close()
         return infos, json.loads(ping.data)
 

@@ -163,7 +163,7 @@ def test_main_runs_until_interrupt(tmp_path: Path) -> None:
 
         async def ping() -> None:
             nc = await nats.connect(url)
-            await nc.flush(timeout=2)
+            await nc.flush(timeout=10)
             await nc.close()
 
         run(ping())
@@ -237,7 +237,7 @@ def test_token_auth(tmp_path: Path) -> None:
                 await connect(fast(srv.url, token="wrong", connect_timeout=10), "t-bad")
             assert time.monotonic() - t0 < 5  # an auth failure does not wait for the deadline
             with pytest.raises(BusConnectError):
-                await connect(fast(srv.url, connect_timeout=2), "t-none")
+                await connect(fast(srv.url, connect_timeout=10), "t-none")
 
         run(go())
 
@@ -251,7 +251,7 @@ def test_user_password_auth(tmp_path: Path) -> None:
             nc = await connect(fast(srv.url, user="alice", password="wonderland"), "u-ok")
             sub = await nc.subscribe("tandem.x")
             await nc.publish("tandem.x", b"{}")
-            assert (await sub.next_msg(timeout=2)).data == b"{}"
+            assert (await sub.next_msg(timeout=10)).data == b"{}"
             await nc.close()
             with pytest.raises(BusConnectError, match="refused") as ei:
                 await connect(fast(srv.url, user="alice", password="nope"), "u-bad")
@@ -280,7 +280,7 @@ def test_nkey_auth(tmp_path: Path) -> None:
             nc = await connect(fast(srv.url, nkey_seed=str(tmp_path / "user.nk")), "nk-ok")
             sub = await nc.subscribe("tandem.x")
             await nc.publish("tandem.x", b"{}")
-            assert (await sub.next_msg(timeout=2)).data == b"{}"
+            assert (await sub.next_msg(timeout=10)).data == b"{}"
             await nc.close()
             with pytest.raises(BusConnectError, match="refused"):
                 await connect(fast(srv.url, nkey_seed=str(tmp_path / "stranger.nk"), connect_timeout=10), "nk-bad")
@@ -317,7 +317,7 @@ def test_reconnect_after_restart(caplog: pytest.LogCaptureFixture) -> None:
             await srv.arestart()  # same port, same store
             await wait_until(lambda: "up" in events and nc.is_connected, 10, "reconnect")
             await nc.publish("tandem.ping", b"after")  # subscription replayed on reconnect
-            assert (await sub.next_msg(timeout=2)).data == b"after"
+            assert (await sub.next_msg(timeout=10)).data == b"after"
             assert events[:2] == ["down", "up"]
             await nc.close()
 
@@ -533,22 +533,25 @@ def test_raw_subscriber_sees_json_and_request_id_header(server: EmbeddedNats) ->
     async def go() -> None:
         nc = await connect(fast(server.url), "pub")
         raw = await nats.connect(server.url)  # what `nats sub 'tandem.>'` sees
-        sub = await raw.subscribe("tandem.>")
-        await raw.flush()
-        s = Subjects(model="m")
-        samples = sample_messages()
-        for msg in samples:
-            await publish(nc, s.stream("g", "r1"), msg)
-        for msg in samples:
-            got = await sub.next_msg(timeout=2)
-            body = json.loads(got.data)
-            assert body["kind"] == m.kind_of(type(msg))
-            rid = getattr(msg, "request_id", None)
-            if rid is not None:
-                assert got.headers is not None and got.headers[m.REQUEST_ID_HEADER] == rid
-                assert m.request_id_of(got) == rid
-        await raw.close()
-        await nc.close()
+        try:
+            sub = await raw.subscribe("tandem.>")
+            await raw.flush()
+            s = Subjects(model="m")
+            samples = sample_messages()
+            for msg in samples:
+                await publish(nc, s.stream("g", "r1"), msg)
+            await nc.flush(timeout=10)
+            for msg in samples:
+                got = await sub.next_msg(timeout=10)
+                body = json.loads(got.data)
+                assert body["kind"] == m.kind_of(type(msg))
+                rid = getattr(msg, "request_id", None)
+                if rid is not None:
+                    assert got.headers is not None and got.headers[m.REQUEST_ID_HEADER] == rid
+                    assert m.request_id_of(got) == rid
+        finally:
+            await raw.close()
+            await nc.close()
 
     run(go())
 
@@ -565,10 +568,10 @@ def test_request_reply_helpers(server: EmbeddedNats) -> None:
             )
 
         await nc.subscribe(s.kv_meta("p1"), cb=handler)
-        reply = await request(nc, s.kv_meta("p1"), m.KVMetaRequest(worker_id="d1"), m.KVMetaReply, timeout=2)
+        reply = await request(nc, s.kv_meta("p1"), m.KVMetaRequest(worker_id="d1"), m.KVMetaReply, timeout=10)
         assert reply.meta == {"for": "d1"}
         with pytest.raises(nats.errors.NoRespondersError):  # unknown worker: immediate error, no hang
-            await request(nc, s.kv_meta("ghost"), m.KVMetaRequest(worker_id="d1"), m.KVMetaReply, timeout=2)
+            await request(nc, s.kv_meta("ghost"), m.KVMetaRequest(worker_id="d1"), m.KVMetaReply, timeout=10)
         await nc.close()
 
     run(go())
@@ -610,7 +613,7 @@ def test_oversize_refused_before_sending(tmp_path: Path) -> None:
                 await js_publish(nc, s.generate_pool, big)
             small = m.GenerateRequest(request_id="r-ok", prompt_ids=[1, 2], stream_subject="x")
             await publish(nc, s.generate_worker("d1"), small)
-            got = await sub.next_msg(timeout=2)  # the connection is still healthy
+            got = await sub.next_msg(timeout=10)  # the connection is still healthy
             assert m.decode(got.data, m.GenerateRequest).request_id == "r-ok"
             with pytest.raises(nats.errors.TimeoutError):
                 await sub.next_msg(timeout=0.2)  # the big one never went out
@@ -701,11 +704,11 @@ def test_pool_message_pulled_once_and_targeted_not_captured(server: EmbeddedNats
         assert dup.duplicate
         assert (await pool_backlog(nc, s, "generate"))[0] == 1
 
-        got = await fetch_one(w1, timeout=2)
+        got = await fetch_one(w1, timeout=10)
         assert got is not None and m.request_id_of(got) == "r-pool"
         assert m.decode(got.data, m.GenerateRequest) == req
         assert await fetch_one(w2, timeout=0.3) is None  # the other worker does not get it
-        await got.ack_sync(timeout=2)
+        await got.ack_sync(timeout=10)
         info = await nc.jetstream().stream_info(s.generate_stream)
         assert info.state.messages == 0  # work queue: gone once acked
         assert await pool_backlog(nc, s, "generate") == (0, 0)
@@ -713,7 +716,7 @@ def test_pool_message_pulled_once_and_targeted_not_captured(server: EmbeddedNats
         # a targeted request is core request-reply, not swallowed by the stream
         tsub = await nc.subscribe(s.generate_worker("d1"))
         await publish(nc, s.generate_worker("d1"), req)
-        assert m.decode((await tsub.next_msg(timeout=2)).data, m.GenerateRequest) == req
+        assert m.decode((await tsub.next_msg(timeout=10)).data, m.GenerateRequest) == req
         info = await nc.jetstream().stream_info(s.generate_stream)
         assert info.state.messages == 0
         await tsub.unsubscribe()
@@ -723,7 +726,7 @@ def test_pool_message_pulled_once_and_targeted_not_captured(server: EmbeddedNats
         job_ack = await js_publish(nc, s.prefill_pool, sample_messages()[1])
         assert job_ack.stream == s.prefill_stream
         pw = await pull_subscription(nc, s, "prefill")
-        job = await fetch_one(pw, timeout=2)
+        job = await fetch_one(pw, timeout=10)
         assert job is not None and isinstance(m.decode_any(job.data), m.PrefillJob)
         await job.ack()
         assert await fetch_one(w1, timeout=0.2) is None
@@ -741,7 +744,7 @@ def test_unacked_message_is_redelivered(server: EmbeddedNats) -> None:
         )
         w = await pull_subscription(nc, s, "generate")
         await js_publish(nc, s.generate_pool, m.Cancel(request_id="r-x"))
-        first = await fetch_one(w, timeout=2)
+        first = await fetch_one(w, timeout=10)
         assert first is not None and first.metadata.num_delivered == 1
         again = await fetch_one(w, timeout=3)  # not acked: back after ack_wait
         assert again is not None and again.metadata.num_delivered == 2
@@ -782,18 +785,18 @@ def test_role_permissions_on_real_server(tmp_path: Path, caplog: pytest.LogCaptu
             job = sample_messages()[1]
             await js_publish(admin, s.prefill_pool, job)
             psub = await pull_subscription(worker, s, "prefill")
-            got = await fetch_one(psub, timeout=2)
+            got = await fetch_one(psub, timeout=10)
             assert got is not None and m.decode(got.data, m.PrefillJob).request_id == job.request_id
-            await got.ack_sync(timeout=2)
+            await got.ack_sync(timeout=10)
             await publish(
                 worker, s.prefill_done("d1", "r1"), m.PrefillDone(request_id="r1", ok=True, first_token=1)
             )
-            assert m.decode((await done_sub.next_msg(timeout=2)).data, m.PrefillDone).ok
+            assert m.decode((await done_sub.next_msg(timeout=10)).data, m.PrefillDone).ok
             # not allowed for a prefill worker: enqueue generate requests, write to a gateway stream
             spy = await admin.subscribe(s.stream("g", "r1"))
             await publish(worker, s.stream("g", "r1"), m.Cancel(request_id="r1"))
             await publish(worker, s.generate_pool, m.Cancel(request_id="r1"))
-            await worker.flush(timeout=2)
+            await worker.flush(timeout=10)
             with pytest.raises(nats.errors.TimeoutError):
                 await spy.next_msg(timeout=0.3)
             info = await admin.jetstream().stream_info(s.generate_stream)
@@ -827,7 +830,7 @@ def test_tls_with_ca(tmp_path: Path) -> None:
             nc = await connect(fast(srv.url, tls_ca=str(cert)), "tls-ok")
             sub = await nc.subscribe("tandem.tls")
             await nc.publish("tandem.tls", b"x")
-            assert (await sub.next_msg(timeout=2)).data == b"x"
+            assert (await sub.next_msg(timeout=10)).data == b"x"
             await nc.close()
             t0 = time.monotonic()
             with pytest.raises(BusConnectError, match="refused"):  # no CA: the certificate is not trusted

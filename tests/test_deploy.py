@@ -818,7 +818,7 @@ def test_deploy_nats_conf_roles_on_a_real_server(deploy_nats: EmbeddedNats) -> N
             await svc.add_endpoint(name="info", subject=s.service("p1", "info"), handler=info_handler)
             await svc.add_endpoint(name="stats", subject=s.service("p1", "stats"), handler=stats_handler)
             psub = await pull_subscription(prefill, s, "prefill")
-            await prefill.flush(timeout=2)
+            await prefill.flush(timeout=10)
 
             # ---- decode worker d1: pulls generate, publishes a prefill job, hears prefill stats
             assert set(vars(await ensure_streams(decode, s)).values()) == {"unchanged"}
@@ -827,22 +827,22 @@ def test_deploy_nats_conf_roles_on_a_real_server(deploy_nats: EmbeddedNats) -> N
             pstats = await decode.subscribe(f"{s.namespace}.stats.{ROLE_PREFILL_ONLY}.*")
             await decode.subscribe(s.generate_worker("d1"))
             await decode.subscribe(s.kv_meta("d1"), cb=kv_meta_answer(decode, "d1"))
-            await decode.flush(timeout=2)
+            await decode.flush(timeout=10)
             # discovery as in DecodeActor._discover_prefill
-            reply = await decode.request("$SRV.INFO.tandem-prefill-only", b"", timeout=2)
+            reply = await decode.request("$SRV.INFO.tandem-prefill-only", b"", timeout=10)
             assert json.loads(reply.data)["metadata"]["worker_id"] == "p1"
 
             # ---- gateway: enqueues a request and listens to its streams
             assert set(vars(await ensure_streams(gateway, s)).values()) == {"unchanged"}
             streams = await gateway.subscribe(s.streams_of_gateway("gw1"))
             await gateway.subscribe(s.stats_all)
-            await gateway.flush(timeout=2)
+            await gateway.flush(timeout=10)
             req = GenerateRequest(request_id="r1", prompt_ids=[1, 2, 3], stream_subject=s.stream("gw1", "r1"))
             await js_publish(gateway, s.generate_pool, req)
 
             got = await fetch_one(gsub, timeout=3)
             assert got is not None and decode_msg(got.data, GenerateRequest).request_id == "r1"
-            await got.ack_sync(timeout=2)
+            await got.ack_sync(timeout=10)
             job = PrefillJob(request_id="r1", prompt_ids=[1, 2, 3], layout_fingerprint="fp",
                              dst=KVDestination(engine="tcp", worker_id="d1", incarnation="i", block_ids=[0]),
                              reply_subject=s.prefill_done("d1", "r1"))
@@ -852,20 +852,20 @@ def test_deploy_nats_conf_roles_on_a_real_server(deploy_nats: EmbeddedNats) -> N
 
             pjob = await fetch_one(psub, timeout=3)
             assert pjob is not None and decode_msg(pjob.data, PrefillJob).request_id == "r1"
-            await pjob.ack_sync(timeout=2)
-            assert (await targeted.next_msg(timeout=2)).subject == s.prefill_worker("p1")
-            assert (await cancels.next_msg(timeout=2)).subject == s.cancel("r0")
-            meta = await prefill.request(s.kv_meta("d1"), encode(KVMetaRequest(worker_id="p1")), timeout=2)
+            await pjob.ack_sync(timeout=10)
+            assert (await targeted.next_msg(timeout=10)).subject == s.prefill_worker("p1")
+            assert (await cancels.next_msg(timeout=10)).subject == s.cancel("r0")
+            meta = await prefill.request(s.kv_meta("d1"), encode(KVMetaRequest(worker_id="p1")), timeout=10)
             assert decode_msg(meta.data, KVMetaReply).worker_id == "d1"  # WorkerActor.ensure_peer
-            meta = await admin.request(s.kv_meta("p1"), b"{}", timeout=2)  # the prefill worker answers too
+            meta = await admin.request(s.kv_meta("p1"), b"{}", timeout=10)  # the prefill worker answers too
             assert decode_msg(meta.data, KVMetaReply).worker_id == "p1"
             await publish(prefill, s.prefill_done("d1", "r1"), PrefillDone(request_id="r1", ok=True, first_token=7))
             await publish(prefill, s.stats(ROLE_PREFILL_ONLY, "p1"), WorkerStats(role=ROLE_PREFILL_ONLY,
                                                                                  worker_id="p1"))
-            assert decode_msg((await done_sub.next_msg(timeout=2)).data, PrefillDone).first_token == 7
-            assert decode_msg((await pstats.next_msg(timeout=2)).data, WorkerStats).worker_id == "p1"
+            assert decode_msg((await done_sub.next_msg(timeout=10)).data, PrefillDone).first_token == 7
+            assert decode_msg((await pstats.next_msg(timeout=10)).data, WorkerStats).worker_id == "p1"
             await publish(decode, s.stream("gw1", "r1"), PrefillDone(request_id="r1", ok=True))
-            assert (await streams.next_msg(timeout=2)).subject == s.stream("gw1", "r1")
+            assert (await streams.next_msg(timeout=10)).subject == s.stream("gw1", "r1")
 
             # ---- ops: tandem status and tail work with the read-only user
             from tandem.status import collect
@@ -875,20 +875,20 @@ def test_deploy_nats_conf_roles_on_a_real_server(deploy_nats: EmbeddedNats) -> N
             assert (w.worker_id, w.role, w.total_blocks, w.stats_error) == ("p1", ROLE_PREFILL_ONLY, 8, None)
             assert {p.pool: p.error for p in status.pools} == {"generate": None, "prefill": None}
             everything = await ops.subscribe(s.all)
-            await ops.flush(timeout=2)
+            await ops.flush(timeout=10)
             await publish(decode, s.stream("gw1", "r1"), PrefillDone(request_id="r1", ok=True))
-            assert (await everything.next_msg(timeout=2)).subject == s.stream("gw1", "r1")
+            assert (await everything.next_msg(timeout=10)).subject == s.stream("gw1", "r1")
             for c in (admin, prefill, decode, gateway, ops):
-                await c.flush(timeout=2)
+                await c.flush(timeout=10)
             assert not any("violation" in e for c in (prefill, decode, gateway, ops) for e in c.violations), \
                 [c.violations for c in (prefill, decode, gateway, ops)]
 
             # ---- refused: a prefill worker writes to a gateway stream or enqueues generate requests
             spy = await admin.subscribe(f"{s.namespace}.>")
-            await admin.flush(timeout=2)
+            await admin.flush(timeout=10)
             await publish(prefill, "tandem.stream.x.y", PrefillDone(request_id="y", ok=True))
             await publish(prefill, s.generate_pool, req)
-            await prefill.flush(timeout=2)
+            await prefill.flush(timeout=10)
             await wait_violations(prefill, 2)
             await nothing_arrives(spy)
             info = await admin.jetstream().stream_info(s.generate_stream)
@@ -899,13 +899,13 @@ def test_deploy_nats_conf_roles_on_a_real_server(deploy_nats: EmbeddedNats) -> N
             await publish(gateway, s.prefill_pool, job)
             await publish(ops, s.generate_pool, req)
             for c in (decode, gateway, ops):
-                await c.flush(timeout=2)
+                await c.flush(timeout=10)
             await wait_violations(decode, 1)
             await wait_violations(gateway, 1)
             await wait_violations(ops, 1)
             await nothing_arrives(spy)
             await prefill.subscribe(s.all)
-            await prefill.flush(timeout=2)
+            await prefill.flush(timeout=10)
             await wait_violations(prefill, 3)
             await svc.stop()
 
