@@ -22,6 +22,7 @@ from bus.messages import (
     GenerateRequest,
     KVDestination,
     MessageError,
+    PrefillAccepted,
     PrefillDone,
     PrefillJob,
     StreamError,
@@ -84,6 +85,7 @@ class DecodeActor(WorkerActor):
         self.role = settings.role
         self.requests: dict[str, Request] = {}
         self.prefill_waits: dict[str, asyncio.Future] = {}  # by "<request>:<attempt>"
+        self.prefill_takers: dict[str, str] = {}  # "<request>:<attempt>" → the prefill worker that took it
         self.quarantined: dict[str, list[int]] = {}  # blocks a prefill attempt may still write
         self.prefill_workers: dict[str, tuple[WorkerStats, float]] = {}
         self.attempt_deadline: dict[str, float] = {}
@@ -222,6 +224,8 @@ class DecodeActor(WorkerActor):
                 await self.runner.call(lambda e: e.abandon_remote(rid, quarantine=False))
                 await self._fail(r, f.code, f.message, f.status)
                 return
+            finally:
+                taker = self.prefill_takers.pop(f"{rid}:{attempt}", None)
             if r.cancelled:
                 return
             if done is not None and done.ok:
@@ -243,8 +247,9 @@ class DecodeActor(WorkerActor):
             why = "timed out" if timed_out else f"failed: {done.error}"
             log.warning("request %s: remote prefill attempt %d %s", rid, attempt, why, extra={"request_id": rid})
             self.count_decision("remote_failed", "timeout" if timed_out else done.error_code or "error")
-            if done is not None and done.prefill_worker_id:
-                tried.append(done.prefill_worker_id)
+            worker = done.prefill_worker_id if done is not None else taker or target
+            if worker:
+                tried.append(worker)
             others = [w for w in self.alive_prefill_workers() if w not in tried and w != target]
             target = others[0] if others else None
             if target is None and not self.alive_prefill_workers():
@@ -282,7 +287,7 @@ class DecodeActor(WorkerActor):
                 await publish(self.nc, self.subjects.prefill_worker(target), job)
             else:
                 await js_publish(self.nc, self.subjects.prefill_pool, job, msg_id=tag)
-            done = await self._wait_done(fut, deadline, target)
+            done = await self._wait_done(fut, deadline, target, tag)
         finally:
             self.prefill_waits.pop(tag, None)
         if done is None:
@@ -299,8 +304,13 @@ class DecodeActor(WorkerActor):
         self.landed.discard(tag)
         return done
 
-    async def _wait_done(self, fut: asyncio.Future, deadline: float, target: str | None) -> PrefillDone | None:
-        """The PrefillDone, or None at the deadline or once the targeted worker stops reporting."""
+    async def _wait_done(self, fut: asyncio.Future, deadline: float, target: str | None,
+                         tag: str) -> PrefillDone | None:
+        """The PrefillDone, or None at the deadline or once the worker doing job ``tag`` stops reporting.
+
+        That worker is the target, or for a pool job the one whose PrefillAccepted came
+        back; a pool job nobody took is given up when no prefill worker is alive.
+        """
         while True:
             left = deadline - time.time()
             if left <= 0:
@@ -309,10 +319,14 @@ class DecodeActor(WorkerActor):
                 return await asyncio.wait_for(asyncio.shield(fut), timeout=min(left, 0.5))
             except asyncio.TimeoutError:
                 pass
-            if target and target in self.prefill_workers:
-                _, seen = self.prefill_workers[target]
+            worker = target or self.prefill_takers.get(tag)
+            if worker is None and not self.alive_prefill_workers():
+                log.warning("no prefill worker is alive to take pool job %s; giving up on it", tag)
+                return None
+            if worker in self.prefill_workers:
+                _, seen = self.prefill_workers[worker]
                 if time.monotonic() - seen > PREFILL_DEAD_S:
-                    log.warning("prefill worker %s stopped reporting; giving up on its job", target)
+                    log.warning("prefill worker %s stopped reporting; giving up on its job", worker)
                     return None
 
     def _quarantine(self, tag: str, blocks: list[int], deadline: float) -> None:
@@ -343,11 +357,15 @@ class DecodeActor(WorkerActor):
 
     async def _on_prefill_done(self, msg: Msg) -> None:
         try:
-            done = decode(msg.data, PrefillDone)
+            done = decode(msg.data, PrefillAccepted | PrefillDone)
         except MessageError as e:
-            log.warning("bad prefill done: %s", e)
+            log.warning("bad prefill reply: %s", e)
             return
         tag = f"{done.request_id}:{done.attempt}"
+        if isinstance(done, PrefillAccepted):
+            if tag in self.prefill_waits:
+                self.prefill_takers[tag] = done.prefill_worker_id
+            return
         fut = self.prefill_waits.get(tag)
         if fut is not None and not fut.done():
             fut.set_result(done)

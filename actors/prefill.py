@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 
 from actors.base import WorkerActor
 from actors.decode import to_engine_params
-from bus.messages import ErrorCode, PrefillDone, PrefillJob
+from bus.messages import ErrorCode, PrefillAccepted, PrefillDone, PrefillJob
 from bus.publish import publish
 from engine.engine import StepOutput
 from kv.layout import KVLayout, LayoutMismatch
@@ -67,6 +67,8 @@ class PrefillActor(WorkerActor):
                            layout_fingerprint=self.layout.fingerprint())
         held = False
         try:
+            await publish(self.nc, job.reply_subject,
+                          PrefillAccepted(request_id=rid, attempt=job.attempt, prefill_worker_id=self.worker_id))
             if job.deadline and time.time() > job.deadline:
                 raise _JobError(ErrorCode.DEADLINE_EXCEEDED, "prefill job deadline passed before it started")
             if job.layout_fingerprint != self.layout.fingerprint():

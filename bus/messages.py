@@ -186,6 +186,19 @@ class PrefillJob(_Msg, tag="prefill_job", kw_only=True):
     created: float = msgspec.field(default_factory=time.time)
 
 
+class PrefillAccepted(_Msg, tag="prefill_accepted", kw_only=True):
+    """Prefill worker → decode worker, on the job's ``reply_subject``: I took this job.
+
+    Why: a job from the pool names no worker; this tells the decode worker whose
+    liveness to watch, so a worker that dies mid-job is noticed within seconds, not at
+    the job's deadline.
+    """
+
+    request_id: str
+    attempt: NonNegInt = 0
+    prefill_worker_id: str
+
+
 class PrefillDone(_Msg, tag="prefill_done", kw_only=True):
     """Prefill worker → decode worker: the KV is written (ok) or why not.
 
@@ -303,6 +316,7 @@ class WorkerStats(_Msg, tag="worker_stats", kw_only=True):
 AnyMessage = Union[  # noqa: UP007 - a runtime union object msgspec decodes into
     GenerateRequest,
     PrefillJob,
+    PrefillAccepted,
     PrefillDone,
     StreamTokens,
     StreamFinish,

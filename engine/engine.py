@@ -37,6 +37,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
 
 
+DETOK_CONTEXT_TOKENS = 4  # tokens decoded before the new ones, for the decoder's context
+
+
 @dataclass
 class StepOutput:
     """What one step produced for one request: new tokens and the text that is safe to show."""
@@ -291,7 +294,23 @@ class LLMEngine:
         return self._emit(seq, new_ids, [info] if info is not None and new_ids else [])
 
     def _update_text(self, seq: Sequence) -> None:
-        text = self.tokenizer.decode(seq.output_ids)
+        """Extend ``seq.text`` by the new tokens' text, decoding only a short window of tokens.
+
+        Decoding ``ids[start:]`` and dropping the text of ``ids[start:read]`` keeps what a
+        decoder does at a word's start (e.g. SentencePiece's leading space) out of the new
+        text. A window ending in an incomplete UTF-8 character stays pending until the
+        next token completes it.
+        """
+        ids = seq.output_ids
+        start = max(0, seq.detok_read - DETOK_CONTEXT_TOKENS)
+        stable = self.tokenizer.decode(ids[start : seq.detok_read])
+        window = self.tokenizer.decode(ids[start:])
+        if window.startswith(stable):
+            text = seq.detok_text + window[len(stable) :]
+        else:  # a decoder that rewrites earlier text: decode the whole output
+            text = self.tokenizer.decode(ids)
+        if not text.endswith("\ufffd"):
+            seq.detok_text, seq.detok_read = text, len(ids)
         stops = seq.params.stop
         if stops:
             longest = max(len(s) for s in stops)

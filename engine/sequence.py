@@ -34,6 +34,8 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.text = ""  # detokenized output, cut at a stop string
+        self.detok_text = ""  # the text of output_ids[:detok_read], each character complete
+        self.detok_read = 0
         self.emitted_chars = 0
         self.emitted_tokens = 0
         self.preemptions = 0

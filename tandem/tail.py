@@ -75,6 +75,8 @@ class Printer:
             return (f"{len(msg.prompt_ids)} prompt tokens {self.text(msg.prompt_ids)} from token "
                     f"{d.first_token_index}, into {len(d.block_ids)} blocks of {d.worker_id} via {d.engine}, "
                     f"attempt {msg.attempt} -> {msg.reply_subject}")
+        if k == "prefill_accepted":
+            return f"taken by {msg.prefill_worker_id}, attempt {msg.attempt}"
         if k == "prefill_done":
             t = " ".join(f"{name}={sec * 1000:.1f}ms" for name, sec in msg.timings.items())
             if msg.ok:

@@ -113,7 +113,7 @@ def test_raw_json_request_and_every_message_is_json(cluster, smollm):
     assert kinds[-1] == "stream_finish" and "stream_tokens" in kinds
     assert seen
     parsed = [json.loads(m.data) for m in seen]  # raises if any message is not JSON
-    assert {"prefill_job", "prefill_done", "stream_tokens", "stream_finish"} <= {p.get("kind") for p in parsed}
+    assert {"prefill_job", "prefill_accepted", "prefill_done", "stream_tokens", "stream_finish"} <= {p.get("kind") for p in parsed}
     assert any("stream_subject" in p for p in parsed)  # our hand-written request (no "kind": optional)
 
 
@@ -192,11 +192,13 @@ def test_layout_mismatch_names_both_layouts(cluster):
                "layout": layout, "reply_subject": reply, "deadline": time.time() + 30,
                "dst": {"engine": "shm", "worker_id": "nobody", "incarnation": "x", "block_ids": [0]}}
         await nc.publish("tandem.smollm2-135m-instruct.prefill.p1", json.dumps(job).encode())
+        accepted = json.loads((await sub.next_msg(timeout=10)).data)
         done = json.loads((await sub.next_msg(timeout=10)).data)
         await nc.close()
-        return done
+        return accepted, done
 
-    done = run(go())
+    accepted, done = run(go())
+    assert accepted["kind"] == "prefill_accepted" and accepted["prefill_worker_id"] == "p1"
     assert done["ok"] is False and done["error_code"] == "layout_mismatch"
     assert "block_size=32" in done["error"] and "block_size=16" in done["error"]
 
@@ -322,3 +324,31 @@ def test_sigkill_prefill_mid_job_still_completes(cluster, smollm):
     assert out["token_ids"] == reference["token_ids"]
     assert out["finish"]["prefill_worker_id"] in ("p1", None)  # retried on p1, or prefilled locally
     assert elapsed < 40  # the dead worker is noticed well before the 40 s prefill deadline
+
+
+def test_sigkill_prefill_mid_pool_job_is_noticed_early(cluster, smollm):
+    """Runs after the test above (p2 is dead): p1 takes a pool job, says so, and is killed."""
+    url, workers = cluster
+    fresh_context = " ".join(f"Crate {i} holds {7 * i} apples." for i in range(150))  # cached nowhere
+    prompt = chat_ids(smollm, fresh_context + " How many apples does crate 5 hold?")
+
+    async def go():
+        async with Client(url, "agg") as agg:
+            reference = await agg.generate(rid(), prompt, max_tokens=6)
+        async with Client(url) as c:
+            r = rid()
+            replies = await c.nc.subscribe(c.subjects.prefill_done("d1", r))
+            t0 = time.monotonic()
+            s = await c.start(r, prompt, worker="d1", max_tokens=6)  # no target: the job goes to the pool
+            accepted = json.loads((await replies.next_msg(timeout=30)).data)
+            workers["p1"].kill()
+            out = await c.collect(s, timeout=90)
+            return reference, accepted, out, time.monotonic() - t0
+
+    reference, accepted, out, elapsed = run(go())
+    assert accepted["kind"] == "prefill_accepted" and accepted["prefill_worker_id"] == "p1", accepted
+    assert "finish" in out, out
+    assert out["token_ids"] == reference["token_ids"]
+    assert out["finish"]["prefill_worker_id"] != "p1"
+    # Without the accepted notice d1 would wait for the job's 30 s deadline (--prefill-timeout).
+    assert elapsed < 30

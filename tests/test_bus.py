@@ -288,6 +288,84 @@ def test_nkey_auth(tmp_path: Path) -> None:
         run(go())
 
 
+def _nkey_pair(prefix: int) -> Any:
+    import nkeys
+
+    return nkeys.from_seed(bytearray(nkeys.encode_seed(os.urandom(32), prefix)))
+
+
+def _jwt(issuer: Any, subject: str, name: str, nats_claims: dict[str, Any]) -> str:
+    """A NATS JWT (v2) signed by ``issuer``: what `nsc` writes, minted here without it."""
+    import base64
+    import hashlib
+
+    def b64(raw: bytes) -> str:
+        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    claims: dict[str, Any] = {
+        "iat": int(time.time()),
+        "iss": issuer.public_key.decode(),
+        "name": name,
+        "sub": subject,
+        "nats": {**nats_claims, "version": 2},
+    }
+    body = json.dumps(claims, separators=(",", ":")).encode()
+    claims["jti"] = base64.b32encode(hashlib.new("sha512_256", body).digest()).rstrip(b"=").decode()
+    signing_input = b64(b'{"typ":"JWT","alg":"ed25519-nkey"}') + "." + b64(json.dumps(claims).encode())
+    return signing_input + "." + b64(issuer.sign(signing_input.encode()))
+
+
+def _creds_file(path: Path, account: Any, name: str) -> None:
+    """A ``.creds`` file (user JWT + user seed) for a user of ``account``."""
+    import nkeys
+
+    user = _nkey_pair(nkeys.PREFIX_BYTE_USER)
+    jwt = _jwt(account, user.public_key.decode(), name,
+               {"type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1})
+    path.write_text(
+        f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{user.seed.decode()}\n------END USER NKEY SEED------\n"
+    )
+
+
+def test_creds_auth(tmp_path: Path) -> None:
+    """Decentralized (JWT) auth: an operator, a preloaded account, users from `.creds` files."""
+    import nkeys
+
+    operator = _nkey_pair(nkeys.PREFIX_BYTE_OPERATOR)
+    account = _nkey_pair(nkeys.PREFIX_BYTE_ACCOUNT)
+    unknown_account = _nkey_pair(nkeys.PREFIX_BYTE_ACCOUNT)
+    system = _nkey_pair(nkeys.PREFIX_BYTE_ACCOUNT)  # JetStream needs a system account
+    op_pub, acc_pub, sys_pub = (k.public_key.decode() for k in (operator, account, system))
+    limits = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True,
+              "conn": -1, "leaf": -1, "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
+    conf = tmp_path / "operator.conf"
+    conf.write_text(
+        f"operator: {_jwt(operator, op_pub, 'tandem-op', {'type': 'operator'})}\n"
+        f"system_account: {sys_pub}\nresolver: MEMORY\nresolver_preload: {{\n"
+        f"  {acc_pub}: {_jwt(operator, acc_pub, 'tandem', {'type': 'account', 'limits': limits})}\n"
+        f"  {sys_pub}: {_jwt(operator, sys_pub, 'SYS', {'type': 'account'})}\n}}\n"
+    )
+    _creds_file(tmp_path / "worker.creds", account, "worker")
+    _creds_file(tmp_path / "stranger.creds", unknown_account, "stranger")
+    with EmbeddedNats(config=conf) as srv:
+
+        async def go() -> None:
+            nc = await connect(fast(srv.url, creds=str(tmp_path / "worker.creds")), "creds-ok")
+            sub = await nc.subscribe("tandem.x")
+            await nc.publish("tandem.x", b"{}")
+            assert (await sub.next_msg(timeout=10)).data == b"{}"
+            await ensure_streams(nc.jetstream(), Subjects(model="m"))  # the account has JetStream
+            await nc.close()
+            with pytest.raises(BusConnectError, match="refused"):
+                await connect(fast(srv.url, creds=str(tmp_path / "stranger.creds"), connect_timeout=10), "creds-bad")
+
+        run(go())
+
+    with pytest.raises(BusConnectError, match="creds"):  # a missing file is named before connecting
+        run(connect(fast("nats://127.0.0.1:1", creds=str(tmp_path / "absent.creds")), "creds-missing"))
+
+
 def test_no_server_fails_within_deadline() -> None:
     async def go() -> None:
         t0 = time.monotonic()
@@ -441,6 +519,7 @@ def sample_messages() -> list[msgspec.Struct]:
             decode_worker_id="d1",
             attempt=1,
         ),
+        m.PrefillAccepted(request_id="r1", attempt=1, prefill_worker_id="p1"),
         m.PrefillDone(
             request_id="r1",
             ok=True,

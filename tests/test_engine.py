@@ -112,6 +112,30 @@ def test_streamed_text_never_passes_stop(smollm, make_engine):
     assert streamed == seq.text
 
 
+MULTILINGUAL = "Grüße aus Köln 🙂 — 日本語のテキスト 🎉 done. " * 20
+
+
+@pytest.mark.parametrize("stop", [None, "テキスト 🎉 done. Gr"])
+def test_streamed_text_is_whole_characters(smollm, make_engine, stop):
+    """Forced tokens that split characters: every delta is whole characters, the sum is the text."""
+    engine = make_engine()
+    forced = smollm.tokenizer.encode(MULTILINGUAL)
+    assert any("\ufffd" in smollm.tokenizer.decode([t]) for t in forced)  # some tokens are part-characters
+    seq = engine.add_request("u", [1, 2, 3], SamplingParams(max_tokens=len(forced), stop=[stop] if stop else []))
+    deltas = []
+    for tok in forced:
+        out = engine.append_token(seq, tok)
+        deltas.append(out.text)
+        if out.finish_reason:
+            break
+    assert not any("\ufffd" in d for d in deltas)
+    if stop:
+        assert seq.finish_reason == "stop" and "".join(deltas) == MULTILINGUAL[: MULTILINGUAL.index(stop)]
+    else:
+        assert seq.finish_reason == "length" and "".join(deltas) == MULTILINGUAL == seq.text
+    engine.abort("u")
+
+
 def test_max_tokens_and_logprobs(smollm, make_engine):
     engine = make_engine()
     [seq] = engine.generate([chat_ids(smollm, QUESTIONS[2])],

@@ -225,6 +225,7 @@ def test_tail_summaries_of_every_kind() -> None:
          ["2 prompt tokens", '"<1><2>"', "-> tandem.stream.g.r"]),
         (m.PrefillJob(request_id="r", prompt_ids=[1, 2, 3], layout_fingerprint="f", dst=dst, reply_subject="x"),
          ["3 prompt tokens", "from token 16", "2 blocks of d1 via tcp"]),
+        (m.PrefillAccepted(request_id="r", attempt=1, prefill_worker_id="p2"), ["taken by p2, attempt 1"]),
         (m.PrefillDone(request_id="r", ok=True, first_token=9, prefill_worker_id="p1", timings={"compute": 0.5}),
          ["ok by p1", 'first token 9 "<9>"', "compute=500.0ms"]),
         (m.PrefillDone(request_id="r", ok=False, error="boom", error_code="internal", prefill_worker_id="p1"),
