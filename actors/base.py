@@ -39,11 +39,14 @@ VERSION = "0.1.0"
 
 
 class SeenIds:
-    """Request ids handled recently, so a JetStream redelivery is not run twice."""
+    """Ids seen recently (bounded): redeliveries not to run twice, requests cancelled before they came."""
 
     def __init__(self, capacity: int = 10_000):
         self.ids: OrderedDict[str, None] = OrderedDict()
         self.capacity = capacity
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.ids
 
     def add(self, key: str) -> bool:
         """True if new."""
@@ -87,6 +90,7 @@ class WorkerActor:
         self.stop_event = asyncio.Event()
         self.tasks: list[asyncio.Task] = []
         self.seen = SeenIds()
+        self.cancelled_ids = SeenIds()  # a cancel can overtake its request queued in the pool
         self.peer_incarnations: dict[str, str] = {}
         self.nc = None
         self.subs: list = []  # subscriptions that bring new work (dropped first when draining)
@@ -277,6 +281,7 @@ class WorkerActor:
         except ValueError as e:
             log.warning("ignoring bad cancel on %s: %s", msg.subject, e)
             return
+        self.cancelled_ids.add(c.request_id)
         await self.on_cancel(c.request_id, c.reason)
 
     async def _on_kv_meta(self, msg: Msg) -> None:

@@ -123,6 +123,10 @@ class DecodeActor(WorkerActor):
         req = await self.receive(msg, from_pool, GenerateRequest, lambda r: r.request_id)
         if req is None:
             return
+        if req.request_id in self.cancelled_ids:  # its client left while it sat in the pool
+            log.info("request %s was cancelled before it got here; dropping it", req.request_id,
+                     extra={"request_id": req.request_id})
+            return
         r = Request(req, list(req.prompt_ids))
         self.requests[req.request_id] = r
         try:
@@ -132,10 +136,13 @@ class DecodeActor(WorkerActor):
             await self._fail(r, f.code, f.message, f.status)
             return
         r.mode = mode
+        r.seq = 1
+        await publish(self.nc, req.stream_subject,
+                      StreamTokens(request_id=req.request_id, seq=0, token_ids=[], worker_id=self.worker_id))
         self.count_decision(mode, reason)
         log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids), extra={"request_id": req.request_id})
         if mode == "remote":
-            self.tasks.append(asyncio.create_task(self._remote_prefill(r, target)))
+            self.tasks.append(asyncio.create_task(self._remote_prefill_or_fail(r, target)))
         else:
             await self._start_local(r)
 
@@ -200,6 +207,16 @@ class DecodeActor(WorkerActor):
             await self._fail(r, ErrorCode.BAD_REQUEST, str(e.args[0]), 400)
 
     # ---------------------------------------------------------------- remote prefill
+
+    async def _remote_prefill_or_fail(self, r: Request, target: str | None) -> None:
+        """Run the remote prefill; an unexpected error fails the request instead of leaving it to hang."""
+        rid = r.req.request_id
+        try:
+            await self._remote_prefill(r, target)
+        except Exception as e:
+            log.exception("request %s: remote prefill crashed", rid, extra={"request_id": rid})
+            if await self._drop(rid) is not None:
+                await self._fail(r, ErrorCode.INTERNAL, f"remote prefill failed: {type(e).__name__}: {e}", 500)
 
     async def _remote_prefill(self, r: Request, target: str | None) -> None:
         rid = r.req.request_id
@@ -425,8 +442,7 @@ class DecodeActor(WorkerActor):
                 r.first_token_at = now
                 metrics.WORKER_TTFT.observe(now - r.accepted)
             metrics.WORKER_GENERATED_TOKENS.labels(self.role).inc(len(out.token_ids))
-            msg = StreamTokens(request_id=rid, seq=r.seq, token_ids=out.token_ids, text=out.text,
-                               worker_id=self.worker_id if r.seq == 0 else "")
+            msg = StreamTokens(request_id=rid, seq=r.seq, token_ids=out.token_ids, text=out.text)
             if r.req.sampling.logprobs:
                 msg.logprobs = [lp.logprob for lp in out.logprobs]
                 msg.top_logprobs = [lp.top for lp in out.logprobs]

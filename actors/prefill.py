@@ -35,7 +35,6 @@ class PrefillActor(WorkerActor):
         super().__init__(settings, loaded)
         self.jobs: dict[str, PrefillJob] = {}
         self.first_tokens: dict[str, asyncio.Future] = {}
-        self.cancelled: set[str] = set()
 
     async def start(self) -> None:
         await self.take_work("prefill", self.subjects.prefill_worker(self.worker_id))
@@ -69,6 +68,7 @@ class PrefillActor(WorkerActor):
         try:
             await publish(self.nc, job.reply_subject,
                           PrefillAccepted(request_id=rid, attempt=job.attempt, prefill_worker_id=self.worker_id))
+            self._check_cancel(rid)
             if job.deadline and time.time() > job.deadline:
                 raise _JobError(ErrorCode.DEADLINE_EXCEEDED, "prefill job deadline passed before it started")
             if job.layout_fingerprint != self.layout.fingerprint():
@@ -129,7 +129,6 @@ class PrefillActor(WorkerActor):
             if held:
                 await self.runner.call(lambda e: (e.layer_hooks.pop(rid, None), e.abort(rid), e.release_held(rid)))
             self.jobs.pop(rid, None)
-            self.cancelled.discard(rid)
         metrics.PREFILL_JOBS.labels("ok" if done.ok else done.error_code or "error").inc()
         if not done.ok:
             log.warning("prefill %s failed (%s): %s", rid, done.error_code, done.error, extra={"request_id": rid})
@@ -156,7 +155,7 @@ class PrefillActor(WorkerActor):
             engine.layer_hooks[job.request_id] = stream.on_layer
 
     def _check_cancel(self, rid: str) -> None:
-        if rid in self.cancelled:
+        if rid in self.cancelled_ids:
             raise _JobError(ErrorCode.CANCELLED, "request was cancelled")
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
@@ -167,8 +166,7 @@ class PrefillActor(WorkerActor):
 
     async def on_cancel(self, request_id: str, reason: str) -> None:
         if request_id not in self.jobs:
-            return
-        self.cancelled.add(request_id)
+            return  # a job that arrives later is refused by _check_cancel (cancelled_ids)
         fut = self.first_tokens.get(request_id)
         if fut is not None and not fut.done():
             fut.set_exception(_JobError(ErrorCode.CANCELLED, "request was cancelled"))

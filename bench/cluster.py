@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import nats
+import nats.errors
 
 from bus.subjects import Subjects
 
@@ -40,7 +41,7 @@ class Worker:
             if "ready" in line:
                 self.ready.set()
 
-    def wait_ready(self, timeout: float = 90.0) -> None:
+    def wait_ready(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
         while not self.ready.wait(0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -134,24 +135,39 @@ class Client:
     async def generate(self, rid: str, prompt_ids: list[int], **kw) -> dict:
         return await self.collect(await self.start(rid, prompt_ids, **kw))
 
-    async def stats(self, role: str, worker_id: str, timeout: float = 5.0) -> dict:
+    async def stats(self, role: str, worker_id: str, timeout: float = 15.0) -> dict:
+        """The worker's next load report (raises nats.errors.TimeoutError after ``timeout``)."""
         sub = await self.nc.subscribe(self.subjects.stats(role, worker_id))
         try:
             return json.loads((await sub.next_msg(timeout=timeout)).data)
         finally:
             await sub.unsubscribe()
 
-    async def wait_all_free(self, workers: list[Worker], timeout: float = 30.0) -> None:
-        """Until every worker reports all KV blocks free and nothing running."""
+    async def wait_all_free(self, workers: list[Worker], timeout: float = 30.0, stats_timeout: float = 15.0) -> None:
+        """Until every worker reports all KV blocks free and nothing running.
+
+        A report that is late (a busy machine) is waited for again, up to the overall ``timeout``.
+        """
         deadline = time.monotonic() + timeout
-        last = {}
-        while time.monotonic() < deadline:
+        last: dict[str, dict | None] = {w.worker_id: None for w in workers}
+        while True:
             ok = True
             for w in workers:
-                st = await self.stats(w.role, w.worker_id)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    ok = False
+                    break
+                try:
+                    st = await self.stats(w.role, w.worker_id, timeout=min(stats_timeout, left))
+                except nats.errors.TimeoutError:
+                    ok = False
+                    continue
                 last[w.worker_id] = st
                 ok &= st["free_blocks"] == st["total_blocks"] and st["running"] == 0
             if ok:
                 return
+            if time.monotonic() >= deadline:
+                break
             await asyncio.sleep(0.3)
-        raise AssertionError(f"blocks still held: { {k: (v['free_blocks'], v['total_blocks'], v['running']) for k, v in last.items()} }")
+        held = {k: (v["free_blocks"], v["total_blocks"], v["running"]) if v else "no report" for k, v in last.items()}
+        raise AssertionError(f"blocks still held after {timeout:g}s: {held}")

@@ -156,9 +156,10 @@ class LLMEngine:
     def abandon_remote(self, request_id: str, quarantine: bool) -> list[int]:
         """Drop a remote-prefill sequence. Blocks that a late write may still hit are quarantined
         (returned; free them with `release_quarantine`), the rest are released."""
-        seq = self.seqs.pop(request_id, None)
+        seq = self.seqs.get(request_id)
         if seq is None or seq.status is not SeqStatus.REMOTE:
             return []
+        del self.seqs[request_id]
         split = seq.num_cached // self.cfg.block_size
         shared, fresh = seq.block_table[:split], seq.block_table[split:]
         self.blocks.release(shared)

@@ -33,6 +33,7 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be between -2 and 2"),
             ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be between 0 and 20"),
             ("stop", len(self.stop) <= 16 and all(self.stop), "at most 16 non-empty strings"),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit in a signed 64-bit integer"),
         ]
         for name, ok, why in checks:
             if not ok:

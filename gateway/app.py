@@ -47,14 +47,16 @@ T = TypeVar("T")
 
 #: how long a streamed response waits for every choice's first message before sending headers
 STREAM_START_WAIT = 20.0
+_ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions"})
 
 
 class _CountRequests:
     """Pure ASGI middleware counting /v1 requests by status (leaves streaming and disconnects alone)."""
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body_bytes: int) -> None:
         self.app = app
         self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
@@ -70,9 +72,17 @@ class _CountRequests:
 
         t0 = time.perf_counter()
         try:
+            length = dict(scope.get("headers") or []).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.max_body_bytes:
+                await OpenAIError(413, f"the request body is over {self.max_body_bytes} bytes",
+                                  code="request_too_large").response()(scope, receive, send_status)
+                return
             await self.app(scope, receive, send_status)
         finally:
-            endpoint = "/v1/models/{id}" if path.startswith("/v1/models/") else path
+            if path.startswith("/v1/models/"):
+                endpoint = "/v1/models/{id}"
+            else:  # one label per route, not per path a client made up
+                endpoint = path if path in _ROUTES else "other"
             self.metrics.requests.labels(endpoint, str(status[0])).inc()
             self.metrics.e2e.labels(endpoint).observe(time.perf_counter() - t0)
 
@@ -139,7 +149,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
         if not any(secrets.compare_digest(token.encode(), k.encode()) for k in keys):
             raise OpenAIError(401, "incorrect API key provided", code="invalid_api_key")
 
-    app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(_CountRequests, metrics=metrics, max_body_bytes=config.max_body_bytes)
 
     # ---- plain endpoints ---------------------------------------------------------------
     @app.get("/health", summary="the process is up")
@@ -340,9 +350,13 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
                 while not run.finished:
                     try:
                         ev = await run.next_event(idle=gw.config.sse_keepalive)
-                    except OpenAIError as e:
-                        log.info("stream %s failed after it started: %s %s", rid, e.status, e.message)
-                        yield e.sse()
+                    except Exception as e:  # the client sees an error event, never a cut-off stream
+                        err = e if isinstance(e, OpenAIError) else OpenAIError(
+                            500, f"internal error ({type(e).__name__}); see the gateway log", code="internal_error")
+                        if err is not e:
+                            log.exception("stream %s crashed after it started", rid)
+                        log.info("stream %s failed after it started: %s %s", rid, err.status, err.message)
+                        yield err.sse()
                         yield "data: [DONE]\n\n"
                         return
                     if ev is None:

@@ -47,6 +47,13 @@ class NoResponders:
     def __init__(self, subject: str) -> None:
         self.subject = subject
 
+
+class Unreadable:
+    """A message on a request's stream that does not parse (e.g. from a newer tandem)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
 # JetStream API error code for a stream at its max_msgs/max_bytes with discard=new.
 _JS_STREAM_FULL = (10077, 10047)
 
@@ -116,8 +123,9 @@ class GatewayBus:
         queue, tag = route
         try:
             body = decode(msg.data, StreamMessage)
-        except MessageError as e:
+        except MessageError as e:  # waiting on would hang the request or show a gap later
             log.warning("bad message on %s: %s", msg.subject, e)
+            queue.put_nowait((tag, Unreadable(str(e))))
             return
         queue.put_nowait((tag, body))
 

@@ -82,9 +82,17 @@ class OpenAIError(Exception):
         return f"data: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _loc_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
-    """``("body", "messages", 0, "role")`` → ``"messages[0].role"``."""
-    parts = [p for p in loc if p not in ("body", "query", "header", "path")]
+    """``("body", "messages", 0, "role")`` → ``"messages[0].role"``; union member tags
+    (``"str"``, ``"list[int]"``) are pydantic's, not the client's, and are left out."""
+    parts = [
+        p for p in loc
+        if p not in ("body", "query", "header", "path")
+        and not (isinstance(p, str) and (p in _UNION_TAGS or "[" in p))
+    ]
     out = ""
     for p in parts:
         if isinstance(p, int):
@@ -104,6 +112,8 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     kind = first.get("type", "")
     if kind == "json_invalid":
         return OpenAIError(400, f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    if param is None:  # the body itself: absent, or not a JSON object
+        return OpenAIError(400, "the request body must be a JSON object", code="invalid_request_body")
     if kind == "missing":
         return OpenAIError(400, f"missing required parameter: {param!r}", param=param, code="missing_required_parameter")
     msg = first.get("msg", "invalid value")
@@ -125,7 +135,8 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return OpenAIError(500, f"internal error: {exc!r}", code="internal_error").response()
+        return OpenAIError(500, f"internal error ({type(exc).__name__}); see the gateway log",
+                           code="internal_error").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -10,11 +10,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's API allows ``null`` for optional fields: it means the default."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or (k in fields and fields[k].is_required())}
 
 
 class TextPart(_Body):
@@ -62,6 +71,14 @@ class _Common(_Body):
     top_k: Annotated[int, Field(ge=0)] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # OpenAI fields this server does not implement: named, so a request using them gets a 400
+    # instead of an answer that silently ignores them.
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
 
 class ChatCompletionRequest(_Common):

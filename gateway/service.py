@@ -21,7 +21,7 @@ from bus.messages import GenerateRequest, StreamError, StreamFinish, StreamToken
 from bus.messages import SamplingParams as BusSampling
 from engine.chat_template import ChatTemplateError
 from engine.sampling import SamplingParams
-from gateway.bus_client import BUS_LOST, GatewayBus, NoResponders
+from gateway.bus_client import BUS_LOST, GatewayBus, NoResponders, Unreadable
 from gateway.errors import OpenAIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, as_stop_list
 from gateway.router import WorkerRegistry
@@ -122,6 +122,37 @@ class Gateway:
                 code="model_not_found",
             )
 
+    @staticmethod
+    def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
+        """400 for an OpenAI feature this server does not implement, rather than silently ignoring it."""
+        unsupported = {
+            "tools": "tools (function calling) are",
+            "functions": "functions (function calling) are",
+            "tool_choice": "tool_choice other than 'none' or 'auto' is",
+            "function_call": "function_call other than 'none' or 'auto' is",
+            "logit_bias": "logit_bias is",
+            "response_format": "response_format other than {'type': 'text'} is",
+        }
+        used = {
+            "tools": bool(body.tools),
+            "functions": bool(body.functions),
+            "tool_choice": body.tool_choice not in (None, "none", "auto"),
+            "function_call": body.function_call not in (None, "none", "auto"),
+            "logit_bias": bool(body.logit_bias),
+            "response_format": (body.response_format or {}).get("type", "text") != "text",
+        }
+        for param, what in unsupported.items():
+            if used[param]:
+                raise OpenAIError(400, f"{what} not supported by this server", param=param,
+                                  code="unsupported_parameter")
+
+    def check_job_count(self, prompts: int, n: int) -> None:
+        """400 when a request asks for more sequences than one request may run."""
+        limit = self.config.max_jobs_per_request
+        if prompts * n > limit:
+            raise OpenAIError(400, f"{prompts} prompt(s) × n={n} is more than {limit} sequences",
+                              param="prompt" if n == 1 else "n")
+
     def check_ready(self) -> None:
         """503 (with Retry-After) when nothing could serve a request now."""
         if not self.bus.connected:
@@ -151,6 +182,7 @@ class Gateway:
     async def prepare_chat(self, body: ChatCompletionRequest, target: str | None, timeout: float) -> Prepared:
         """Validate a chat request, render the template, tokenize, build its jobs."""
         self.check_model(body.model)
+        self.check_supported(body)
         messages = []
         size = 0
         for i, m in enumerate(body.messages):
@@ -189,6 +221,7 @@ class Gateway:
     async def prepare_completion(self, body: CompletionRequest, target: str | None, timeout: float) -> Prepared:
         """Validate a text completion request, tokenize its prompt(s), build its jobs."""
         self.check_model(body.model)
+        self.check_supported(body)
         if body.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
         if body.best_of is not None and body.best_of != body.n:
@@ -204,9 +237,12 @@ class Gateway:
             raise OpenAIError(400, "prompt is empty", param="prompt")
         if all(isinstance(p, int) for p in raw):
             raw = [raw]  # type: ignore[list-item]
+        self.check_job_count(len(raw), body.n)  # before tokenizing what would be refused anyway
+        texts_in = [p for p in raw if isinstance(p, str)]
+        encoded = iter(await self._maybe_in_thread(sum(map(len, texts_in)), lambda: [tok.encode(p) for p in texts_in]))
         for p in raw:
             if isinstance(p, str):
-                ids = await self._maybe_in_thread(len(p), tok.encode, p)
+                ids = next(encoded)
                 prompts.append(ids)
                 texts.append(p)
             else:
@@ -239,12 +275,10 @@ class Gateway:
         timeout: float,
     ) -> Prepared:
         n = body.n
-        if len(prompts) * n > self.config.max_jobs_per_request:
-            raise OpenAIError(
-                400,
-                f"{len(prompts)} prompt(s) × n={n} is more than {self.config.max_jobs_per_request} sequences",
-                param="n",
-            )
+        self.check_job_count(len(prompts), n)
+        if body.seed is not None and not -(2**63) <= body.seed <= 2**63 - n:
+            raise OpenAIError(400, f"seed must fit in a signed 64-bit integer (choice i uses seed + i, n={n})",
+                              param="seed", code="invalid_value")
         limit = self.text.max_position
         jobs: list[Job] = []
         for pi, ids in enumerate(prompts):
@@ -400,6 +434,7 @@ class Run:
             raise OpenAIError(503, f"no decode worker for model {gw.text.name} is alive; retry later",
                               code="no_workers", retry_after=5)
         subject = gw.bus.open(job.request_id, self.queue, job.index)
+        job.next_seq = 0
         req = GenerateRequest(
             request_id=job.request_id,
             prompt_ids=job.prompt_ids,
@@ -477,9 +512,10 @@ class Run:
                     code="stream_gap",
                 )
             job.next_seq = msg.seq + 1
-            holder = getattr(msg, "worker_id", "")  # if workers name themselves, pool jobs get watched too
-            if holder and job.worker_id is None:
-                job.worker_id = holder
+            if msg.worker_id and job.worker_id is None:  # a pool job's worker, watched from now on
+                job.worker_id = msg.worker_id
+            if not msg.token_ids and not msg.text:  # the worker's admission notice
+                return None
             if msg.token_ids:
                 now = time.monotonic()
                 if job.first_token_s is None:
@@ -526,6 +562,9 @@ class Run:
             job.done = True
             gw.bus.close_request(job.request_id)
             raise OpenAIError(msg.status, msg.message, code=msg.code)
+        if isinstance(msg, Unreadable):
+            raise OpenAIError(502, f"a worker sent a message this gateway cannot read: {msg.error}",
+                              code="bad_worker_message")
         if msg is BUS_LOST:
             raise OpenAIError(503, "the gateway lost its NATS connection while the request ran; retry",
                               code="bus_unavailable", retry_after=2)
@@ -542,7 +581,7 @@ class Run:
 
     async def _lost(self, job: Job, worker: str, why: str) -> None:
         """The worker holding ``job`` is gone: before any token, re-send the job once elsewhere; else fail."""
-        if job.next_seq == 0 and not job.retried:
+        if not job.token_ids and not job.text_parts and not job.retried:
             log.warning("request %s: worker %s %s; re-sending the request", job.request_id, worker, why)
             self.gw.bus.cancel_soon(job.request_id, f"worker {worker} {why}")
             job.retried = True

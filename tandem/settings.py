@@ -128,6 +128,8 @@ class GatewayConfig:
     max_inflight: int = 512
     #: jobs (prompts × n) one HTTP request may fan out to
     max_jobs_per_request: int = 64
+    #: request bodies larger than this get 413 before they are read
+    max_body_bytes: int = 16 * 1024 * 1024
     #: publish to the pool even when no worker is alive (scale from zero), instead of 503
     queue_when_no_workers: bool = False
     #: a worker counts as alive this long after its last stats report (/ready, routing)

@@ -840,7 +840,7 @@ def test_deploy_nats_conf_roles_on_a_real_server(deploy_nats: EmbeddedNats) -> N
             req = GenerateRequest(request_id="r1", prompt_ids=[1, 2, 3], stream_subject=s.stream("gw1", "r1"))
             await js_publish(gateway, s.generate_pool, req)
 
-            got = await fetch_one(gsub, timeout=3)
+            got = await fetch_one(gsub, timeout=10)
             assert got is not None and decode_msg(got.data, GenerateRequest).request_id == "r1"
             await got.ack_sync(timeout=10)
             job = PrefillJob(request_id="r1", prompt_ids=[1, 2, 3], layout_fingerprint="fp",
@@ -850,7 +850,7 @@ def test_deploy_nats_conf_roles_on_a_real_server(deploy_nats: EmbeddedNats) -> N
             await publish(decode, s.prefill_worker("p1"), job)  # target_endpoint
             await publish(gateway, s.cancel("r0"), Cancel(request_id="r0"))  # gateways cancel
 
-            pjob = await fetch_one(psub, timeout=3)
+            pjob = await fetch_one(psub, timeout=10)
             assert pjob is not None and decode_msg(pjob.data, PrefillJob).request_id == "r1"
             await pjob.ack_sync(timeout=10)
             assert (await targeted.next_msg(timeout=10)).subject == s.prefill_worker("p1")
@@ -870,7 +870,7 @@ def test_deploy_nats_conf_roles_on_a_real_server(deploy_nats: EmbeddedNats) -> N
             # ---- ops: tandem status and tail work with the read-only user
             from tandem.status import collect
 
-            status = await collect(ops, s.namespace, wait=0.5, timeout=2.0)
+            status = await collect(ops, s.namespace, wait=2.0, timeout=10.0)
             [w] = status.workers
             assert (w.worker_id, w.role, w.total_blocks, w.stats_error) == ("p1", ROLE_PREFILL_ONLY, 8, None)
             assert {p.pool: p.error for p in status.pools} == {"generate": None, "prefill": None}

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import nats
 import pytest
 
+from bench.cluster import Client
 from bus.messages import REQUEST_ID_HEADER
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
@@ -78,9 +79,20 @@ async def generate(url: str, worker: str, rid: str) -> dict:
         await nc.close()
 
 
+async def hear_p1_reports(url: str) -> None:
+    """Until two of p1's load reports went by (as the gateway user, who may read them).
+
+    d1 subscribes to them (tandem.stats.prefill_only.*) before it says "ready", so it heard
+    every report we hear; the second one leaves it time to have handled the first.
+    """
+    async with Client(url.replace("nats://", "nats://gateway:pw-gateway@")) as c:
+        for _ in range(2):
+            await c.stats("prefill_only", "p1", timeout=30)
+
+
 def test_roles_work_with_their_own_credentials(secured: tuple[str, dict[str, Proc]]) -> None:
     url, workers = secured
-    time.sleep(1.5)  # d1 hears p1's load reports (tandem.stats.prefill_only.*)
+    asyncio.run(hear_p1_reports(url))  # d1 knows p1 is alive
     disagg = asyncio.run(generate(url, "d1", uuid.uuid4().hex))
     assert disagg["kind"] == "stream_finish", disagg
     assert disagg["prefill_mode"] == "remote" and disagg["prefill_worker_id"] == "p1"
@@ -88,7 +100,7 @@ def test_roles_work_with_their_own_credentials(secured: tuple[str, dict[str, Pro
     agg = asyncio.run(generate(url, "a1", uuid.uuid4().hex))
     assert agg["kind"] == "stream_finish" and agg["prefill_mode"] == "aggregate" and agg["text"] == disagg["text"]
 
-    res = run_cli("status", "--json", "--nats-url", url.replace("nats://", "nats://ops:pw-ops@"))
+    res = run_cli("status", "--json", "--wait", "3", "--nats-url", url.replace("nats://", "nats://ops:pw-ops@"))
     assert res.returncode == 0, res.stderr
     status = json.loads(res.stdout)
     assert {(w["worker_id"], w["role"]) for w in status["workers"]} == {

@@ -8,6 +8,10 @@ tokenized by the real tokenizer. Behaviours are selected by words in the prompt:
     [queuefull]  StreamError 429                  [hang]     never answers
     [slow]       one token every 0.1 s, 300 max   [failmid]  3 tokens, then StreamError 500
     [utf8]       a reply with multi-byte characters, split mid-character by the tokenizer
+    [badmsg]     a stream message from a newer schema version (unreadable here)
+
+A worker made with ``admit=True`` first sends the admission notice real decode workers send
+(message 0: no tokens, its worker id).
 
 The real cluster (`tandem up` with real workers) is exercised in tests/test_gateway_cluster.py.
 """
@@ -76,7 +80,8 @@ class FakeWorker:
     """A decode worker that answers with canned text (see the module docstring)."""
 
     def __init__(self, url: str, subjects: Subjects, text: TextModel, worker_id: str,
-                 role: str = ROLE_PREFILL_AND_DECODE, pull_pool: bool = True, max_batch: int = 8) -> None:
+                 role: str = ROLE_PREFILL_AND_DECODE, pull_pool: bool = True, max_batch: int = 8,
+                 admit: bool = False) -> None:
         self.url = url
         self.subjects = subjects
         self.text = text
@@ -84,6 +89,7 @@ class FakeWorker:
         self.role = role
         self.pull_pool = pull_pool
         self.max_batch = max_batch
+        self.admit = admit
         self.requests: list[tuple[str, m.GenerateRequest]] = []  # (how it arrived: "pool"|"direct", request)
         self.cancels: list[str] = []
         self.active: set[str] = set()
@@ -155,10 +161,15 @@ class FakeWorker:
     def _take(self, msg: Msg, how: str) -> None:
         req = m.decode(msg.data, m.GenerateRequest)
         self.requests.append((how, req))
+        seq = 0
+        if self.admit:
+            seq = 1
+            asyncio.get_running_loop().create_task(self._send(req.stream_subject, m.StreamTokens(
+                request_id=req.request_id, seq=0, token_ids=[], worker_id=self.worker_id)))
         if self.mute:
             return
         self.active.add(req.request_id)
-        task = asyncio.get_running_loop().create_task(self._serve(req))
+        task = asyncio.get_running_loop().create_task(self._serve(req, seq))
         task.add_done_callback(lambda _t, rid=req.request_id: self.active.discard(rid))
 
     # ---- generation ----------------------------------------------------------------------
@@ -176,11 +187,14 @@ class FakeWorker:
     async def _send(self, subject: str, msg: Any) -> None:
         await publish(self.nc, subject, msg)
 
-    async def _serve(self, req: m.GenerateRequest) -> None:
+    async def _serve(self, req: m.GenerateRequest, seq: int) -> None:
         tok = self.text.tokenizer
         prompt = tok.decode(list(req.prompt_ids), skip_special=False)
         rid, subj = req.request_id, req.stream_subject
-        seq = 0
+        if "[badmsg]" in prompt:
+            await self.nc.publish(subj, json.dumps({"kind": "stream_tokens", "v": 99, "request_id": rid, "seq": seq,
+                                                    "token_ids": [1]}).encode())
+            return
         if req.target_endpoint is not None and req.target_endpoint not in ("prefill-1",):
             await self._send(subj, m.StreamError(request_id=rid, code=m.ErrorCode.UNKNOWN_TARGET, status=400,
                                                  message=f"unknown target_endpoint {req.target_endpoint!r}"))
@@ -328,7 +342,9 @@ def worker(nats_srv: EmbeddedNats, subjects: Subjects, text_model: TextModel,
 
 def make_config(nats_url: str, **kw: Any) -> GatewayConfig:
     kw.setdefault("deadline_grace", 0.5)
-    kw.setdefault("worker_lost_after", 1.5)
+    # long enough that a loaded machine never declares a reporting worker lost; the tests of a
+    # lost worker pass their own (short) value
+    kw.setdefault("worker_lost_after", 10.0)
     return GatewayConfig(model=DEFAULT_MODEL, nats_url=nats_url, **kw)
 
 
@@ -422,8 +438,8 @@ def test_text_model_matches_full_loader(text_model: TextModel) -> None:
     assert text_model.max_position == 8192 and text_model.vocab_size == 49152
     assert text_model.tokenizer.decode(ids, skip_special=False).startswith("<|im_start|>system")
     assert text_model.from_cache or text_model.load_seconds > 0
-    again = load_text_model(DEFAULT_MODEL)  # second load: from the JSON cache, fast
-    assert again.from_cache and again.load_seconds < 2.0
+    again = load_text_model(DEFAULT_MODEL)  # second load: from the JSON cache (no GGUF parsing)
+    assert again.from_cache
     assert again.tokenizer.encode("Grüße 123") == text_model.tokenizer.encode("Grüße 123")
 
 
@@ -728,15 +744,20 @@ def test_worker_errors_pass_through(gw: ServerThread, client: openai.OpenAI) -> 
 
 
 def test_deadline_504_and_cancel(gw: ServerThread, worker: FakeWorker) -> None:
+    wall_before = time.time()
     t0 = time.monotonic()
     r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("[hang]"), headers={"X-Request-Timeout": "1"},
                    timeout=30)
+    elapsed = time.monotonic() - t0
+    wall_after = time.time()
     assert_error(r, 504, code="deadline_exceeded")
-    assert 1.0 <= time.monotonic() - t0 < 5
+    # not before the 1 s deadline; and well before the client's own 30 s timeout (a hang)
+    assert 1.0 <= elapsed < 15
     rid = worker.requests[-1][1].request_id
-    assert worker.requests[-1][1].deadline == pytest.approx(time.time() - (time.monotonic() - t0) + 1, abs=1.0)
-    wait_for(lambda: rid in worker.cancels, 5, "the cancel of the timed-out request")
-    wait_for(lambda: rid not in worker.active, 5, "the fake worker to drop it")
+    # the deadline on the bus is "when the gateway took the request + 1 s", and it took it in between
+    assert wall_before + 1 <= worker.requests[-1][1].deadline <= wall_after + 1
+    wait_for(lambda: rid in worker.cancels, 15, "the cancel of the timed-out request")
+    wait_for(lambda: rid not in worker.active, 15, "the fake worker to drop it")
     still_serving(gw.url)
 
 
@@ -768,20 +789,20 @@ def test_client_disconnect_mid_stream_cancels(gw: ServerThread, worker: FakeWork
             if seen >= 4:
                 break
     rid = worker.requests[n_before][1].request_id
-    wait_for(lambda: rid in worker.cancels, 5, "the cancel after the client left")
-    wait_for(lambda: not worker.active, 5, "the fake worker to free everything")
+    wait_for(lambda: rid in worker.cancels, 15, "the cancel after the client left")
+    wait_for(lambda: not worker.active, 15, "the fake worker to free everything")
     still_serving(gw.url)
 
 
 def test_client_disconnect_non_stream_cancels(gw: ServerThread, worker: FakeWorker) -> None:
-    asyncio.run(asyncio.wait_for(_disconnect_non_stream(gw, worker), 30))
+    asyncio.run(asyncio.wait_for(_disconnect_non_stream(gw, worker), 60))
 
 
 async def _disconnect_non_stream(gw: ServerThread, worker: FakeWorker) -> None:
     n_before = len(worker.requests)
     async with httpx.AsyncClient(timeout=30) as ac:
         task = asyncio.create_task(ac.post(f"{gw.url}/v1/chat/completions", json=chat_body("[slow]")))
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 15
         while len(worker.requests) == n_before:
             assert time.monotonic() < deadline, "request never reached the worker"
             await asyncio.sleep(0.02)
@@ -790,7 +811,7 @@ async def _disconnect_non_stream(gw: ServerThread, worker: FakeWorker) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     rid = worker.requests[n_before][1].request_id
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15
     while rid not in worker.cancels or worker.active:
         assert time.monotonic() < deadline, "no cancel after the client left"
         await asyncio.sleep(0.02)
@@ -798,25 +819,27 @@ async def _disconnect_non_stream(gw: ServerThread, worker: FakeWorker) -> None:
 
 def test_worker_lost_before_tokens_is_resent(nats_srv: EmbeddedNats, subjects: Subjects, text_model: TextModel,
                                             loop_thread: LoopThread, worker: FakeWorker) -> None:
-    # a direct-only worker that takes requests, never answers, then stops reporting
-    srv = ServerThread(create_app(make_config(nats_srv.url, alive_after=0.6, worker_lost_after=1.0),
+    # a direct-only worker that takes requests, never answers, then stops reporting. The fake
+    # workers report every 0.2 s: the windows leave room for a loaded machine's scheduling gaps.
+    srv = ServerThread(create_app(make_config(nats_srv.url, alive_after=2.0, worker_lost_after=3.0),
                                   text_model)).start()
     ghost = FakeWorker(nats_srv.url, subjects, text_model, "ghost", pull_pool=False)
     ghost.mute = True
     loop_thread.run(ghost.start())
     try:
         worker.report = False  # make the ghost the only live worker for routing
+        # the others silent for longer than alive_after (2 s): out of routing
         wait_for(lambda: [w["worker_id"] for w in httpx.get(f"{srv.url}/ready").json()["workers"]
-                          if w["age_s"] < 0.6] == ["ghost"], 5, "only the ghost reporting")
+                          if w["age_s"] < 2.0] == ["ghost"], 15, "only the ghost reporting")
         result: list[httpx.Response] = []
         t = threading.Thread(target=lambda: result.append(httpx.post(
             f"{srv.url}/v1/chat/completions", json=chat_body("resend me", temperature=0), timeout=30)))
         n_before = len(worker.requests)
         t.start()
-        wait_for(lambda: len(ghost.requests) == 1, 5, "the request to reach the ghost")
+        wait_for(lambda: len(ghost.requests) == 1, 15, "the request to reach the ghost")
         ghost.report = False
         worker.report = True
-        t.join(15)
+        t.join(30)
         assert result and result[0].status_code == 200, result
         assert len(worker.requests) == n_before + 1
         assert ghost.requests[0][1].request_id in worker.cancels
@@ -844,7 +867,7 @@ def test_no_worker_503_with_retry_after(nats_srv: EmbeddedNats, text_model: Text
 def test_gateway_inflight_limit_429(nats_srv: EmbeddedNats, worker: FakeWorker, text_model: TextModel) -> None:
     srv = ServerThread(create_app(make_config(nats_srv.url, max_inflight=2), text_model)).start()
     try:
-        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 5, "ready")
+        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("x", n=3))
         assert_error(r, 429, code="too_many_requests")
         assert r.headers["retry-after"] == "1"
@@ -861,7 +884,7 @@ def test_api_keys_401(nats_srv: EmbeddedNats, worker: FakeWorker, text_model: Te
     assert cfg.api_keys == ("k1", "k2")
     srv = ServerThread(create_app(cfg, text_model)).start()
     try:
-        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 5, "ready")
+        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
         url = f"{srv.url}/v1/chat/completions"
         assert_error(httpx.post(url, json=chat_body("x")), 401, code="invalid_api_key")
         assert_error(httpx.post(url, json=chat_body("x"), headers={"Authorization": "Bearer nope"}), 401,
@@ -908,8 +931,9 @@ def test_disconnect_before_first_token_cancels(gw: ServerThread, worker: FakeWor
     t0 = time.monotonic()
     asyncio.run(asyncio.wait_for(go(), 10))
     rid = worker.requests[n_before][1].request_id
-    wait_for(lambda: rid in worker.cancels, 5, "the cancel")
-    assert time.monotonic() - t0 < 5  # not after the 20 s stream-start wait
+    wait_for(lambda: rid in worker.cancels, 15, "the cancel")
+    # not after the stream-start wait (gateway.app.STREAM_START_WAIT, 20 s after the request came)
+    assert time.monotonic() - t0 < 15
 
 
 def test_nats_restart_mid_stream_fails_the_stream(text_model: TextModel, loop_thread: LoopThread) -> None:
@@ -920,8 +944,9 @@ def test_nats_restart_mid_stream_fails_the_stream(text_model: TextModel, loop_th
         loop_thread.run(w.start())
         gws = ServerThread(create_app(make_config(srv.url), text_model)).start()
         try:
-            wait_for(lambda: httpx.get(f"{gws.url}/ready").status_code == 200, 10, "ready")
+            wait_for(lambda: httpx.get(f"{gws.url}/ready").status_code == 200, 15, "ready")
             lines: list[str] = []
+            restarted_at = 0.0
             with httpx.stream("POST", f"{gws.url}/v1/chat/completions", json=chat_body("[slow]", stream=True),
                               timeout=30) as r:
                 assert r.status_code == 200
@@ -931,12 +956,22 @@ def test_nats_restart_mid_stream_fails_the_stream(text_model: TextModel, loop_th
                     lines.append(line)
                     if len(lines) == 3:
                         srv.restart()
+                        restarted_at = time.monotonic()
             assert lines[-1] == "data: [DONE]"
             err = json.loads(lines[-2][len("data: "):])["error"]
             assert err["code"] == "bus_unavailable", lines[-3:]
-            # once reconnected, the gateway serves again
-            time.sleep(3.5)  # let load reports from before the restart age out of the 3 s liveness window
-            wait_for(lambda: httpx.get(f"{gws.url}/ready").status_code == 200, 15, "ready after the restart")
+            # once reconnected, the gateway serves again. Load reports from before the restart keep
+            # /ready at 200 for the 3 s liveness window: wait for one the gateway got after the restart.
+            # It proves both are back: the gateway's subscriptions, and the worker's (nats-py sends
+            # its subscriptions before anything it publishes on a new connection).
+            def report_since_restart() -> bool:
+                asked = time.monotonic()
+                r = httpx.get(f"{gws.url}/ready")
+                ages = {w["worker_id"]: w["age_s"] for w in r.json().get("workers", [])}
+                # age_s is rounded to 10 ms; "asked" is before the gateway measured the age
+                return r.status_code == 200 and "fake-r" in ages and ages["fake-r"] + 0.01 < asked - restarted_at
+
+            wait_for(report_since_restart, 15, "a load report sent after the restart")
             still_serving(gws.url)
         finally:
             gws.stop()
@@ -949,23 +984,24 @@ def test_only_worker_lost_is_503_not_a_hang(nats_srv: EmbeddedNats, text_model: 
     ghost = FakeWorker(nats_srv.url, Subjects(text_model.name, ns), text_model, "ghost", pull_pool=False)
     ghost.mute = True
     loop_thread.run(ghost.start())
-    srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, alive_after=0.6, worker_lost_after=1.0),
+    srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, alive_after=2.0, worker_lost_after=3.0),
                                   text_model)).start()
     try:
-        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 5, "ready")
+        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
         result: list[httpx.Response] = []
         t = threading.Thread(target=lambda: result.append(httpx.post(
             f"{srv.url}/v1/chat/completions", json=chat_body("anyone?"), timeout=30)))
         t0 = time.monotonic()
         t.start()
-        wait_for(lambda: len(ghost.requests) == 1, 5, "the request to reach the ghost")
+        wait_for(lambda: len(ghost.requests) == 1, 15, "the request to reach the ghost")
         ghost.report = False
         t.join(15)
         assert result, "no answer"
         r = assert_error(result[0], 503, code="no_workers")
         assert "Retry-After" in result[0].headers and r["type"] == "service_unavailable_error"
-        assert time.monotonic() - t0 < 6
-        wait_for(lambda: ghost.requests[0][1].request_id in ghost.cancels, 5, "the cancel")
+        # noticed after worker_lost_after (3 s) of silence, not left to hang until the 30 s client timeout
+        assert time.monotonic() - t0 < 12
+        wait_for(lambda: ghost.requests[0][1].request_id in ghost.cancels, 15, "the cancel")
     finally:
         srv.stop()
         loop_thread.run(ghost.stop())
@@ -985,14 +1021,118 @@ def test_worker_not_listening_is_skipped_at_once(nats_srv: EmbeddedNats, text_mo
         loop_thread.run(w.start())
     srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, worker_lost_after=30), text_model)).start()
     try:
-        wait_for(lambda: len(httpx.get(f"{srv.url}/ready").json()["workers"]) == 2, 5, "both workers")
+        wait_for(lambda: len(httpx.get(f"{srv.url}/ready").json()["workers"]) == 2, 15, "both workers")
         t0 = time.monotonic()
-        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("hello", temperature=0), timeout=30)
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("hello", temperature=0), timeout=60)
         assert r.status_code == 200, r.text
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 10  # not after the phantom is declared lost (worker_lost_after=30)
         assert [how for how, _ in busy.requests] == ["pool"] and phantom.requests == []
         assert r.headers["x-tandem-decode-worker"] == "busy"
     finally:
         srv.stop()
         for w in (phantom, busy):
             loop_thread.run(w.stop())
+
+
+def test_pool_job_worker_lost_after_admission_is_resent(nats_srv: EmbeddedNats, text_model: TextModel,
+                                                        loop_thread: LoopThread) -> None:
+    """A full worker pulls the job from the pool, admits it (message 0) and dies: the job is re-sent."""
+    ns = "poolwatch"
+    subjects = Subjects(text_model.name, ns)
+    ghost = FakeWorker(nats_srv.url, subjects, text_model, "ghost", pull_pool=True, admit=True)
+    ghost.mute = True
+    ghost.fake_running = ghost.max_batch  # reports full: the gateway sends to the pool
+    loop_thread.run(ghost.start())
+    healthy = FakeWorker(nats_srv.url, subjects, text_model, "healthy", pull_pool=False)
+    srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, alive_after=2.0, worker_lost_after=3.0),
+                                  text_model)).start()
+    try:
+        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
+        result: list[Any] = []
+
+        def call() -> None:
+            try:
+                result.append(httpx.post(f"{srv.url}/v1/chat/completions",
+                                         json=chat_body("pool me", temperature=0), timeout=40))
+            except httpx.HTTPError as e:
+                result.append(e)
+
+        t = threading.Thread(target=call)
+        t.start()
+        wait_for(lambda: len(ghost.requests) == 1, 15, "the ghost to pull the request")
+        assert ghost.requests[0][0] == "pool"
+        ghost.report = False
+        loop_thread.run(healthy.start())
+        t.join(45)
+        # Without the admission notice the gateway would not know whom to watch: it would wait
+        # for the request's 600 s deadline and the client would time out after 40 s.
+        assert result and isinstance(result[0], httpx.Response), result
+        assert result[0].status_code == 200, result[0].text
+        assert [how for how, _ in healthy.requests] == ["direct"]
+        assert ghost.requests[0][1].request_id in healthy.cancels
+    finally:
+        srv.stop()
+        loop_thread.run(ghost.stop())
+        if healthy.nc is not None:
+            loop_thread.run(healthy.stop())
+
+
+def test_unreadable_worker_message_is_502_not_a_hang(gw: ServerThread) -> None:
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("[badmsg]"), timeout=30)
+    err = assert_error(r, 502, code="bad_worker_message")
+    assert "newer" in err["message"]
+    still_serving(gw.url)
+
+
+def test_null_means_default(gw: ServerThread) -> None:
+    body = chat_body("x", temperature=0, n=None, stream=None, logprobs=None, top_logprobs=None, seed=None,
+                     stop=None, max_tokens=None, stream_options=None, ignore_eos=None, user=None)
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    assert choice.get("logprobs") is None
+    r = httpx.post(f"{gw.url}/v1/completions", timeout=30, json={
+        "model": DEFAULT_MODEL, "prompt": "x", "echo": None, "n": None, "max_tokens": None, "logprobs": None})
+    assert r.status_code == 200, r.text
+    assert_error(httpx.post(f"{gw.url}/v1/chat/completions", json={"model": DEFAULT_MODEL, "messages": None}),
+                 400, param="messages")  # a required field stays required
+
+
+def test_unsupported_openai_features_are_400(gw: ServerThread) -> None:
+    url = f"{gw.url}/v1/chat/completions"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for extra, param in (({"tools": [tool]}, "tools"),
+                         ({"tool_choice": "required"}, "tool_choice"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"logit_bias": {"42": 5}}, "logit_bias"),
+                         ({"functions": [tool["function"]]}, "functions")):
+        assert_error(httpx.post(url, json=chat_body("x", **extra)), 400, param=param, code="unsupported_parameter")
+    assert_error(httpx.post(f"{gw.url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "x",
+                                                                "logit_bias": {"1": -100}}),
+                 400, param="logit_bias", code="unsupported_parameter")
+    # what they mean when left at their defaults is fine
+    ok = httpx.post(url, timeout=30, json=chat_body("x", temperature=0, tools=[], tool_choice="none",
+                                                    response_format={"type": "text"}, logit_bias={}))
+    assert ok.status_code == 200, ok.text
+
+
+def test_more_invalid_inputs_are_400(gw: ServerThread) -> None:
+    url = f"{gw.url}/v1/chat/completions"
+    assert_error(httpx.post(url, json=chat_body("x", seed=2**64)), 400, param="seed")
+    assert_error(httpx.post(url, json=chat_body("x", seed=2**63 - 1, n=2)), 400, param="seed")
+    assert_error(httpx.post(url, json={"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": 5}]}),
+                 400, param="messages[0].content")
+    assert_error(httpx.post(f"{gw.url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": ["x"] * 65}),
+                 400, param="prompt")
+    for body in (b"[1, 2]", b'"hello"', b""):
+        assert_error(httpx.post(url, content=body, headers={"content-type": "application/json"}), 400)
+    assert_error(httpx.post(url, json=[chat_body("x")]), 400, code="invalid_request_body")
+    big = b"{" + b" " * (16 * 1024 * 1024) + b"}"
+    assert_error(httpx.post(url, content=big, headers={"content-type": "application/json"}, timeout=30), 413,
+                 code="request_too_large")
+    # a client making up paths does not make up metric series
+    for path in ("/v1/made-up-1", "/v1/made-up-2"):
+        assert httpx.get(f"{gw.url}{path}").status_code == 404
+    metrics = httpx.get(f"{gw.url}/metrics").text
+    assert "made-up" not in metrics and 'endpoint="other"' in metrics
+    still_serving(gw.url)

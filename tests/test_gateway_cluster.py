@@ -316,22 +316,34 @@ def test_metrics_move_after_a_disaggregated_request(up: Up, client: openai.OpenA
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_question}],
                                        max_tokens=8, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in r if c.choices)
-    time.sleep(1.5)  # worker gauges refresh at 1 Hz
-    gw = _scrape(f"{up.url}/metrics")
-    assert _total(gw, "tandem_gateway_time_to_first_token_seconds_count") > 0
-    assert _total(gw, "tandem_gateway_inter_token_latency_seconds_count") > 0
-    assert _total(gw, "tandem_gateway_generated_tokens_total") > 0
-    workers = {c["role"]: _scrape(f"http://127.0.0.1:{c['metrics_port']}/metrics")
-               for c in up.info["children"] if c.get("metrics_port")}
-    prefill, decode = workers["prefill_only"], workers["decode_only"]
-    assert _total(prefill, "tandem_kv_transfer_bytes_total") > 0
-    assert _total(prefill, "tandem_kv_transfer_duration_seconds_count") > 0
-    assert _total(prefill, "tandem_prefill_jobs_total", outcome="ok") > 0
-    assert _total(decode, "tandem_decode_prefill_decisions_total", mode="remote") > 0
-    assert _total(decode, "tandem_decode_remote_prefill_wait_seconds_count") > 0
-    assert _total(decode, "tandem_worker_generated_tokens_total") > 0
-    assert _total(decode, "tandem_kv_blocks", role="decode_only") == 256  # used + free + quarantined
-    assert _total(decode, "tandem_kv_blocks", role="decode_only", state="free") > 0
+
+    def check() -> None:
+        gw = _scrape(f"{up.url}/metrics")
+        assert _total(gw, "tandem_gateway_time_to_first_token_seconds_count") > 0
+        assert _total(gw, "tandem_gateway_inter_token_latency_seconds_count") > 0
+        assert _total(gw, "tandem_gateway_generated_tokens_total") > 0
+        workers = {c["role"]: _scrape(f"http://127.0.0.1:{c['metrics_port']}/metrics")
+                   for c in up.info["children"] if c.get("metrics_port")}
+        prefill, decode = workers["prefill_only"], workers["decode_only"]
+        assert _total(prefill, "tandem_kv_transfer_bytes_total") > 0
+        assert _total(prefill, "tandem_kv_transfer_duration_seconds_count") > 0
+        assert _total(prefill, "tandem_prefill_jobs_total", outcome="ok") > 0
+        assert _total(decode, "tandem_decode_prefill_decisions_total", mode="remote") > 0
+        assert _total(decode, "tandem_decode_remote_prefill_wait_seconds_count") > 0
+        assert _total(decode, "tandem_worker_generated_tokens_total") > 0
+        assert _total(decode, "tandem_kv_blocks", role="decode_only") == 256  # used + free + quarantined
+        assert _total(decode, "tandem_kv_blocks", role="decode_only", state="free") > 0
+
+    # worker gauges refresh at 1 Hz: check again until they show the request (or the deadline)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            check()
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
 
 
 def test_zz_ctrl_c_stops_every_child(up: Up) -> None:
@@ -345,4 +357,6 @@ def test_zz_ctrl_c_stops_every_child(up: Up) -> None:
             os.kill(pid, 0)
     assert "SIGINT; stopping" in up.log.read_text()
     assert not up.ready_file.exists()
-    assert took < 40, f"stopping took {took:.1f}s:\n{up.log_tail()}"
+    # the slowest stop short of a hang: each of the three groups (gateway, decode, prefill) is
+    # SIGKILLed after --stop-timeout 10 s, 30 s in all. proc.wait(60) above catches a hang.
+    assert took < 50, f"stopping took {took:.1f}s:\n{up.log_tail()}"

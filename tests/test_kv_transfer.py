@@ -285,13 +285,18 @@ def test_peer_killed_mid_transfer_fails_within_deadline(trio: tuple[str, Peer, P
     try:
         writer.add(victim)
         blocks = list(range(NUM_BLOCKS))
-        writer.send("write_until_error", peer="victim", local=blocks, remote=blocks, deadline=3.0, max_s=20.0)
-        time.sleep(0.5)
+        writer.send("write_until_error", peer="victim", local=blocks, remote=blocks, deadline=3.0, max_s=30.0)
+        # The writer starts write n+1 only once write n is done: the victim seeing "loop-1" means
+        # at least one write completed. (The "completed" command waits up to 10 s for the tag.)
+        victim.send("completed", tags=["loop-1"], timeout=10.0)
+        assert "loop-1" in victim.result(timeout=20), "the writes never got going"
         victim.kill()
         killed = time.monotonic()
         out = writer.result(timeout=15)
         assert out["error"] is not None, f"writes kept succeeding after the peer died: {out}"
-        assert time.monotonic() - killed < 3.0 + 2.0
+        # the failing write gives up at its 3 s deadline (plus slack for a busy machine), long
+        # before the 15 s a hang would run into
+        assert time.monotonic() - killed < 3.0 + 5.0
         assert out["writes"] > 0
         assert out["engine"] == kind and out["peer"] == "victim"
         assert kind in out["error"] and "victim" in out["error"] and "bytes" in out["error"]
@@ -340,7 +345,7 @@ def test_stalled_peer(trio: tuple[str, Peer, Peer, Peer]) -> None:
                         notify="x",
                         deadline=1.0,
                     )
-            assert time.monotonic() - t0 < 1.0 + 2.0
+            assert time.monotonic() - t0 < 1.0 + 5.0  # the 1 s deadline, not the 30 s a hang would take
         finally:
             os.kill(stalled.proc.pid, signal.SIGCONT)
         if kind == "shm":

@@ -111,7 +111,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
 def test_status_json_lists_the_worker(cluster: tuple[str, int]) -> None:
     url, metrics_port = cluster
     t0 = time.monotonic()
-    res = run_cli("status", "--json", "--nats-url", url)
+    res = run_cli("status", "--json", "--wait", "3", "--nats-url", url)  # a busy worker may answer late
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert data["namespace"] == "tandem"
@@ -134,7 +134,7 @@ def test_status_json_lists_the_worker(cluster: tuple[str, int]) -> None:
 
 def test_status_table_and_filters(cluster: tuple[str, int]) -> None:
     url, metrics_port = cluster
-    res = run_cli("status", "--nats-url", url)
+    res = run_cli("status", "--wait", "3", "--nats-url", url)
     assert res.returncode == 0, res.stderr
     assert "1 worker" in res.stdout
     row = next(line for line in res.stdout.splitlines() if f" {WORKER} " in line)

@@ -52,7 +52,7 @@ def test_stop_children_terminates_then_kills() -> None:
     said: list[str] = []
     t0 = time.monotonic()
     stop_children([polite, stubborn], timeout=1.0, log=said.append)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 15  # SIGKILL after the 1 s timeout, not the children's 60 s sleep
     assert polite.poll() == -signal.SIGTERM and stubborn.poll() == -signal.SIGKILL
     assert said == [f"stubborn (pid {stubborn.pid}) did not stop within 1s of SIGTERM; killing it"]
     assert polite.last_lines() == "up"
