@@ -1,11 +1,16 @@
 """Load generator: streaming chat completions against a running gateway (or a `tandem up` it starts).
 
     python -m bench.serve [--url http://127.0.0.1:8000] [--concurrency 1 4 16] [--write]
+    python -m bench.serve --step-tokens 512 128 [--rounds 2] [--write]
 
 Each request is a ~255-token chat prompt with 64 output tokens (ignore_eos), as in the peer
 figures of DESIGN §6. Reports output tok/s, TTFT p50/p99 and ITL p50 per concurrency level,
 after a warm-up. Without --url it starts `tandem up` (disaggregated: 1 prefill + 1 decode, and
 with --aggregated one prefill_and_decode worker) on free ports and stops it afterwards.
+
+--step-tokens compares engine step token budgets (`--max-step-tokens`, how many prompt tokens
+one step may compute next to the running decodes) on an aggregated worker: the budgets take
+turns for --rounds rounds and the table shows each figure's median over the rounds.
 """
 
 from __future__ import annotations
@@ -83,13 +88,14 @@ async def level(url: str, concurrency: int, requests: int, max_tokens: int, offs
     }
 
 
-def start_up(aggregated: bool, log_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_up(aggregated: bool, log_dir: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     ready = log_dir / "ready.json"
     cmd = [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--nats-port", "0", "--metrics-port-base", "0",
            "--ready-file", str(ready), "--quiet"]
     if aggregated:
         cmd += ["--aggregated", "--decode", "1"]
-    proc = subprocess.Popen(cmd, stdout=open(log_dir / "up.log", "wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=open(log_dir / "up.log", "wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 300
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -106,22 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--write", action="store_true")
+    p.add_argument("--step-tokens", type=int, nargs="+", default=None,
+                   help="compare these engine step token budgets (aggregated worker)")
+    p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
-    proc = None
-    url = args.url
-    if url is None:
-        proc, url = start_up(args.aggregated, Path(tempfile.mkdtemp(prefix="tandem-serve-")))
-    try:
-        asyncio.run(level(url, 2, 4, 16, 10_000))  # warm-up
-        rows = []
-        for i, c in enumerate(args.concurrency):
-            row = asyncio.run(level(url, c, max(2 * c, 4), args.max_tokens, 1000 * (i + 1)))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(60)
+    if args.step_tokens:
+        return compare_step_budgets(args)
+    rows = run_levels(args, args.url) if args.url else measure(args, args.aggregated)
     mode = "external gateway" if args.url else ("aggregated (1 prefill_and_decode)" if args.aggregated
                                                 else "disaggregated (1 prefill_only + 1 decode_only)")
     lines = [f"### Serving: {mode}", "",
@@ -137,6 +134,56 @@ def main(argv: list[str] | None = None) -> int:
         from bench.report import write_section
 
         write_section("serve-aggregated" if args.aggregated else "serve-disagg", text)
+    return 0
+
+
+def run_levels(args: argparse.Namespace, url: str) -> list[dict]:
+    """Warm up, then every concurrency level against the gateway at ``url``."""
+    asyncio.run(level(url, 2, 4, 16, 10_000))
+    rows = []
+    for i, c in enumerate(args.concurrency):
+        rows.append(asyncio.run(level(url, c, max(2 * c, 4), args.max_tokens, 1000 * (i + 1))))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def measure(args: argparse.Namespace, aggregated: bool, env: dict[str, str] | None = None) -> list[dict]:
+    """Start `tandem up`, run every concurrency level against it, stop it."""
+    proc, url = start_up(aggregated, Path(tempfile.mkdtemp(prefix="tandem-serve-")), env)
+    try:
+        return run_levels(args, url)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+
+
+def compare_step_budgets(args: argparse.Namespace) -> int:
+    runs: dict[tuple[int, int], list[dict]] = {}
+    for r in range(args.rounds):
+        for budget in args.step_tokens:
+            print(f"round {r}, max_step_tokens {budget}", flush=True)
+            for row in measure(args, True, {"TANDEM_MAX_STEP_TOKENS": str(budget)}):
+                runs.setdefault((budget, row["concurrency"]), []).append(row)
+
+    def med(rows: list[dict], key: str) -> float:
+        xs = sorted(x[key] for x in rows)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+    lines = ["### Serving: step token budget (aggregated)", "",
+             f"`python -m bench.serve --step-tokens {' '.join(map(str, args.step_tokens))} --rounds {args.rounds}`: "
+             f"one prefill_and_decode worker, ~255 prompt tokens, {args.max_tokens} output tokens; the budgets "
+             f"took turns, medians of {args.rounds} rounds, {os.cpu_count()} cores.", "",
+             "| max step tokens | concurrency | output tok/s | TTFT p50 | ITL p50 | ITL p99 |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for (budget, c), rows in sorted(runs.items(), key=lambda kv: (kv[0][1], -kv[0][0])):
+        lines.append(f"| {budget} | {c} | {med(rows, 'output_tok_s'):.1f} | {med(rows, 'ttft_p50'):.2f} s | "
+                     f"{med(rows, 'itl_p50') * 1000:.0f} ms | {med(rows, 'itl_p99') * 1000:.0f} ms |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.write:
+        from bench.report import write_section
+
+        write_section("serve-step-budget", text)
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Why pydantic: FastAPI validates bodies with it and publishes the schema at
 ``/openapi.json``. Fields follow OpenAI's; unknown fields are ignored (as vLLM does) so
-newer clients keep working. Extensions: ``target_endpoint`` (DESIGN §7), ``top_k``,
+newer clients keep working. Types are strict (``"n": "2"`` or ``"max_tokens": true`` is a
+400, not a guess); an integer is accepted where a number is expected. Extensions: ``target_endpoint`` (DESIGN §7), ``top_k``,
 ``ignore_eos``, ``stop_token_ids``.
 """
 
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -29,7 +30,7 @@ class _Body(BaseModel):
 class TextPart(_Body):
     """One part of a message's content; only ``text`` parts are supported."""
 
-    type: str = "text"
+    type: str
     text: str | None = None
 
 

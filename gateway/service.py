@@ -193,6 +193,8 @@ class Gateway:
             elif isinstance(m.content, str):
                 content = m.content
             else:
+                if not m.content:
+                    raise OpenAIError(400, f"messages[{i}].content is an empty list", param=f"messages[{i}].content")
                 parts = []
                 for j, part in enumerate(m.content):
                     if part.type != "text" or part.text is None:

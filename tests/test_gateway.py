@@ -1118,6 +1118,14 @@ def test_unsupported_openai_features_are_400(gw: ServerThread) -> None:
 
 def test_more_invalid_inputs_are_400(gw: ServerThread) -> None:
     url = f"{gw.url}/v1/chat/completions"
+    for field, value in (("n", "2"), ("stream", "true"), ("max_tokens", True), ("temperature", "0.5"),
+                         ("logprobs", 1)):  # no guessing at what a wrongly typed value meant
+        assert_error(httpx.post(url, json=chat_body("x", **{field: value})), 400, param=field)
+    assert_error(httpx.post(f"{gw.url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": [True, False]}),
+                 400, param="prompt")
+    for content in ([], [{"text": "no type"}]):
+        assert_error(httpx.post(url, json={"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": content}]}),
+                     400)
     assert_error(httpx.post(url, json=chat_body("x", seed=2**64)), 400, param="seed")
     assert_error(httpx.post(url, json=chat_body("x", seed=2**63 - 1, n=2)), 400, param="seed")
     assert_error(httpx.post(url, json={"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": 5}]}),
