@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -50,13 +50,32 @@ STREAM_START_WAIT = 20.0
 _ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions"})
 
 
-class _CountRequests:
-    """Pure ASGI middleware counting /v1 requests by status (leaves streaming and disconnects alone)."""
+class _FrontDoor:
+    """Pure ASGI middleware every /v1 request passes: API key, body size, then request metrics.
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body_bytes: int) -> None:
+    Why here and not in a route dependency: FastAPI parses the body before dependencies run,
+    so a client without a key would learn about its JSON before hearing 401. Pure ASGI also
+    leaves streaming and disconnect detection alone.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body_bytes: int, api_keys: tuple[str, ...]) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.api_keys = [k.encode() for k in api_keys]
+
+    def _refuse(self, headers: dict[bytes, bytes]) -> OpenAIError | None:
+        if self.api_keys:
+            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            token = token.strip()
+            if scheme.lower() != "bearer" or not token:
+                return OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+            if not any(secrets.compare_digest(token.encode("latin-1"), k) for k in self.api_keys):
+                return OpenAIError(401, "incorrect API key provided", code="invalid_api_key")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return OpenAIError(413, f"the request body is over {self.max_body_bytes} bytes", code="request_too_large")
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
@@ -72,10 +91,9 @@ class _CountRequests:
 
         t0 = time.perf_counter()
         try:
-            length = dict(scope.get("headers") or []).get(b"content-length", b"")
-            if length.isdigit() and int(length) > self.max_body_bytes:
-                await OpenAIError(413, f"the request body is over {self.max_body_bytes} bytes",
-                                  code="request_too_large").response()(scope, receive, send_status)
+            refused = self._refuse(dict(scope.get("headers") or []))
+            if refused is not None:
+                await refused.response()(scope, receive, send_status)
                 return
             await self.app(scope, receive, send_status)
         finally:
@@ -136,20 +154,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
             raise OpenAIError(503, "the gateway is starting", code="starting", retry_after=1)
         return gw
 
-    async def authorize(request: Request) -> None:
-        """401 unless the bearer key is one of ``TANDEM_API_KEYS`` (when any is set)."""
-        keys = config.api_keys
-        if not keys:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        if not any(secrets.compare_digest(token.encode(), k.encode()) for k in keys):
-            raise OpenAIError(401, "incorrect API key provided", code="invalid_api_key")
-
-    app.add_middleware(_CountRequests, metrics=metrics, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(_FrontDoor, metrics=metrics, max_body_bytes=config.max_body_bytes, api_keys=config.api_keys)
 
     # ---- plain endpoints ---------------------------------------------------------------
     @app.get("/health", summary="the process is up")
@@ -194,25 +199,25 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
             "max_model_len": gw.text.max_position,
         }
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)], summary="the served model")
+    @app.get("/v1/models", summary="the served model")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(gateway())]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)], summary="one model")
+    @app.get("/v1/models/{model_id:path}", summary="one model")
     async def model(model_id: str) -> dict[str, Any]:
         gw = gateway()
         gw.check_model(model_id)
         return _model_card(gw)
 
     # ---- completions -------------------------------------------------------------------
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], summary="chat completion")
+    @app.post("/v1/chat/completions", summary="chat completion")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gw = gateway()
         prep = await gw.prepare_chat(body, _target(body.target_endpoint, request), gw.timeout_of(
             request.headers.get("x-request-timeout")))
         return await _serve(gw, prep, request, f"chatcmpl-{uuid.uuid4().hex}")
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)], summary="text completion")
+    @app.post("/v1/completions", summary="text completion")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gw = gateway()
         prep = await gw.prepare_completion(body, _target(body.target_endpoint, request), gw.timeout_of(

@@ -281,10 +281,12 @@ def test_bad_request_reports_error(cluster):
 
     async def go():
         async with Client(url) as c:
-            return await c.generate(rid(), [1, 2, 999999], timeout=20)
+            return (await c.generate(rid(), [1, 2, 999999], timeout=20),
+                    await c.generate(rid(), [1, 2, 3], worker="d1", seed=2**63, temperature=1.0, timeout=20))
 
-    out = run(go())
-    assert out["error"]["status"] == 400 and "vocabulary" in out["error"]["message"]
+    vocab, seed = run(go())
+    assert vocab["error"]["status"] == 400 and "vocabulary" in vocab["error"]["message"]
+    assert seed["error"]["status"] == 400 and "seed" in seed["error"]["message"]
 
 
 def test_cancel_that_overtakes_its_queued_request(cluster, smollm):

@@ -890,6 +890,8 @@ def test_api_keys_401(nats_srv: EmbeddedNats, worker: FakeWorker, text_model: Te
         assert_error(httpx.post(url, json=chat_body("x"), headers={"Authorization": "Bearer nope"}), 401,
                      code="invalid_api_key")
         assert_error(httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+        assert_error(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 401,
+                     code="invalid_api_key")  # the key is checked before the body is read
         bad = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="nope", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "x"}])
