@@ -54,12 +54,6 @@ WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel
 UTF8_REPLY = "Grüße aus Köln 🙂 — 日本語のテキスト 🎉 done."
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LoopThread:
     """An asyncio loop in a daemon thread; ``run(coro)`` waits for a result with a deadline."""
 
@@ -267,13 +261,16 @@ class FakeWorker:
 
 
 class ServerThread:
-    """A uvicorn server for an ASGI app in a thread, on a free port (lifespan included)."""
+    """A uvicorn server for an ASGI app in a thread, on a socket bound here (no port race; lifespan included)."""
 
     def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name=f"uvicorn-{self.port}", daemon=True)
 
     @property
     def url(self) -> str:
@@ -293,6 +290,7 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+        self.sock.close()
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
