@@ -193,8 +193,12 @@ class WorkerActor:
                 log.warning("%s pool fetch failed: %s", pool, e)
                 await asyncio.sleep(0.5)
                 continue
-            if msg is not None:
+            if msg is None:
+                continue
+            try:
                 await self.accept(msg, from_pool=True)
+            except Exception:  # one bad message must not stop this worker's intake
+                log.exception("%s: failed to take a message from %s", self.worker_id, pool)
 
     async def _on_targeted(self, msg: Msg) -> None:
         await self.accept(msg, from_pool=False)

@@ -35,6 +35,7 @@ from bus.messages import (
 )
 from bus.messages import SamplingParams as WireSampling
 from bus.publish import js_publish, publish
+from bus.subjects import check_subject, check_token
 from engine.engine import LLMEngine, StepOutput
 from engine.sampling import SamplingParams, TokenLogprob
 from kv.blocks import prefix_hashes
@@ -123,6 +124,11 @@ class DecodeActor(WorkerActor):
         req = await self.receive(msg, from_pool, GenerateRequest, lambda r: r.request_id)
         if req is None:
             return
+        try:
+            check_subject(req.stream_subject, "stream_subject")
+        except ValueError as e:  # nowhere to answer: say so here and drop it
+            log.warning("dropping request %r: %s", req.request_id, e, extra={"request_id": req.request_id})
+            return
         if req.request_id in self.cancelled_ids:  # its client left while it sat in the pool
             log.info("request %s was cancelled before it got here; dropping it", req.request_id,
                      extra={"request_id": req.request_id})
@@ -130,6 +136,10 @@ class DecodeActor(WorkerActor):
         r = Request(req, list(req.prompt_ids))
         self.requests[req.request_id] = r
         try:
+            try:
+                check_token(req.request_id, "request_id")
+            except ValueError as e:
+                raise RequestFailed(ErrorCode.BAD_REQUEST, str(e), 400) from e
             self._validate(r)
             mode, reason, target = self._choose_prefill(r)
         except RequestFailed as f:
@@ -257,9 +267,10 @@ class DecodeActor(WorkerActor):
                 out = await self.runner.call(LLMEngine.complete_remote, rid, done.first_token, info)
                 self.on_outputs([out])
                 return
-            # Failed or timed out: after a timeout the prefill side may still write into these blocks.
+            # Failed or timed out: after a timeout, or a failure once writing began, the prefill
+            # side may still write into these blocks.
             timed_out = done is None
-            blocks = await self.runner.call(LLMEngine.abandon_remote, rid, timed_out)
+            blocks = await self.runner.call(LLMEngine.abandon_remote, rid, timed_out or done.wrote)
             self._quarantine(f"{rid}:{attempt}", blocks, self.attempt_deadline.pop(rid, time.time()))
             why = "timed out" if timed_out else f"failed: {done.error}"
             log.warning("request %s: remote prefill attempt %d %s", rid, attempt, why, extra={"request_id": rid})
@@ -386,7 +397,7 @@ class DecodeActor(WorkerActor):
         fut = self.prefill_waits.get(tag)
         if fut is not None and not fut.done():
             fut.set_result(done)
-        if tag in self.quarantined:  # that attempt has answered: it writes no more
+        if tag in self.quarantined and (done.ok or not done.wrote):  # that attempt writes no more
             await self._release_quarantine(tag)
 
     async def _discover_prefill(self, wait: float = 0.3) -> None:

@@ -65,6 +65,8 @@ class PrefillActor(WorkerActor):
         done = PrefillDone(request_id=rid, ok=False, prefill_worker_id=self.worker_id, attempt=job.attempt,
                            layout_fingerprint=self.layout.fingerprint())
         held = False
+        stream: LayerStream | None = None
+        whole_write = False
         try:
             await publish(self.nc, job.reply_subject,
                           PrefillAccepted(request_id=rid, attempt=job.attempt, prefill_worker_id=self.worker_id))
@@ -97,6 +99,7 @@ class PrefillActor(WorkerActor):
                 handle = self.transfer.write(job.dst.worker_id, [], [], notify=tag, deadline=deadline_mono)
             else:
                 local = self._local_blocks(self.engine.held[rid].block_table, job)
+                whole_write = True
                 handle = self.transfer.write(job.dst.worker_id, local, list(job.dst.block_ids),
                                              notify=tag, deadline=deadline_mono)
             await asyncio.to_thread(handle.wait)
@@ -126,9 +129,10 @@ class PrefillActor(WorkerActor):
             done.error, done.error_code = f"{type(e).__name__}: {e}", ErrorCode.INTERNAL
         finally:
             self.first_tokens.pop(rid, None)
-            if held:
+            if held:  # on the model thread, after its current step: no layer write starts after this
                 await self.runner.call(lambda e: (e.layer_hooks.pop(rid, None), e.abort(rid), e.release_held(rid)))
             self.jobs.pop(rid, None)
+        done.wrote = whole_write or bool(stream and stream.handles)
         metrics.PREFILL_JOBS.labels("ok" if done.ok else done.error_code or "error").inc()
         if not done.ok:
             log.warning("prefill %s failed (%s): %s", rid, done.error_code, done.error, extra={"request_id": rid})

@@ -218,6 +218,9 @@ class PrefillDone(_Msg, tag="prefill_done", kw_only=True):
     cached_tokens: NonNegInt = 0
     attempt: NonNegInt = 0
     layout_fingerprint: str | None = None
+    # Whether any write into the destination blocks began. A failed job that wrote may still
+    # have bytes in flight: the decode worker keeps those blocks quarantined until the deadline.
+    wrote: bool = False
 
 
 class StreamTokens(_Msg, tag="stream_tokens", kw_only=True):

@@ -101,6 +101,20 @@ def check_token(value: str, what: str = "token") -> str:
     return value
 
 
+def check_subject(value: str, what: str = "subject") -> str:
+    """Refuse a subject nobody can publish to (empty tokens, wildcards, whitespace).
+
+    Why: a reply subject comes from the sender; publishing to a bad one raises inside the
+    receiving worker, which must answer or drop the message rather than fail later.
+    """
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+    for token in value.split("."):
+        if not token or token in ("*", ">") or _BAD_IN_TOKEN.search(token):
+            raise ValueError(f"{what} {value!r} is not a subject one can publish to")
+    return value
+
+
 def stream_name_token(token: str) -> str:
     """Upper-case a subject token for a JetStream stream name (``-`` becomes ``_``)."""
     return token.upper().replace("-", "_")

@@ -73,6 +73,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, self.cfg.max_batch, self.cfg.max_step_tokens)
         self.sampler = Sampler()
         self.max_model_len = min(self.cfg.max_model_len or mc.max_position, mc.max_position)
+        # The most tokens one sequence's KV can ever occupy: a sequence that reaches it ends with
+        # "length" (preempting itself could never be re-admitted, and would block the queue).
+        self.pool_tokens = self.blocks.num_blocks * self.cfg.block_size
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
         # request id -> fn(layer): called per layer in the step that completes that request's prompt
@@ -281,7 +284,7 @@ class LLMEngine:
                 seq.logprobs.append(info)
             self._update_text(seq)
             if seq.finish_reason is None and (
-                len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len
+                len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= min(self.max_model_len, self.pool_tokens)
             ):
                 seq.finish_reason = "length"
         if seq.finish_reason is not None:

@@ -289,6 +289,28 @@ def test_bad_request_reports_error(cluster):
     assert seed["error"]["status"] == 400 and "seed" in seed["error"]["message"]
 
 
+def test_bad_pool_messages_do_not_stop_intake(cluster, smollm):
+    """Requests with nowhere to answer are dropped; a bad request id is a 400; the worker pulls on."""
+    url, _ = cluster
+
+    async def go():
+        async with Client(url, "agg") as c:
+            for subject in ("", "has space", "tandem.*.x", "a..b"):
+                body = c.request_body(rid(), [1, 2, 3])
+                body["stream_subject"] = subject
+                await c.js.publish(c.subjects.generate_pool, json.dumps(body).encode())
+            body = c.request_body(rid(), [1, 2, 3])
+            body["request_id"] = "not.a.token"
+            sub = await c.nc.subscribe(body["stream_subject"])
+            await c.js.publish(c.subjects.generate_pool, json.dumps(body).encode())
+            bad_id = await c.collect(sub, timeout=30)
+            return bad_id, await c.generate(rid(), chat_ids(smollm, "Say hello."), max_tokens=4, timeout=60)
+
+    bad_id, after = run(go())
+    assert bad_id["error"]["status"] == 400 and "request_id" in bad_id["error"]["message"]
+    assert "finish" in after, after
+
+
 def test_cancel_that_overtakes_its_queued_request(cluster, smollm):
     """A client gone while its request still sat in the pool: the worker that pulls it drops it."""
     url, _ = cluster
@@ -314,10 +336,12 @@ def test_cancel_mid_prefill_and_mid_decode_frees_blocks(cluster, smollm):
 
     async def go():
         async with Client(url) as c:
-            # Mid-prefill: cancel as soon as the prefill job is on the bus.
-            jobs = await c.nc.subscribe(c.subjects.prefill_pool)
+            # Mid-prefill: cancel as soon as the prefill job is on the bus. p2 sends the KV whole
+            # after computing, so the cancel lands before any write and frees the blocks at once
+            # (a cancel after writes began keeps them quarantined until the job's deadline).
+            jobs = await c.nc.subscribe(c.subjects.prefill_worker("p2"))
             r1 = rid()
-            s1 = await c.start(r1, long_prompt, worker="d1", max_tokens=8)
+            s1 = await c.start(r1, long_prompt, worker="d1", target_endpoint="p2", max_tokens=8)
             await jobs.next_msg(timeout=30)
             await c.nc.publish(c.subjects.cancel(r1), json.dumps({"request_id": r1, "reason": "test"}).encode())
             end1 = await c.collect(s1, timeout=30)

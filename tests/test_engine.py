@@ -136,6 +136,21 @@ def test_streamed_text_is_whole_characters(smollm, make_engine, stop):
     engine.abort("u")
 
 
+def test_sequence_outgrowing_the_pool_ends_with_length(smollm, make_engine):
+    """A sequence cannot grow past the pool: it ends with "length" instead of preempting itself forever."""
+    engine = make_engine(num_blocks=3)  # 48 token slots
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    big = engine.add_request("big", list(range(100, 112)), params)
+    after = engine.add_request("after", list(range(200, 210)), SamplingParams(max_tokens=4, temperature=0.0))
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work()
+    assert big.finish_reason == "length" and big.num_tokens == 48
+    assert after.finish_reason == "length" and len(after.output_ids) == 4
+
+
 def test_max_tokens_and_logprobs(smollm, make_engine):
     engine = make_engine()
     [seq] = engine.generate([chat_ids(smollm, QUESTIONS[2])],
