@@ -81,7 +81,7 @@ class WorkerActor:
         self.transfer = create_engine(
             settings.kv_transfer, layout, settings.num_blocks, settings.device, self.worker_id,
             incarnation=self.incarnation, nixl_backend=settings.nixl_backend, tcp_host=settings.kv_tcp_host,
-            tcp_advertise_host=settings.advertise_host if settings.kv_tcp_host == "0.0.0.0" else None,
+            tcp_advertise_host=settings.advertise_host,
         )
         self.engine = LLMEngine(loaded, cfg, pool=self.transfer.pool)
         self.layout = self.engine.layout

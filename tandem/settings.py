@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -25,7 +26,9 @@ class Settings:
     namespace: str = "tandem"
     nats_url: str = "nats://127.0.0.1:4222"
     metrics_port: int = 0  # 0: no metrics server
-    advertise_host: str = "127.0.0.1"  # this worker's address as peers see it (metrics URL, KV over TCP)
+    # this worker's address as peers see it (metrics URL, KV over TCP); "" = the TCP bind host,
+    # or this machine's hostname when that is 0.0.0.0 (containers: the name peers resolve)
+    advertise_host: str = ""
     kv_tcp_host: str = "127.0.0.1"  # where the TCP KV engine listens (0.0.0.0 across hosts/containers)
     kv_transfer: str = "auto"  # auto|nixl|shm|tcp|cuda_ipc
     nixl_backend: str = "ucx"  # ucx|libfabric|uccl
@@ -61,6 +64,9 @@ class Settings:
         return s
 
     def validate(self) -> None:
+        if not self.advertise_host:
+            wildcard = self.kv_tcp_host in ("0.0.0.0", "::", "")
+            self.advertise_host = socket.gethostname() if wildcard else self.kv_tcp_host
         if self.role not in ROLES:
             raise ValueError(f"unknown pipeline role {self.role!r}; choose one of {', '.join(ROLES)}")
         if self.kv_transfer not in ("auto", "nixl", "shm", "tcp", "cuda_ipc"):

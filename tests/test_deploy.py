@@ -619,6 +619,28 @@ def test_compose_services_and_files(compose: dict[str, Any]) -> None:
         assert env["TANDEM_NATS_PASSWORD"] == nats_svc["environment"][var]
 
 
+
+def test_compose_workers_advertise_a_name_peers_resolve(compose: dict[str, Any],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """KV over TCP across containers: a worker listening on 0.0.0.0 must not advertise 127.0.0.1."""
+    import socket
+
+    from tandem.settings import Settings
+
+    for role_service, role in (("prefill", ROLE_PREFILL_ONLY), ("decode", ROLE_DECODE_ONLY)):
+        env = compose["services"][role_service]["environment"]
+        for key in [k for k in os.environ if k.startswith("TANDEM_")]:
+            monkeypatch.delenv(key)
+        for key, value in env.items():
+            if key.startswith("TANDEM_"):
+                monkeypatch.setenv(key, str(value))
+        s = Settings.from_env(role=role)
+        assert s.kv_tcp_host == "0.0.0.0"
+        assert s.advertise_host == socket.gethostname()  # the container's name on the compose network
+    monkeypatch.delenv("TANDEM_ADVERTISE_HOST", raising=False)
+    monkeypatch.delenv("TANDEM_KV_TCP_HOST", raising=False)
+    assert Settings.from_env(role=ROLE_DECODE_ONLY).advertise_host == "127.0.0.1"  # one host: loopback
+
 def _scrape_targets(job: dict[str, Any]) -> list[tuple[str, int]]:
     out = []
     for sc in job.get("static_configs") or []:
