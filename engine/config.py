@@ -4,6 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# RoPE scaling kinds the engine implements, with the keys each needs. "factors" is internal: a GGUF's
+# rope_freqs tensor of per-frequency divisors. Anything else (yarn, dynamic, longrope) would silently
+# produce wrong logits, so the loader refuses it up front.
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings"),
+    "factors": ("factors",),
+}
+
+
+def rope_scaling_type(scaling: dict | None) -> str:
+    """The scaling kind of a rope_scaling dict (HF writes `rope_type`, older configs `type`)."""
+    sc = scaling or {}
+    return sc.get("rope_type") or sc.get("type") or "default"
+
 
 @dataclass(frozen=True)
 class ModelConfig:

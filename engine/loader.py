@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from engine.chat_template import CHATML, ChatTemplate
-from engine.config import ModelConfig
+from engine.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_type
 from engine.tokenizer import TextTokenizer
 from kv.layout import DTYPES
 
@@ -35,6 +35,9 @@ _CACHE_FORMAT = 1
 _SUPPORTED_ARCH = ("llama",)
 _SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 _HF_ARCH = ("LlamaForCausalLM", "MistralForCausalLM")
+_GGUF_ROPE_SCALING = ("none", "linear")  # llama.cpp's rope.scaling.type values we implement
+_SAMPLE = 1 << 16  # bytes hashed at the start, middle and end of each safetensors file
+_TENSOR_SAMPLE = 1 << 12  # bytes hashed from the middle of each tensor
 
 
 class ModelLoadError(ValueError):
@@ -150,21 +153,27 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_config(fields: dict, name: str) -> ModelConfig:
+def _gguf_config(fields: dict, path: Path) -> ModelConfig:
     arch = fields.get("general.architecture")
     if arch not in _SUPPORTED_ARCH:
-        raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {', '.join(_SUPPORTED_ARCH)})")
+        raise ModelLoadError(
+            f"{path.name}: unsupported architecture {arch!r} (supported: {', '.join(_SUPPORTED_ARCH)})"
+        )
     a = arch
     hidden = fields[f"{a}.embedding_length"]
     heads = fields[f"{a}.attention.head_count"]
     kv_heads = fields.get(f"{a}.attention.head_count_kv", heads)
     head_dim = fields.get(f"{a}.attention.key_length", hidden // heads)
     scaling = None
-    if fields.get(f"{a}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": fields[f"{a}.rope.scaling.factor"]}
+    kind = fields.get(f"{a}.rope.scaling.type", "none")
+    if kind not in _GGUF_ROPE_SCALING:  # ignoring yarn or longrope would give wrong logits on long contexts
+        supported = ", ".join(_GGUF_ROPE_SCALING)
+        raise ModelLoadError(f"{path.name}: unsupported rope scaling type {kind!r} (supported: {supported})")
+    if kind == "linear":
+        scaling = {"rope_type": "linear", "factor": fields.get(f"{a}.rope.scaling.factor", 1.0)}
     vocab = fields.get(f"{a}.vocab_size") or len(fields["tokenizer.ggml.tokens"])
     return ModelConfig(
-        name=name,
+        name=path.stem,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=fields[f"{a}.feed_forward_length"],
@@ -216,14 +225,17 @@ def _gguf_text(path: Path, digest: str):
 
     reader = gguf.GGUFReader(str(path))
     fields = _gguf_fields(reader)
-    cfg = _gguf_config(fields, path.stem)
+    cfg = _gguf_config(fields, path)
     tensor_names = {t.name for t in reader.tensors}
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:  # llama3 scaling baked into a tensor of frequency divisors
         cfg = ModelConfig(**{**cfg.__dict__, "rope_scaling": {"rope_type": "factors",
                                                               "factors": np.asarray(rope_freqs.data).tolist()}})
     cfg = ModelConfig(**{**cfg.__dict__, "tie_embeddings": "output.weight" not in tensor_names})
-    tok = TextTokenizer.from_gguf_fields(fields)
+    try:
+        tok = TextTokenizer.from_gguf_fields(fields)
+    except ValueError as e:  # engine.tokenizer cannot import ModelLoadError (it would be a cycle)
+        raise ModelLoadError(f"{path.name}: {e}") from e
     tokens = fields["tokenizer.ggml.tokens"]
     bos = fields.get("tokenizer.ggml.bos_token_id")
     eos = fields.get("tokenizer.ggml.eos_token_id")
@@ -337,12 +349,16 @@ def _hf_config(path: Path) -> ModelConfig:
     c = json.loads((path / "config.json").read_text())
     archs = c.get("architectures") or [c.get("model_type", "?")]
     if not any(a in _HF_ARCH for a in archs) and c.get("model_type") not in ("llama", "mistral"):
-        raise ModelLoadError(f"unsupported architecture {archs[0]!r} (supported: {', '.join(_HF_ARCH)})")
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {archs[0]!r} (supported: {', '.join(_HF_ARCH)})"
+        )
+    _check_unquantized(path, c)
     heads = c["num_attention_heads"]
     # transformers >= 5 writes `rope_parameters` (theta inside); older configs use rope_theta/rope_scaling.
     rope = c.get("rope_parameters") or {}
     theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
     scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    _check_rope_scaling(path, scaling)
     return ModelConfig(
         name=path.name,
         vocab_size=c["vocab_size"],
@@ -360,13 +376,65 @@ def _hf_config(path: Path) -> ModelConfig:
     )
 
 
+def _check_unquantized(path: Path, c: dict) -> None:
+    """Refuse GPTQ/AWQ/fp8/bitsandbytes checkpoints by name, rather than failing on their first odd tensor."""
+    q = c.get("quantization_config")
+    if q is None and (path / "quantize_config.json").exists():  # older AutoGPTQ checkpoints
+        q = {"quant_method": "gptq", **json.loads((path / "quantize_config.json").read_text())}
+    if q is not None:
+        method = q.get("quant_method", "unknown") if isinstance(q, dict) else "unknown"
+        raise ModelLoadError(
+            f"{path}: checkpoint is quantized with {method!r}; only unquantized safetensors checkpoints "
+            "(or a GGUF file) are supported"
+        )
+
+
+def _check_rope_scaling(path: Path, scaling: dict | None) -> None:
+    """Refuse a scaling the engine does not implement now, not with a traceback when the engine is built."""
+    kind = rope_scaling_type(scaling)
+    supported = [k for k in ROPE_SCALING_KEYS if k != "factors"]  # "factors" exists only inside the loader
+    if kind not in supported:
+        raise ModelLoadError(
+            f"{path}: unsupported rope scaling type {kind!r} (supported: {', '.join(supported)})"
+        )
+    missing = [k for k in ROPE_SCALING_KEYS[kind] if k not in (scaling or {})]
+    if missing:
+        raise ModelLoadError(f"{path}: rope scaling {kind!r} lacks {', '.join(missing)}")
+
+
+def _safetensors_digest(f: Path) -> bytes:
+    """SHA-256 of one safetensors file's name, size and sampled bytes: content-dependent, never read whole.
+
+    The header (tensor names, shapes, dtypes), 64 KiB at the start, middle and end, and 4 KiB from the
+    middle of every tensor, so a fine-tune that changed only some projections still hashes differently.
+    """
+    size = f.stat().st_size
+    h = hashlib.sha256(f"{f.name}:{size}".encode())
+    with open(f, "rb") as fh:
+        head_len = int.from_bytes(fh.read(8), "little")
+        if not 0 < head_len <= size - 8:
+            raise ModelLoadError(f"{f}: not a safetensors file")
+        header = fh.read(head_len)
+        h.update(header)
+        spans = [(max(0, at), _SAMPLE) for at in (0, (size - _SAMPLE) // 2, size - _SAMPLE)]
+        for name, info in sorted(json.loads(header).items()):
+            if name != "__metadata__":
+                begin, end = info["data_offsets"]
+                spans.append((8 + head_len + max(begin, (begin + end - _TENSOR_SAMPLE) // 2), _TENSOR_SAMPLE))
+        for at, n in spans:
+            fh.seek(at)
+            h.update(fh.read(n))
+    return h.digest()
+
+
 def _hf_text(path: Path) -> ModelText:
     cfg = _hf_config(path)
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"{path}: tokenizer.json is missing")
-    digest = hashlib.sha256()
+    # Identity: the config plus sampled weight bytes, so two fine-tunes of one architecture differ.
+    digest = hashlib.sha256((path / "config.json").read_bytes())
     for f in sorted(path.glob("*.safetensors")):
-        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+        digest.update(_safetensors_digest(f))
     eos_ids: set[int] = set()
     for cfg_name in ("generation_config.json", "config.json"):
         p = path / cfg_name

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
+from engine.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_type
 from kv.pool import KVPool
 
 
@@ -45,7 +45,7 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies, with llama3-style scaling when the config asks for it."""
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
     sc = cfg.rope_scaling or {}
-    kind = sc.get("rope_type", sc.get("type"))
+    kind = rope_scaling_type(sc)
     if kind == "llama3":
         factor = sc["factor"]
         low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
@@ -61,8 +61,9 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
         inv = inv / sc["factor"]
     elif kind == "factors":  # GGUF's rope_freqs tensor: per-frequency divisors
         inv = inv / torch.tensor(sc["factors"], dtype=torch.float64)
-    elif kind not in (None, "default"):
-        raise ValueError(f"unsupported rope scaling type {kind!r}")
+    elif kind != "default":  # the loader refuses these first; guard for configs built by hand
+        supported = ", ".join(ROPE_SCALING_KEYS)
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {supported})")
     return inv.float()
 
 

@@ -228,7 +228,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
         return body_value or request.headers.get("x-target-endpoint") or None
 
     async def _serve(gw: Gateway, prep: Prepared, request: Request, rid: str) -> Response:
-        run = Run(gw, prep)
+        run = Run(gw, prep, rid)
         try:
             await run.start()
         except BaseException:

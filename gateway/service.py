@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -390,17 +389,13 @@ class Gateway:
         }
 
 
-def new_request_id() -> str:
-    """A request id: uuid hex (one subject token, no dots)."""
-    return uuid.uuid4().hex
-
-
 class Run:
     """The bus side of one HTTP request: dispatch its jobs, turn their streams into events."""
 
-    def __init__(self, gw: Gateway, prep: Prepared) -> None:
+    def __init__(self, gw: Gateway, prep: Prepared, client_id: str) -> None:
         self.gw = gw
         self.prep = prep
+        self.client_id = client_id  # the id the client sees (X-Request-Id); jobs are named after it
         self.jobs = prep.jobs
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.deadline = time.time() + prep.timeout
@@ -428,7 +423,8 @@ class Run:
     async def _dispatch(self, job: Job, exclude: frozenset[str] = frozenset()) -> None:
         gw = self.gw
         reg = gw.registry
-        job.request_id = new_request_id()
+        # "<client id>-<choice>", and "-r1" for a re-send: `tandem tail --request <client id>` finds them
+        job.request_id = f"{self.client_id}-{job.index}" + ("-r1" if job.retried else "")
         bs = gw.config.block_size
         route = reg.choose(job.hashes, (len(job.prompt_ids) + bs - 1) // bs, exclude)
         live = [w for w in reg.alive() if w.worker_id not in exclude]
@@ -456,8 +452,8 @@ class Run:
         job.route_reason = route.reason
         job.started = time.monotonic()
         reg.dispatched(route.worker_id, job.hashes)
-        log.debug("request %s -> %s (%s, %d cached blocks)", job.request_id,
-                  route.worker_id or "pool", route.reason, route.matched_blocks)
+        log.info("request %s -> %s (%s, %d cached blocks)", job.request_id,
+                 route.worker_id or "pool", route.reason, route.matched_blocks, extra={"request_id": job.request_id})
 
     # ---- events ------------------------------------------------------------------------
     @property

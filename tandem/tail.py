@@ -133,6 +133,11 @@ def format_line(subject: str, kind: str, rid: str | None, summary: str, when: fl
     return f"{ts} {subject} {kind}{f' rid={rid}' if rid else ''} {summary}"
 
 
+def _is_request(rid: str | None, wanted: str) -> bool:
+    """``wanted`` itself, or one of its jobs: the gateway names them ``<client id>-<choice>[-r1]``."""
+    return rid is not None and (rid == wanted or rid.startswith(wanted + "-"))
+
+
 async def tail(nc: Any, subject: str, printer: Printer, out: TextIO, *, request_id: str | None = None,
                count: int | None = None, timeout: float | None = None, until_done: bool = False,
                skip_kinds: frozenset[str] = frozenset(), ready: Callable[[], None] | None = None) -> int:
@@ -161,7 +166,7 @@ async def tail(nc: Any, subject: str, printer: Printer, out: TextIO, *, request_
             except asyncio.TimeoutError:
                 break
             kind, summary, rid = describe(msg.subject, msg.data, msg.headers, printer)
-            if request_id is not None and rid != request_id:
+            if request_id is not None and not _is_request(rid, request_id):
                 continue
             if kind in skip_kinds:
                 continue
@@ -182,7 +187,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--nats-url", default=None, help="NATS URL(s), comma-separated (default TANDEM_NATS_URL)")
     p.add_argument("--namespace", default=None, help="subject namespace (default TANDEM_NAMESPACE or tandem)")
     p.add_argument("--subject", default=None, help="what to follow (default <namespace>.>)")
-    p.add_argument("--request", default=None, metavar="ID", help="only this request's messages")
+    p.add_argument("--request", default=None, metavar="ID",
+                   help="only this request's messages (a client's X-Request-Id covers all its choices)")
     p.add_argument("--model", default=None,
                    help="model whose tokenizer decodes token ids (default TANDEM_MODEL or the built-in model)")
     p.add_argument("--no-decode", dest="decode", action="store_false", help="print token ids without text")

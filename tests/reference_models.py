@@ -35,8 +35,12 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf_from_hf(hf_dir: Path, dst: Path, fields_from: dict, qtype: str = "F32") -> Path:
-    """Convert the tiny HF model to GGUF the way llama.cpp does (permuted Q/K), optionally quantized."""
+def write_gguf_from_hf(hf_dir: Path, dst: Path, fields_from: dict, qtype: str = "F32", *,
+                       tokenizer_model: str = "gpt2", rope_scaling_type: str | None = None) -> Path:
+    """Convert the tiny HF model to GGUF the way llama.cpp does (permuted Q/K), optionally quantized.
+
+    `tokenizer_model` and `rope_scaling_type` let tests write GGUFs the loader must refuse.
+    """
     import gguf
     from safetensors.torch import load_file
 
@@ -52,7 +56,10 @@ def write_gguf_from_hf(hf_dir: Path, dst: Path, fields_from: dict, qtype: str = 
     w.add_rope_freq_base((cfg.get("rope_parameters") or cfg)["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_tokenizer_model("gpt2")
+    if rope_scaling_type is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling_type))
+        w.add_rope_scaling_factor(4.0)
+    w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(fields_from["tokenizer.ggml.pre"])
     w.add_token_list(fields_from["tokenizer.ggml.tokens"])
     w.add_token_types(fields_from["tokenizer.ggml.token_type"])

@@ -1144,3 +1144,13 @@ def test_more_invalid_inputs_are_400(gw: ServerThread) -> None:
     metrics = httpx.get(f"{gw.url}/metrics").text
     assert "made-up" not in metrics and 'endpoint="other"' in metrics
     still_serving(gw.url)
+
+
+def test_bus_request_ids_are_named_after_the_client_id(gw: ServerThread, worker: FakeWorker) -> None:
+    """`tandem tail --request <X-Request-Id>` finds every choice of a client's request."""
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("name me", temperature=0, n=2), timeout=30)
+    assert r.status_code == 200, r.text
+    client_id = r.headers["X-Request-Id"]
+    assert r.json()["id"] == client_id
+    ids = sorted(req.request_id for _, req in worker.requests[-2:])
+    assert ids == [f"{client_id}-0", f"{client_id}-1"]

@@ -12,15 +12,27 @@ from tests.conftest import chat_ids
 pytestmark = pytest.mark.gpu
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?"]
+PARAMS = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def cuda_engine_factory(make_engine):
+    """CUDA engines; conftest's make_engine asserts each ends with no work and all its blocks free."""
+
+    def make(**kw) -> LLMEngine:
+        return make_engine(device="cuda", **kw)
+
+    return make
 
 
 @pytest.fixture(scope="module")
-def cuda_engine_factory(smollm):
-    def make(**kw) -> LLMEngine:
-        kw.setdefault("num_blocks", 128)
-        return LLMEngine(smollm, EngineConfig(device="cuda", **kw))
-
-    return make
+def cuda_reference(smollm):
+    """Greedy output of each question run alone on CUDA, no prefix cache."""
+    engine = LLMEngine(smollm, EngineConfig(device="cuda", num_blocks=128, enable_prefix_cache=False))
+    ref = [engine.generate([chat_ids(smollm, q)], PARAMS)[0].output_ids for q in QUESTIONS]
+    assert not engine.has_work()
+    engine.blocks.check_idle()
+    return ref
 
 
 def test_cuda_capital_of_france(smollm, cuda_engine_factory):
@@ -28,29 +40,47 @@ def test_cuda_capital_of_france(smollm, cuda_engine_factory):
     assert "Paris" in seq.text
 
 
-def test_cuda_logits_match_cpu(smollm, cuda_engine_factory):
+def test_cuda_logits_match_cpu(smollm, make_engine, cuda_engine_factory):
     from tests.test_model_reference import engine_logits
 
     ids = chat_ids(smollm, QUESTIONS[1])
-    cpu = engine_logits(LLMEngine(smollm, EngineConfig(num_blocks=16)), ids)
+    cpu = engine_logits(make_engine(num_blocks=16), ids)
     gpu = engine_logits(cuda_engine_factory(num_blocks=16), ids).cpu()
     assert (gpu - cpu).abs().max().item() < 1e-2
     assert torch.equal(gpu.argmax(-1), cpu.argmax(-1))
 
 
-def test_cuda_batched_chunked_prefix_preempt_equal_reference(smollm, cuda_engine_factory):
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+def test_cuda_batched_chunked_preempt_equal_reference(smollm, cuda_engine_factory, cuda_reference):
     prompts = [chat_ids(smollm, q) for q in QUESTIONS]
-    ref = [cuda_engine_factory(enable_prefix_cache=False).generate([p], params)[0].output_ids for p in prompts]
     variants = [
-        cuda_engine_factory(),  # batched, prefix cache on
+        cuda_engine_factory(),  # batched; the prefix cache is on but cold (all admitted in one step)
         cuda_engine_factory(max_step_tokens=7),  # chunked prefill
         cuda_engine_factory(num_blocks=7, enable_prefix_cache=False),  # preemption
     ]
     for engine in variants:
-        assert [s.output_ids for s in engine.generate(prompts, params)] == ref
+        assert [s.output_ids for s in engine.generate(prompts, PARAMS)] == cuda_reference
+        assert not engine.has_work()
         engine.blocks.check_idle()
     assert variants[2].scheduler.preemptions > 0
+
+
+def test_cuda_prefix_cache_hit_equals_no_cache(smollm, cuda_engine_factory, cuda_reference):
+    # One request at a time: a prompt's blocks join the prefix cache only once a step has written them,
+    # so prompts admitted together never hit. Every question shares the chat template's system prompt.
+    engine = cuda_engine_factory()
+    bs = engine.cfg.block_size
+    prompts = [chat_ids(smollm, q) for q in QUESTIONS]
+    seqs = []
+    for p in [*prompts, prompts[0]]:  # the last repeats the first: all of it cached but the last block
+        seqs += engine.generate([p], PARAMS)
+        assert not engine.has_work()
+        engine.blocks.check_idle()
+    assert seqs[0].num_cached == 0
+    assert all(s.num_cached >= bs for s in seqs[1:3])
+    assert seqs[3].num_cached == (len(prompts[0]) - 1) // bs * bs
+    assert seqs[3].num_cached > seqs[1].num_cached
+    assert engine.blocks.hits > 0 and engine.blocks.hit_rate() > 0
+    assert [s.output_ids for s in seqs] == [*cuda_reference, cuda_reference[0]]
 
 
 def test_cuda_seeded_sampling_reproducible(smollm, cuda_engine_factory):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import ModelLoadError, load_model
+from engine.loader import ModelLoadError, load_model, load_text
 from engine.model import ForwardBatch, PrefillSpan
 from tests.reference_models import write_gguf_from_hf, write_hf_llama
 
@@ -139,9 +144,6 @@ def test_bfloat16_close_to_float32(tiny_dirs, smollm):
 
 
 def test_unsupported_architecture_named(tiny_dirs, tmp_path):
-    import json
-    import shutil
-
     d = tmp_path / "m"
     shutil.copytree(tiny_dirs["tied"], d)
     cfg = json.loads((d / "config.json").read_text())
@@ -169,6 +171,75 @@ def test_unsupported_quant_type_named(tiny_dirs, smollm, tmp_path):
     finally:
         loader._SUPPORTED_QUANTS = orig
     assert load_model(str(path)).config.num_layers == 2
+
+
+def _edited_copy(src: Path, dst: Path, **config) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **config}))
+    return dst
+
+
+def test_unsupported_rope_scaling_refused_at_load(tiny_dirs, tmp_path):
+    d = _edited_copy(tiny_dirs["tied"], tmp_path / "yarn", rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})
+    for load in (load_model, load_text):
+        with pytest.raises(ModelLoadError, match=r"'yarn' \(supported: default, linear, llama3\)"):
+            load(str(d))
+    llama3_no_orig = {"rope_type": "llama3", "factor": 8.0}
+    d = _edited_copy(tiny_dirs["tied"], tmp_path / "partial", rope_scaling=llama3_no_orig)
+    with pytest.raises(ModelLoadError, match="original_max_position_embeddings"):
+        load_model(str(d))
+
+
+def test_quantized_checkpoint_refused_by_method(tiny_dirs, tmp_path):
+    d = _edited_copy(tiny_dirs["tied"], tmp_path / "gptq",
+                     quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(ModelLoadError, match="'gptq'.*only unquantized safetensors"):
+        load_model(str(d))
+
+
+def test_hf_identity_depends_on_weights(tiny_dirs, tmp_path):
+    """Same names, shapes and sizes, one projection changed: a different model, so a different identity."""
+    a, a2, b = (shutil.copytree(tiny_dirs["tied"], tmp_path / d / "m") for d in ("a", "a2", "b"))
+    sd = load_file(str(b / "model.safetensors"))
+    sd["model.layers.0.self_attn.v_proj.weight"] += 1.0  # away from the file's start, middle and end
+    save_file(sd, str(b / "model.safetensors"), metadata={"format": "pt"})
+    assert (a / "model.safetensors").stat().st_size == (b / "model.safetensors").stat().st_size
+    assert load_text(str(a)).identity == load_text(str(a2)).identity  # deterministic
+    assert load_text(str(a)).identity != load_text(str(b)).identity
+    assert load_model(str(b)).identity == load_text(str(b)).identity
+    c = _edited_copy(tiny_dirs["tied"], tmp_path / "c" / "m", rms_norm_eps=1e-6)
+    assert load_text(str(c)).identity != load_text(str(a)).identity
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer_fields(smollm) -> dict:
+    import gguf
+
+    reader = gguf.GGUFReader(str(smollm.path))
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+
+
+def test_unsupported_gguf_tokenizer_refused(tiny_dirs, gguf_tokenizer_fields, tmp_path):
+    fields = {**gguf_tokenizer_fields, "tokenizer.ggml.pre": "qwen2"}
+    path = write_gguf_from_hf(tiny_dirs["tied"], tmp_path / "pre.gguf", fields)
+    with pytest.raises(ModelLoadError, match=r"pre\.gguf: unsupported GGUF tokenizer pre-split 'qwen2'"):
+        load_model(str(path))
+    path = write_gguf_from_hf(tiny_dirs["tied"], tmp_path / "spm.gguf", gguf_tokenizer_fields,
+                              tokenizer_model="llama")
+    with pytest.raises(ModelLoadError, match=r"spm\.gguf: unsupported GGUF tokenizer model 'llama'"):
+        load_text(str(path))
+
+
+def test_unsupported_gguf_rope_scaling_refused(tiny_dirs, gguf_tokenizer_fields, tmp_path):
+    path = write_gguf_from_hf(tiny_dirs["tied"], tmp_path / "yarn.gguf", gguf_tokenizer_fields,
+                              rope_scaling_type="yarn")
+    with pytest.raises(ModelLoadError, match=r"yarn\.gguf: unsupported rope scaling type 'yarn'"):
+        load_model(str(path))
+    path = write_gguf_from_hf(tiny_dirs["tied"], tmp_path / "linear.gguf", gguf_tokenizer_fields,
+                              rope_scaling_type="linear")
+    assert load_model(str(path)).config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
 
 
 def test_missing_model_errors():

@@ -163,8 +163,9 @@ def chat_prompt_ids(question: str) -> list[int]:
 
 def test_tail_prints_one_request_decoded(cluster: tuple[str, int]) -> None:
     url, _ = cluster
-    rid = uuid.uuid4().hex
-    tail = Proc(tandem("tail", "--nats-url", url, "--request", rid, "--until-done", "--timeout", "120",
+    client_id = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = f"{client_id}-0"  # how the gateway names a client's first choice
+    tail = Proc(tandem("tail", "--nats-url", url, "--request", client_id, "--until-done", "--timeout", "120",
                        "--width", "0"))
     try:
         tail.wait_for("following tandem.>", "err", timeout=60)
