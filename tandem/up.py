@@ -386,6 +386,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
     previous = {s: signal.signal(s, cluster.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     echo = None if args.quiet else err
     log_level = getattr(args, "log_level", None) or "WARNING"
+    logging_args = ("--log-level", log_level, "--log-format", getattr(args, "log_format", None) or "text")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("UCX_NET_DEVICES", "lo")  # every process is on this machine
     try:
@@ -408,13 +409,13 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
         for wid, role, mport in plan.workers:
             cluster.children.append(Child(
                 wid,
-                _tandem("--log-level", log_level, "serve", "--pipeline-role", role, "--worker-id", wid,
+                _tandem(*logging_args, "serve", "--pipeline-role", role, "--worker-id", wid,
                         "--nats-url", nats_url, "--metrics-port", str(mport), *plan.serve_args),
                 role, mport, env, echo,
             ))
         cluster.children.append(Child(
             "gateway",
-            _tandem("--log-level", log_level, "gateway", "--nats-url", nats_url, *plan.gateway_args),
+            _tandem(*logging_args, "gateway", "--nats-url", nats_url, *plan.gateway_args),
             "gateway", None, env, echo,
         ))
         for c in cluster.children:
@@ -489,7 +490,10 @@ def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
         where = f"metrics :{c.metrics_port}" if c.metrics_port else f"metrics {url}/metrics"
         cluster.say(f"  {c.name:<14} {c.role:<19} pid {c.pid:<8} {where}")
     cluster.say("Try:")
-    cluster.say(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    auth = " -H \"Authorization: Bearer $TANDEM_API_KEY\"" if os.environ.get("TANDEM_API_KEYS") else ""
+    cluster.say(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+    if auth:
+        cluster.say("  (API keys are on: set TANDEM_API_KEY to one of TANDEM_API_KEYS)")
     cluster.say("Ctrl-C stops everything.")
 
 

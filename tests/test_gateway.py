@@ -1154,3 +1154,16 @@ def test_bus_request_ids_are_named_after_the_client_id(gw: ServerThread, worker:
     assert r.json()["id"] == client_id
     ids = sorted(req.request_id for _, req in worker.requests[-2:])
     assert ids == [f"{client_id}-0", f"{client_id}-1"]
+
+
+def test_sampling_fields_reach_the_worker(gw: ServerThread, worker: FakeWorker) -> None:
+    body = chat_body("fields", temperature=0.7, top_p=0.9, top_k=5, seed=11, frequency_penalty=0.5,
+                     presence_penalty=-0.25, stop=["\n\n", "END"], max_completion_tokens=7, logprobs=True,
+                     top_logprobs=2, stop_token_ids=[3], user="someone")
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    s = worker.requests[-1][1].sampling
+    assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.7, 0.9, 5, 11)
+    assert (s.frequency_penalty, s.presence_penalty) == (0.5, -0.25)
+    assert (s.stop, s.stop_token_ids, s.max_tokens) == (["\n\n", "END"], [3], 7)
+    assert s.logprobs and s.top_logprobs == 2

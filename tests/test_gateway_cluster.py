@@ -116,6 +116,7 @@ def wait_idle(up: Up, timeout: float = 30.0) -> None:
 def test_printed_url_and_models(up: Up, client: openai.OpenAI) -> None:
     text = up.log.read_text()
     assert f"OpenAI API  {up.base_url}" in text and f"curl {up.url}/v1/chat/completions" in text
+    assert 'Authorization: Bearer $TANDEM_API_KEY' in text  # keys are on: the printed curl line works
     assert [m.id for m in client.models.list().data] == [MODEL]
     roles = {w["worker_id"]: w["role"] for w in httpx.get(f"{up.url}/ready").json()["workers"]}
     assert roles == {"prefill-1": "prefill_only", "decode-1": "decode_only"}
