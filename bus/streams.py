@@ -72,7 +72,8 @@ class WorkQueueConfig:
             raise ValueError("max_deliver must be >= 1 (or -1 for unlimited)")
 
 
-DEFAULT_GENERATE = WorkQueueConfig(max_age=300.0, ack_wait=30.0, max_deliver=3)
+#: A full generate queue refuses new requests (the gateway answers 429) rather than growing without bound.
+DEFAULT_GENERATE = WorkQueueConfig(max_age=300.0, ack_wait=30.0, max_deliver=3, max_msgs=10_000)
 DEFAULT_PREFILL = WorkQueueConfig(max_age=120.0, ack_wait=30.0, max_deliver=3)
 
 

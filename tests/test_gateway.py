@@ -874,6 +874,47 @@ def test_gateway_inflight_limit_429(nats_srv: EmbeddedNats, worker: FakeWorker, 
         srv.stop()
 
 
+def test_full_generate_queue_429(nats_srv: EmbeddedNats, text_model: TextModel, loop_thread: LoopThread) -> None:
+    """JetStream refuses a publish to a full pool (max_msgs, discard new): the client gets 429, not a hang."""
+    from bus.streams import WorkQueueConfig
+
+    ns = "fullq"
+    subjects = Subjects(text_model.name, ns)
+
+    async def small_queue() -> int:
+        nc = await nats.connect(nats_srv.url)
+        try:
+            await ensure_streams(nc, subjects, generate=WorkQueueConfig(max_msgs=1))
+            return (await nc.jetstream().stream_info(subjects.generate_stream)).state.messages
+        finally:
+            await nc.close()
+
+    async def queued() -> int:
+        nc = await nats.connect(nats_srv.url)
+        try:
+            return (await nc.jetstream().stream_info(subjects.generate_stream)).state.messages
+        finally:
+            await nc.close()
+
+    assert loop_thread.run(small_queue()) == 0
+    srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, queue_when_no_workers=True,
+                                              ensure_streams=False), text_model)).start()
+    try:
+        result: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: result.append(httpx.post(
+            f"{srv.url}/v1/chat/completions", json=chat_body("first"), headers={"X-Request-Timeout": "3"},
+            timeout=30)))
+        t.start()
+        wait_for(lambda: loop_thread.run(queued()) == 1, 15, "the first request to fill the queue")
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("second"), timeout=30)
+        assert_error(r, 429, code="queue_full")
+        assert int(r.headers["retry-after"]) >= 1
+        t.join(30)
+        assert result and result[0].status_code == 504  # nobody pulled the first one before its deadline
+    finally:
+        srv.stop()
+
+
 def test_api_keys_401(nats_srv: EmbeddedNats, worker: FakeWorker, text_model: TextModel,
                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_API_KEYS", "k1, k2")
