@@ -312,11 +312,24 @@ def _total(samples: dict, name: str, **labels: str) -> float:
                if n == name and all(dict(lab).get(k) == want for k, want in labels.items()))
 
 
+def test_short_prompt_is_prefilled_locally(up: Up, client: openai.OpenAI) -> None:
+    """Conditional disaggregation: a prompt under --local-prefill-max-tokens never leaves the decode worker."""
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    assert raw.parse().choices[0].text is not None
+    assert raw.headers["x-tandem-prefill"] == "local"
+    decode = next(c for c in up.info["children"] if c.get("role") == "decode_only")
+    samples = _scrape(f"http://127.0.0.1:{decode['metrics_port']}/metrics")
+    assert _total(samples, "tandem_decode_prefill_decisions_total", mode="local", reason="short_prompt") > 0
+
+
 def test_metrics_move_after_a_disaggregated_request(up: Up, client: openai.OpenAI) -> None:
     long_question = " ".join(f"Line {i} says {i * 7}." for i in range(40)) + " What does line 3 say?"
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_question}],
                                        max_tokens=8, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+    again = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": long_question}], max_tokens=2)
+    assert again.parse().usage.prompt_tokens_details.cached_tokens > 0  # the decode worker's prefix cache
 
     def check() -> None:
         gw = _scrape(f"{up.url}/metrics")
@@ -334,6 +347,7 @@ def test_metrics_move_after_a_disaggregated_request(up: Up, client: openai.OpenA
         assert _total(decode, "tandem_worker_generated_tokens_total") > 0
         assert _total(decode, "tandem_kv_blocks", role="decode_only") == 256  # used + free + quarantined
         assert _total(decode, "tandem_kv_blocks", role="decode_only", state="free") > 0
+        assert _total(decode, "tandem_prefix_cache_hit_rate") > 0  # moved by the repeated prompt
 
     # worker gauges refresh at 1 Hz: check again until they show the request (or the deadline)
     deadline = time.monotonic() + 15
