@@ -22,8 +22,17 @@ from nats.aio.msg import Msg
 
 from actors.runner import EngineRunner
 from bus.connection import BusOptions, connect
-from bus.messages import Cancel, KVMetaReply, KVMetaRequest, MessageError, WorkerStats, decode, encode
-from bus.publish import publish, request
+from bus.messages import (
+    Cancel,
+    KVMetaReply,
+    KVMetaRequest,
+    MessageError,
+    PayloadTooLarge,
+    WorkerStats,
+    decode,
+    encode,
+)
+from bus.publish import publish, request, respond
 from bus.streams import ensure_streams, fetch_one, pull_subscription
 from bus.subjects import Subjects
 from engine.engine import EngineConfig, LLMEngine, StepOutput
@@ -291,7 +300,10 @@ class WorkerActor:
     async def _on_kv_meta(self, msg: Msg) -> None:
         reply = KVMetaReply(worker_id=self.worker_id, incarnation=self.incarnation, engine=self.transfer.name,
                             meta=self.transfer.metadata())
-        await self.nc.publish(msg.reply, encode(reply))
+        try:
+            await respond(self.nc, msg, reply)
+        except PayloadTooLarge as e:  # the asking worker times out; this line says why
+            log.error("cannot send my KV transfer metadata: %s", e)
 
     async def ensure_peer(self, worker_id: str, incarnation: str, timeout: float = 5.0) -> None:
         """Fetch a peer's transfer metadata over NATS unless we hold it for this incarnation."""
