@@ -158,6 +158,7 @@ class WorkerActor:
         except Exception as e:  # draining anyway
             log.warning("could not announce draining: %s", e)
         await self.stop_taking_work()
+        await self.hand_back()
         deadline = time.monotonic() + timeout
         while self.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -252,6 +253,9 @@ class WorkerActor:
 
     def busy(self) -> bool:
         raise NotImplementedError
+
+    async def hand_back(self) -> None:
+        """Draining: give back work that is cheaper to redo elsewhere than to finish here."""
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         raise NotImplementedError

@@ -491,6 +491,15 @@ class DecodeActor(WorkerActor):
                       StreamFinish(request_id=request_id, seq=r.seq, finish_reason="cancelled",
                                    decode_worker_id=self.worker_id))
 
+    async def hand_back(self) -> None:
+        """Requests that have not streamed a token go back to their gateway, which re-sends them."""
+        for rid in [rid for rid, r in self.requests.items() if r.first_token_at is None]:
+            r = await self._drop(rid)
+            if r is not None:
+                log.info("request %s handed back (draining)", rid, extra={"request_id": rid})
+                await self._fail(r, ErrorCode.HANDED_BACK,
+                                 f"worker {self.worker_id} is draining; the request was handed back", 503)
+
     async def _drop(self, request_id: str) -> Request | None:
         """Stop a request wherever it is: in the engine, or waiting for a remote prefill."""
         r = self.requests.pop(request_id, None)

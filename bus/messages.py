@@ -67,6 +67,7 @@ class ErrorCode:
     TRANSFER_FAILED = "transfer_failed"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     WORKER_LOST = "worker_lost"
+    HANDED_BACK = "handed_back"  # a draining worker gave the request back before its first token
     INTERNAL = "internal"
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from bus.messages import GenerateRequest, StreamError, StreamFinish, StreamTokens, Usage
+from bus.messages import ErrorCode, GenerateRequest, StreamError, StreamFinish, StreamTokens, Usage
 from bus.messages import SamplingParams as BusSampling
 from engine.chat_template import ChatTemplateError
 from engine.sampling import SamplingParams
@@ -492,6 +492,10 @@ class Run:
             if isinstance(msg, NoResponders):
                 if job.worker_id is not None:
                     await self._lost(job, job.worker_id, "is not listening (stopped or draining)")
+                continue
+            if (isinstance(msg, StreamError) and msg.code == ErrorCode.HANDED_BACK
+                    and msg.request_id == job.request_id):
+                await self._lost(job, job.worker_id or "?", "is draining and handed the request back")
                 continue
             event = self._apply(job, msg)
             if event is not None:

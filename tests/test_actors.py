@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 import uuid
 
@@ -429,3 +430,21 @@ def test_sigkill_prefill_mid_pool_job_is_noticed_early(cluster, smollm):
     assert out["finish"]["prefill_worker_id"] != "p1"
     # Without the accepted notice d1 would wait for the job's 90 s deadline (--prefill-timeout).
     assert elapsed < 45
+
+
+def test_sigterm_hands_back_a_request_before_its_first_token(cluster, smollm):
+    """Runs last: it stops d2. Draining, d2 gives back what has not streamed a token yet, then exits."""
+    url, workers = cluster
+    prompt = chat_ids(smollm, " ".join(f"Box {i} weighs {5 * i} grams." for i in range(150)) + " Box 9?")
+
+    async def go():
+        async with Client(url) as c:
+            s = await c.start(rid(), prompt, worker="d2", max_tokens=6)
+            admitted = json.loads((await s.next_msg(timeout=30)).data)
+            workers["d2"].proc.send_signal(signal.SIGTERM)
+            return admitted, json.loads((await s.next_msg(timeout=30)).data)
+
+    admitted, after = run(go())
+    assert admitted["kind"] == "stream_tokens" and admitted["token_ids"] == [] and admitted["worker_id"] == "d2"
+    assert after["kind"] == "stream_error" and after["code"] == "handed_back" and after["status"] == 503, after
+    assert workers["d2"].proc.wait(60) == 0  # then it leaves cleanly

@@ -89,6 +89,7 @@ class FakeWorker:
         self.active: set[str] = set()
         self.report = True  # publish stats
         self.mute = False  # take requests but never answer
+        self.hands_back = False  # answer every request as a draining worker does: handed back
         self.listen_direct = True  # subscribe to its own generate subject
         self.fake_running: int | None = None  # report this many running instead of the truth
         self.nc: Any = None
@@ -161,6 +162,11 @@ class FakeWorker:
             asyncio.get_running_loop().create_task(self._send(req.stream_subject, m.StreamTokens(
                 request_id=req.request_id, seq=0, token_ids=[], worker_id=self.worker_id)))
         if self.mute:
+            return
+        if self.hands_back:
+            asyncio.get_running_loop().create_task(self._send(req.stream_subject, m.StreamError(
+                request_id=req.request_id, seq=seq, code=m.ErrorCode.HANDED_BACK, status=503,
+                message=f"worker {self.worker_id} is draining; the request was handed back")))
             return
         self.active.add(req.request_id)
         task = asyncio.get_running_loop().create_task(self._serve(req, seq))
@@ -1208,3 +1214,31 @@ def test_sampling_fields_reach_the_worker(gw: ServerThread, worker: FakeWorker) 
     assert (s.frequency_penalty, s.presence_penalty) == (0.5, -0.25)
     assert (s.stop, s.stop_token_ids, s.max_tokens) == (["\n\n", "END"], [3], 7)
     assert s.logprobs and s.top_logprobs == 2
+
+
+def test_handed_back_request_is_resent(nats_srv: EmbeddedNats, subjects: Subjects, text_model: TextModel,
+                                       loop_thread: LoopThread, worker: FakeWorker) -> None:
+    """A draining worker gives back a request before its first token: the client never sees it."""
+    srv = ServerThread(create_app(make_config(nats_srv.url, alive_after=2.0, worker_lost_after=3.0),
+                                  text_model)).start()
+    drainer = FakeWorker(nats_srv.url, subjects, text_model, "drainer", pull_pool=False, admit=True)
+    drainer.hands_back = True
+    loop_thread.run(drainer.start())
+    try:
+        worker.fake_running = worker.max_batch  # reports full: the router picks the drainer first
+
+        def routing_sees_both() -> bool:
+            live = {w["worker_id"]: w for w in httpx.get(f"{srv.url}/ready").json()["workers"] if w["age_s"] < 2.0}
+            return "drainer" in live and live.get("fake-1", {}).get("running") == worker.max_batch
+
+        wait_for(routing_sees_both, 15, "the gateway to see the drainer and a full fake-1")
+        n_before = len(worker.requests)
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("hand me back", temperature=0), timeout=30)
+        assert r.status_code == 200, r.text
+        assert len(drainer.requests) == 1
+        # re-sent without the drainer: fake-1 is full, so through the pool, which fake-1 pulls
+        assert [(how, req.request_id[-5:]) for how, req in worker.requests[n_before:]] == [("pool", "-0-r1")]
+    finally:
+        worker.fake_running = None
+        loop_thread.run(drainer.stop())
+        srv.stop()
