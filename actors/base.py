@@ -34,7 +34,7 @@ from bus.messages import (
 )
 from bus.publish import publish, request, respond
 from bus.streams import ensure_streams, fetch_one, pull_subscription
-from bus.subjects import Subjects
+from bus.subjects import Subjects, check_subject
 from engine.engine import EngineConfig, LLMEngine, StepOutput
 from engine.loader import LoadedModel, model_name
 from kv.transfer.auto import create_engine
@@ -309,12 +309,13 @@ class WorkerActor:
         except PayloadTooLarge as e:  # the asking worker times out; this line says why
             log.error("cannot send my KV transfer metadata: %s", e)
 
-    async def ensure_peer(self, worker_id: str, incarnation: str, timeout: float = 5.0) -> None:
-        """Fetch a peer's transfer metadata over NATS unless we hold it for this incarnation."""
+    async def ensure_peer(self, worker_id: str, incarnation: str, endpoint: str | None = None,
+                          timeout: float = 5.0) -> None:
+        """Fetch a peer's transfer metadata from ``endpoint`` unless we hold it for this incarnation."""
         if self.peer_incarnations.get(worker_id) == incarnation:
             return
-        reply = await request(self.nc, self.subjects.kv_meta(worker_id), KVMetaRequest(worker_id=self.worker_id),
-                              KVMetaReply, timeout=timeout)
+        subject = check_subject(endpoint, "KV endpoint") if endpoint else self.subjects.kv_meta(worker_id)
+        reply = await request(self.nc, subject, KVMetaRequest(worker_id=self.worker_id), KVMetaReply, timeout=timeout)
         if reply.incarnation != incarnation:
             raise RuntimeError(f"worker {worker_id} restarted (incarnation {reply.incarnation}, job names {incarnation})")
         await asyncio.to_thread(self.transfer.add_peer, reply.meta)

@@ -304,7 +304,8 @@ class DecodeActor(WorkerActor):
             request_id=rid, prompt_ids=r.prompt_ids, sampling=r.req.sampling,
             layout_fingerprint=self.layout.fingerprint(), layout=self.layout.to_dict(),
             dst=KVDestination(engine=self.transfer.name, worker_id=self.worker_id, incarnation=self.incarnation,
-                              block_ids=fresh, first_token_index=first_index),
+                              block_ids=fresh, first_token_index=first_index,
+                              endpoint=self.subjects.kv_meta(self.worker_id)),
             reply_subject=self.subjects.prefill_done(self.worker_id, rid), deadline=deadline,
             decode_worker_id=self.worker_id, attempt=attempt, model=self.model,
         )

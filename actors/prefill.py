@@ -78,7 +78,7 @@ class PrefillActor(WorkerActor):
                 msg = str(LayoutMismatch(self.layout, theirs)) if theirs else (
                     f"KV layout mismatch: ours is {self.layout.describe()}, job's fingerprint is {job.layout_fingerprint}")
                 raise _JobError(ErrorCode.LAYOUT_MISMATCH, msg)
-            await self.ensure_peer(job.dst.worker_id, job.dst.incarnation)
+            await self.ensure_peer(job.dst.worker_id, job.dst.incarnation, job.dst.endpoint)
             self._check_cancel(rid)
             params = to_engine_params(job.sampling)
             params.max_tokens, params.ignore_eos, params.stop, params.stop_token_ids = 1, True, [], []

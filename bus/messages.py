@@ -111,8 +111,9 @@ class SamplingParams(_Part, kw_only=True):
 class KVDestination(_Part, kw_only=True):
     """Where a prefill worker must write the KV: the decode worker's pre-allocated blocks.
 
-    ``engine`` is the transfer engine (``nixl``, ``shm``, ``tcp``, ``cuda_ipc``);
-    ``endpoint`` its address (NIXL agent name, shm name, host:port); ``incarnation``
+    ``engine`` is the transfer engine (``nixl``, ``shm``, ``tcp``, ``cuda_ipc``, ``auto``);
+    ``endpoint`` the subject answering with the pool's transfer metadata (NIXL agent blob,
+    shm segment, host:port), fetched once per ``incarnation``, which
     changes when the decode worker restarts, so writes to a dead pool are refused.
     ``first_token_index`` is the first uncached prompt token: blocks cover tokens from
     there on (the prefix before it is already in the decode worker's cache).

@@ -142,6 +142,8 @@ def test_raw_json_request_and_every_message_is_json(cluster, smollm):
     parsed = [json.loads(m.data) for m in seen]  # raises if any message is not JSON
     assert EVERY_KIND <= {p.get("kind") for p in parsed}
     assert any("stream_subject" in p for p in parsed)  # our hand-written request (no "kind": optional)
+    [job] = [p for p in parsed if p.get("kind") == "prefill_job"]
+    assert job["dst"]["endpoint"] == f"tandem.kv.meta.{admitted['worker_id']}"  # where its KV metadata is
 
 
 def test_micro_discovery_lists_workers(cluster):
