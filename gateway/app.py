@@ -361,6 +361,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
                         if err is not e:
                             log.exception("stream %s crashed after it started", rid)
                         log.info("stream %s failed after it started: %s %s", rid, err.status, err.message)
+                        metrics.stream_errors.labels(err.code or str(err.status)).inc()
                         yield err.sse()
                         yield "data: [DONE]\n\n"
                         return

@@ -21,6 +21,9 @@ class GatewayMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("tandem_gateway_requests_total", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
+        self.stream_errors = Counter("tandem_gateway_stream_errors_total",
+                                     "Streams that failed after their 200 was sent, by error code", ["code"],
+                                     registry=r)
         self.in_flight = Gauge("tandem_gateway_requests_in_flight", "Choices being generated", registry=r)
         self.live_workers = Gauge("tandem_gateway_live_workers", "Decode-capable workers heard from recently",
                                   registry=r)

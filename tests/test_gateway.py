@@ -765,7 +765,16 @@ def test_deadline_504_and_cancel(gw: ServerThread, worker: FakeWorker) -> None:
     still_serving(gw.url)
 
 
+def stream_errors(url: str, code: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "tandem_gateway_stream_errors_total" and s.labels.get("code") == code)
+
+
 def test_error_after_stream_started_is_sse_event(gw: ServerThread, client: openai.OpenAI) -> None:
+    before = stream_errors(gw.url, "internal")
     with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=chat_body("[failmid]", stream=True,
                                                                              temperature=0), timeout=30) as r:
         assert r.status_code == 200
@@ -778,6 +787,7 @@ def test_error_after_stream_started_is_sse_event(gw: ServerThread, client: opena
         for _ in client.chat.completions.create(model=DEFAULT_MODEL, stream=True, temperature=0,
                                                 messages=[{"role": "user", "content": "[failmid]"}]):
             pass
+    assert stream_errors(gw.url, "internal") == before + 2  # counted, though both answers were 200
     still_serving(gw.url)
 
 
