@@ -920,3 +920,42 @@ def test_tls_with_ca(tmp_path: Path) -> None:
                 await connect(fast(srv.url, tls_ca=str(tmp_path / "missing.pem")), "tls-missing")
 
         run(go(), 45)
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.mark.skipif(
+    shutil.which("openssl") is None, reason="needs the openssl CLI to make test certificates"
+)
+def test_mutual_tls_client_certificate(tmp_path: Path) -> None:
+    """The server demands a client certificate signed by its CA: TANDEM_NATS_TLS_CERT/_KEY present one."""
+    ca_key, ca = tmp_path / "ca.key", tmp_path / "ca.pem"
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca),
+             "-days", "1", "-subj", "/CN=tandem-test-ca")
+    san = tmp_path / "san.ext"
+    san.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, subject in (("server", "/CN=localhost"), ("client", "/CN=tandem-worker")):
+        key, csr, cert = (tmp_path / f"{name}.{ext}" for ext in ("key", "csr", "pem"))
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", subject)
+        extra = ["-extfile", str(san)] if name == "server" else []
+        _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+                 "-out", str(cert), "-days", "1", *extra)
+    conf = tmp_path / "mtls.conf"
+    conf.write_text(f'tls {{ cert_file: "{tmp_path / "server.pem"}"\n key_file: "{tmp_path / "server.key"}"\n'
+                    f' ca_file: "{ca}"\n verify: true }}\n')
+    with EmbeddedNats(config=conf) as srv:
+
+        async def go() -> None:
+            opts = fast(srv.url, tls_ca=str(ca), tls_cert=str(tmp_path / "client.pem"),
+                        tls_key=str(tmp_path / "client.key"))
+            nc = await connect(opts, "mtls-ok")
+            sub = await nc.subscribe("tandem.mtls")
+            await nc.publish("tandem.mtls", b"x")
+            assert (await sub.next_msg(timeout=10)).data == b"x"
+            await nc.close()
+            with pytest.raises(BusConnectError):  # trusted server, but no client certificate
+                await connect(fast(srv.url, tls_ca=str(ca), connect_timeout=5.0), "mtls-anonymous")
+
+        run(go(), 45)
