@@ -316,3 +316,23 @@ def _url_of(nc: Client) -> str:
 
 def _server_urls(nc: Client) -> Sequence[str]:
     return [u.geturl() for u in getattr(nc, "discovered_servers", []) or []]
+
+
+class CliConnectError(Exception):
+    """Why a command-line tool could not connect, and the exit code it should end with."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+async def connect_for_cli(nats_url: str | None, connect_timeout: float, name: str) -> tuple[Client, BusOptions]:
+    """:func:`connect` for `tandem status` and `tandem tail`: bad options exit 2, no reachable server 1."""
+    try:
+        opts = BusOptions.from_env(servers=nats_url, connect_timeout=connect_timeout)
+    except ValueError as e:
+        raise CliConnectError(str(e), 2) from e
+    try:
+        return await connect(opts, name=name), opts
+    except BusConnectError as e:
+        raise CliConnectError(f"cannot reach NATS: {e}", 1) from e

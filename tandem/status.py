@@ -301,19 +301,14 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from bus.connection import BusConnectError, BusOptions, connect
+    from bus.connection import CliConnectError, connect_for_cli
 
     namespace = args.namespace or os.environ.get("TANDEM_NAMESPACE") or "tandem"
     try:
-        opts = BusOptions.from_env(servers=args.nats_url, connect_timeout=args.timeout)
-    except ValueError as e:
+        nc, _ = await connect_for_cli(args.nats_url, args.timeout, "tandem-status")
+    except CliConnectError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        nc = await connect(opts, name="tandem-status")
-    except BusConnectError as e:
-        print(f"error: cannot reach NATS: {e}", file=sys.stderr)
-        return 1
+        return e.code
     try:
         status = await collect(nc, namespace, wait=args.wait, timeout=min(2.0, args.timeout),
                                model=args.model, pools=args.pools)

@@ -204,7 +204,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from bus.connection import BusConnectError, BusOptions, connect
+    from bus.connection import CliConnectError, connect_for_cli
 
     namespace = args.namespace or os.environ.get("TANDEM_NAMESPACE") or "tandem"
     subject = args.subject or f"{namespace}.>"
@@ -219,15 +219,10 @@ async def _run(args: argparse.Namespace) -> int:
         except (ModelLoadError, ValueError, KeyError, OSError) as e:
             print(f"warning: no tokenizer for {model!r} ({e}); token ids are shown without text", file=sys.stderr)
     try:
-        opts = BusOptions.from_env(servers=args.nats_url, connect_timeout=args.connect_timeout)
-    except ValueError as e:
+        nc, opts = await connect_for_cli(args.nats_url, args.connect_timeout, "tandem-tail")
+    except CliConnectError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        nc = await connect(opts, name="tandem-tail")
-    except BusConnectError as e:
-        print(f"error: cannot reach NATS: {e}", file=sys.stderr)
-        return 1
+        return e.code
 
     def ready() -> None:
         what = f" for request {args.request}" if args.request else ""
