@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -166,8 +167,7 @@ def compare_step_budgets(args: argparse.Namespace) -> int:
                 runs.setdefault((budget, row["concurrency"]), []).append(row)
 
     def med(rows: list[dict], key: str) -> float:
-        xs = sorted(x[key] for x in rows)
-        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+        return statistics.median(x[key] for x in rows)
 
     lines = ["### Serving: step token budget (aggregated)", "",
              f"`python -m bench.serve --step-tokens {' '.join(map(str, args.step_tokens))} --rounds {args.rounds}`: "

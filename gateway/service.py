@@ -124,24 +124,19 @@ class Gateway:
     @staticmethod
     def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
         """400 for an OpenAI feature this server does not implement, rather than silently ignoring it."""
-        unsupported = {
-            "tools": "tools (function calling) are",
-            "functions": "functions (function calling) are",
-            "tool_choice": "tool_choice other than 'none' or 'auto' is",
-            "function_call": "function_call other than 'none' or 'auto' is",
-            "logit_bias": "logit_bias is",
-            "response_format": "response_format other than {'type': 'text'} is",
-        }
-        used = {
-            "tools": bool(body.tools),
-            "functions": bool(body.functions),
-            "tool_choice": body.tool_choice not in (None, "none", "auto"),
-            "function_call": body.function_call not in (None, "none", "auto"),
-            "logit_bias": bool(body.logit_bias),
-            "response_format": (body.response_format or {}).get("type", "text") != "text",
-        }
-        for param, what in unsupported.items():
-            if used[param]:
+        checks = (
+            ("tools", bool(body.tools), "tools (function calling) are"),
+            ("functions", bool(body.functions), "functions (function calling) are"),
+            ("tool_choice", body.tool_choice not in (None, "none", "auto"),
+             "tool_choice other than 'none' or 'auto' is"),
+            ("function_call", body.function_call not in (None, "none", "auto"),
+             "function_call other than 'none' or 'auto' is"),
+            ("logit_bias", bool(body.logit_bias), "logit_bias is"),
+            ("response_format", (body.response_format or {}).get("type", "text") != "text",
+             "response_format other than {'type': 'text'} is"),
+        )
+        for param, used, what in checks:
+            if used:
                 raise OpenAIError(400, f"{what} not supported by this server", param=param,
                                   code="unsupported_parameter")
 

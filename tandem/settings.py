@@ -64,6 +64,7 @@ class Settings:
         return s
 
     def validate(self) -> None:
+        """Refuse bad values, and fill in what derives from other settings (``advertise_host``)."""
         if not self.advertise_host:
             wildcard = self.kv_tcp_host in ("0.0.0.0", "::", "")
             self.advertise_host = socket.gethostname() if wildcard else self.kv_tcp_host
