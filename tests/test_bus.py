@@ -65,6 +65,14 @@ def run(coro: Awaitable[T], timeout: float = 20.0) -> T:
     return asyncio.run(bounded())
 
 
+async def assert_round_trip(nc: Any) -> None:
+    """The connection works: a message it publishes comes back to its own subscription."""
+    sub = await nc.subscribe("tandem.round-trip")
+    await nc.publish("tandem.round-trip", b"{}")
+    assert (await sub.next_msg(timeout=10)).data == b"{}"
+    await sub.unsubscribe()
+
+
 async def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -250,9 +258,7 @@ def test_user_password_auth(tmp_path: Path) -> None:
 
         async def go() -> None:
             nc = await connect(fast(srv.url, user="alice", password="wonderland"), "u-ok")
-            sub = await nc.subscribe("tandem.x")
-            await nc.publish("tandem.x", b"{}")
-            assert (await sub.next_msg(timeout=10)).data == b"{}"
+            await assert_round_trip(nc)
             await nc.close()
             with pytest.raises(BusConnectError, match="refused") as ei:
                 await connect(fast(srv.url, user="alice", password="nope"), "u-bad")
@@ -279,9 +285,7 @@ def test_nkey_auth(tmp_path: Path) -> None:
 
         async def go() -> None:
             nc = await connect(fast(srv.url, nkey_seed=str(tmp_path / "user.nk")), "nk-ok")
-            sub = await nc.subscribe("tandem.x")
-            await nc.publish("tandem.x", b"{}")
-            assert (await sub.next_msg(timeout=10)).data == b"{}"
+            await assert_round_trip(nc)
             await nc.close()
             with pytest.raises(BusConnectError, match="refused"):
                 await connect(fast(srv.url, nkey_seed=str(tmp_path / "stranger.nk"), connect_timeout=10), "nk-bad")
@@ -353,9 +357,7 @@ def test_creds_auth(tmp_path: Path) -> None:
 
         async def go() -> None:
             nc = await connect(fast(srv.url, creds=str(tmp_path / "worker.creds")), "creds-ok")
-            sub = await nc.subscribe("tandem.x")
-            await nc.publish("tandem.x", b"{}")
-            assert (await sub.next_msg(timeout=10)).data == b"{}"
+            await assert_round_trip(nc)
             await ensure_streams(nc.jetstream(), Subjects(model="m"))  # the account has JetStream
             await nc.close()
             with pytest.raises(BusConnectError, match="refused"):
@@ -908,9 +910,7 @@ def test_tls_with_ca(tmp_path: Path) -> None:
 
         async def go() -> None:
             nc = await connect(fast(srv.url, tls_ca=str(cert)), "tls-ok")
-            sub = await nc.subscribe("tandem.tls")
-            await nc.publish("tandem.tls", b"x")
-            assert (await sub.next_msg(timeout=10)).data == b"x"
+            await assert_round_trip(nc)
             await nc.close()
             t0 = time.monotonic()
             with pytest.raises(BusConnectError, match="refused"):  # no CA: the certificate is not trusted
@@ -951,9 +951,7 @@ def test_mutual_tls_client_certificate(tmp_path: Path) -> None:
             opts = fast(srv.url, tls_ca=str(ca), tls_cert=str(tmp_path / "client.pem"),
                         tls_key=str(tmp_path / "client.key"))
             nc = await connect(opts, "mtls-ok")
-            sub = await nc.subscribe("tandem.mtls")
-            await nc.publish("tandem.mtls", b"x")
-            assert (await sub.next_msg(timeout=10)).data == b"x"
+            await assert_round_trip(nc)
             await nc.close()
             with pytest.raises(BusConnectError):  # trusted server, but no client certificate
                 await connect(fast(srv.url, tls_ca=str(ca), connect_timeout=5.0), "mtls-anonymous")
