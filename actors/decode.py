@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
-from actors.base import WorkerActor
+from actors.base import SeenIds, WorkerActor
 from bus.messages import (
     ErrorCode,
     GenerateRequest,
@@ -88,6 +88,7 @@ class DecodeActor(WorkerActor):
         self.prefill_waits: dict[str, asyncio.Future] = {}  # by "<request>:<attempt>"
         self.prefill_takers: dict[str, str] = {}  # "<request>:<attempt>" → the prefill worker that took it
         self.quarantined: dict[str, list[int]] = {}  # blocks a prefill attempt may still write
+        self.attempts_over = SeenIds()  # attempts whose writer said it writes no more
         self.prefill_workers: dict[str, tuple[WorkerStats, float]] = {}
         self.attempt_deadline: dict[str, float] = {}
         self.landed: set[str] = set()  # notify tags of KV writes that have fully arrived
@@ -359,11 +360,15 @@ class DecodeActor(WorkerActor):
                     return None
 
     def _quarantine(self, tag: str, blocks: list[int], deadline: float) -> None:
-        """Hold blocks until attempt `tag` answers (it has stopped writing) or its deadline passes."""
+        """Hold blocks until attempt `tag` answers (it has stopped writing) or its deadline passes.
+
+        The answer may already be here: a cancel and the writer's PrefillDone race.
+        """
         if not blocks:
             return
         self.quarantined[tag] = blocks
-        delay = max(0.0, deadline - time.time()) + QUARANTINE_GRACE_S
+        over = tag in self.attempts_over
+        delay = 0.0 if over else max(0.0, deadline - time.time()) + QUARANTINE_GRACE_S
         self.tasks.append(asyncio.create_task(self._release_after(tag, delay)))
 
     async def _release_after(self, tag: str, delay: float) -> None:
@@ -398,7 +403,8 @@ class DecodeActor(WorkerActor):
         fut = self.prefill_waits.get(tag)
         if fut is not None and not fut.done():
             fut.set_result(done)
-        if tag in self.quarantined and (done.ok or not done.wrote):  # that attempt writes no more
+        if done.ok or not done.wrote:  # that attempt writes no more
+            self.attempts_over.add(tag)
             await self._release_quarantine(tag)
 
     async def _discover_prefill(self, wait: float = 0.3) -> None:
