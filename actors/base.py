@@ -48,7 +48,8 @@ VERSION = "0.1.0"
 
 
 class SeenIds:
-    """Ids seen recently (bounded): redeliveries not to run twice, requests cancelled before they came."""
+    """Ids seen recently (bounded, oldest forgotten first): redeliveries not to run twice, requests
+    cancelled before they came, KV writes that landed."""
 
     def __init__(self, capacity: int = 10_000):
         self.ids: OrderedDict[str, None] = OrderedDict()
@@ -65,6 +66,9 @@ class SeenIds:
         if len(self.ids) > self.capacity:
             self.ids.popitem(last=False)
         return True
+
+    def discard(self, key: str) -> None:
+        self.ids.pop(key, None)
 
 
 class WorkerActor:
@@ -97,7 +101,7 @@ class WorkerActor:
         self.started = time.time()
         self.draining = False
         self.stop_event = asyncio.Event()
-        self.tasks: list[asyncio.Task] = []
+        self.tasks: set[asyncio.Task] = set()
         self.seen = SeenIds()
         self.cancelled_ids = SeenIds()  # a cancel can overtake its request queued in the pool
         self.peer_incarnations: dict[str, str] = {}
@@ -142,7 +146,7 @@ class WorkerActor:
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel_msg)
         await self.start()
         self.service = await self._register_service()
-        self.tasks.append(asyncio.create_task(self._stats_loop()))
+        self.spawn(self._stats_loop())
         log.info("%s %s ready: model %s, layout %s, transfer %s", self.role, self.worker_id, self.model,
                  self.layout.describe(), self.transfer.name)
         print(f"tandem {self.role} {self.worker_id} ready", flush=True)
@@ -164,7 +168,7 @@ class WorkerActor:
             await asyncio.sleep(0.05)
         if self.busy():
             log.warning("%s %s: drain deadline passed with work in flight", self.role, self.worker_id)
-        for t in self.tasks:
+        for t in list(self.tasks):
             t.cancel()
         try:
             await asyncio.wait_for(self.service.stop(), 2.0)
@@ -181,15 +185,26 @@ class WorkerActor:
 
     # ---------------------------------------------------------------- taking work
 
+    def spawn(self, coro) -> asyncio.Task:
+        """A background task of this worker: cancelled when it stops, forgotten when it ends."""
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
     async def take_work(self, pool: str, targeted_subject: str) -> None:
         """Pull from `pool` when there is capacity; hear messages sent to this worker alone."""
         self.psub = await pull_subscription(self.nc, self.subjects, pool)
         self.subs.append(await self.nc.subscribe(targeted_subject, cb=self._on_targeted))
-        self.tasks.append(asyncio.create_task(self._pull_loop(pool)))
+        self.spawn(self._pull_loop(pool))
 
     async def stop_taking_work(self) -> None:
+        """Leave the targeted subjects, still taking what the server had already sent (so hand_back sees it)."""
         for sub in self.subs:
-            await sub.unsubscribe()
+            try:
+                await asyncio.wait_for(sub.drain(), timeout=5.0)
+            except Exception as e:  # what is left unread is re-sent by its gateway once we stop reporting
+                log.warning("draining subscription %s: %r", sub.subject, e)
         self.subs = []
 
     async def _pull_loop(self, pool: str) -> None:
@@ -205,6 +220,9 @@ class WorkerActor:
                 continue
             if msg is None:
                 continue
+            if self.draining:  # fetched as the drain began: back to the pool for another worker
+                await msg.nak()
+                break
             try:
                 await self.accept(msg, from_pool=True)
             except Exception:  # one bad message must not stop this worker's intake

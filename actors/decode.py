@@ -76,6 +76,8 @@ class Request:
     prefill_s: float = 0.0
     in_engine: bool = False
     attempt: int = 0
+    job_sent: bool = False  # this attempt's PrefillJob went out: a writer may know its blocks
+    attempt_deadline: float = 0.0
     cancelled: bool = False
     done: bool = False
 
@@ -90,8 +92,7 @@ class DecodeActor(WorkerActor):
         self.quarantined: dict[str, list[int]] = {}  # blocks a prefill attempt may still write
         self.attempts_over = SeenIds()  # attempts whose writer said it writes no more
         self.prefill_workers: dict[str, tuple[WorkerStats, float]] = {}
-        self.attempt_deadline: dict[str, float] = {}
-        self.landed: set[str] = set()  # notify tags of KV writes that have fully arrived
+        self.landed = SeenIds()  # notify tags of KV writes that have fully arrived
         self.decisions: Counter = Counter()
         self.outbox: asyncio.Queue = asyncio.Queue()
 
@@ -102,9 +103,9 @@ class DecodeActor(WorkerActor):
             await self.nc.subscribe(self.subjects.prefill_done_of_worker(self.worker_id), cb=self._on_prefill_done)
             await self.nc.subscribe(f"{self.s.namespace}.stats.prefill_only.*", cb=self._on_prefill_stats)
             await self._discover_prefill()
-            self.tasks.append(asyncio.create_task(self._landing_poller()))
-        self.tasks.append(asyncio.create_task(self._emitter()))
-        self.tasks.append(asyncio.create_task(self._deadline_watch()))
+            self.spawn(self._landing_poller())
+        self.spawn(self._emitter())
+        self.spawn(self._deadline_watch())
         await self.take_work("generate", self.subjects.generate_worker(self.worker_id))
 
     def busy(self) -> bool:
@@ -153,7 +154,7 @@ class DecodeActor(WorkerActor):
         self.count_decision(mode, reason)
         log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids), extra={"request_id": req.request_id})
         if mode == "remote":
-            self.tasks.append(asyncio.create_task(self._remote_prefill_or_fail(r, target)))
+            self.spawn(self._remote_prefill_or_fail(r, target))
         else:
             await self._start_local(r)
 
@@ -209,6 +210,8 @@ class DecodeActor(WorkerActor):
         return "remote", "long_prompt", None
 
     async def _start_local(self, r: Request) -> None:
+        if r.cancelled:  # dropped while a remote attempt was winding down: nothing may run for it
+            return
         r.in_engine = True
         try:
             await self.runner.call(lambda e: e.add_request(r.req.request_id, r.prompt_ids,
@@ -237,6 +240,7 @@ class DecodeActor(WorkerActor):
         for attempt in range(2):
             if r.cancelled:
                 return
+            r.attempt, r.job_sent = attempt, False
             reserved = await self.runner.call(lambda e: e.reserve_remote(rid, r.prompt_ids, params))
             if reserved is None:
                 self.count_decision("local", "no_blocks_for_remote")
@@ -265,14 +269,13 @@ class DecodeActor(WorkerActor):
                 if done.first_logprob is not None:
                     info = TokenLogprob(done.first_token, done.first_logprob, list(done.first_top_logprobs or []))
                 r.in_engine = True
-                out = await self.runner.call(LLMEngine.complete_remote, rid, done.first_token, info)
-                self.on_outputs([out])
+                await self.runner.call(self._first_token_on_model_thread, rid, done.first_token, info)
                 return
             # Failed or timed out: after a timeout, or a failure once writing began, the prefill
             # side may still write into these blocks.
             timed_out = done is None
             blocks = await self.runner.call(LLMEngine.abandon_remote, rid, timed_out or done.wrote)
-            self._quarantine(f"{rid}:{attempt}", blocks, self.attempt_deadline.pop(rid, time.time()))
+            self._quarantine(f"{rid}:{attempt}", blocks, r.attempt_deadline)
             why = "timed out" if timed_out else f"failed: {done.error}"
             log.warning("request %s: remote prefill attempt %d %s", rid, attempt, why, extra={"request_id": rid})
             self.count_decision("remote_failed", "timeout" if timed_out else done.error_code or "error")
@@ -283,6 +286,8 @@ class DecodeActor(WorkerActor):
             target = others[0] if others else None
             if target is None and not self.alive_prefill_workers():
                 break
+        if r.cancelled:
+            return
         if self.s.remote_prefill_fallback == "error":
             await self._fail(r, ErrorCode.WORKER_LOST, "remote prefill failed twice", 503)
             return
@@ -290,6 +295,10 @@ class DecodeActor(WorkerActor):
         log.info("request %s: falling back to local prefill", rid, extra={"request_id": rid})
         r.mode = "local"
         await self._start_local(r)
+
+    def _first_token_on_model_thread(self, engine: LLMEngine, rid: str, token: int, info: TokenLogprob | None) -> None:
+        """Handed out by the model thread itself, so it cannot fall behind the next step's token."""
+        self.runner.hand_out([engine.complete_remote(rid, token, info)])
 
     async def _run_prefill_job(self, r: Request, fresh: list[int], first_index: int, attempt: int,
                                target: str | None) -> PrefillDone | None:
@@ -299,8 +308,7 @@ class DecodeActor(WorkerActor):
         if r.req.deadline:
             deadline = min(deadline, r.req.deadline)
         tag = f"{rid}:{attempt}"
-        self.attempt_deadline[rid] = deadline
-        r.attempt = attempt
+        r.attempt_deadline = deadline
         job = PrefillJob(
             request_id=rid, prompt_ids=r.prompt_ids, sampling=r.req.sampling,
             layout_fingerprint=self.layout.fingerprint(), layout=self.layout.to_dict(),
@@ -313,6 +321,7 @@ class DecodeActor(WorkerActor):
         fut = asyncio.get_running_loop().create_future()
         self.prefill_waits[tag] = fut
         try:
+            r.job_sent = True
             if target:
                 await publish(self.nc, self.subjects.prefill_worker(target), job)
             else:
@@ -366,10 +375,10 @@ class DecodeActor(WorkerActor):
         """
         if not blocks:
             return
-        self.quarantined[tag] = blocks
+        self.quarantined.setdefault(tag, []).extend(blocks)
         over = tag in self.attempts_over
         delay = 0.0 if over else max(0.0, deadline - time.time()) + QUARANTINE_GRACE_S
-        self.tasks.append(asyncio.create_task(self._release_after(tag, delay)))
+        self.spawn(self._release_after(tag, delay))
 
     async def _release_after(self, tag: str, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -384,9 +393,8 @@ class DecodeActor(WorkerActor):
         """Collect completion notices; NIXL without a progress thread needs this polling."""
         while True:
             waiting = any(r.mode == "remote" and not r.in_engine for r in self.requests.values())
-            self.landed.update(await asyncio.to_thread(self.transfer.completed))
-            if len(self.landed) > 10_000:
-                self.landed.clear()
+            for tag in await asyncio.to_thread(self.transfer.completed):
+                self.landed.add(tag)
             await asyncio.sleep(0.001 if waiting else 0.02)
 
     async def _on_prefill_done(self, msg: Msg) -> None:
@@ -516,9 +524,9 @@ class DecodeActor(WorkerActor):
         if r.in_engine:
             await self.runner.call(lambda e: e.abort(request_id))
         elif r.mode == "remote":
-            blocks = await self.runner.call(LLMEngine.abandon_remote, request_id, True)
-            self._quarantine(f"{request_id}:{r.attempt}", blocks,
-                             self.attempt_deadline.get(request_id, time.time() + self.s.prefill_timeout))
+            tag, deadline = f"{request_id}:{r.attempt}", r.attempt_deadline or time.time() + self.s.prefill_timeout
+            blocks = await self.runner.call(LLMEngine.abandon_remote, request_id, r.job_sent)
+            self._quarantine(tag, blocks, deadline)
         return r
 
     async def _deadline_watch(self) -> None:

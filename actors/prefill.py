@@ -33,6 +33,8 @@ class PrefillActor(WorkerActor):
 
     def __init__(self, settings, loaded):
         super().__init__(settings, loaded)
+        # keyed by "<request>:<attempt>", the id the job has in our engine too: a retry of a
+        # request can reach this worker while its first attempt is still winding down here
         self.jobs: dict[str, PrefillJob] = {}
         self.first_tokens: dict[str, asyncio.Future] = {}
 
@@ -51,14 +53,14 @@ class PrefillActor(WorkerActor):
         return st
 
     async def accept(self, msg: Msg, from_pool: bool) -> None:
-        job = await self.receive(msg, from_pool, PrefillJob, lambda j: f"{j.request_id}:{j.attempt}")
+        job = await self.receive(msg, from_pool, PrefillJob, job_key)
         if job is None:
             return
-        self.jobs[job.request_id] = job
-        self.tasks.append(asyncio.create_task(self._run_job(job)))
+        self.jobs[job_key(job)] = job
+        self.spawn(self._run_job(job))
 
     async def _run_job(self, job: PrefillJob) -> None:
-        rid = job.request_id
+        rid, key = job.request_id, job_key(job)
         t_start = time.time()
         timings = {"queue": max(0.0, t_start - job.created)}
         metrics.PREFILL_QUEUE_WAIT.observe(timings["queue"])
@@ -83,7 +85,7 @@ class PrefillActor(WorkerActor):
             params = to_engine_params(job.sampling)
             params.max_tokens, params.ignore_eos, params.stop, params.stop_token_ids = 1, True, [], []
             fut = asyncio.get_running_loop().create_future()
-            self.first_tokens[rid] = fut
+            self.first_tokens[key] = fut
             deadline_mono = time.monotonic() + max(0.0, (job.deadline or time.time() + 60) - time.time())
             stream = LayerStream(self, job, deadline_mono) if self._layerwise(job.dst.worker_id) else None
             await self.runner.call(self._admit, job, params, stream)
@@ -93,15 +95,14 @@ class PrefillActor(WorkerActor):
             t_computed = time.time()
             timings["compute"] = t_computed - t_start
             self._check_cancel(rid)
-            tag = f"{rid}:{job.attempt}"
             if stream is not None:  # layers went out during compute; wait for them, then notify
                 await asyncio.to_thread(stream.finish)
-                handle = self.transfer.write(job.dst.worker_id, [], [], notify=tag, deadline=deadline_mono)
+                handle = self.transfer.write(job.dst.worker_id, [], [], notify=key, deadline=deadline_mono)
             else:
-                local = self._local_blocks(self.engine.held[rid].block_table, job)
+                local = self._local_blocks(self.engine.held[key].block_table, job)
                 whole_write = True
                 handle = self.transfer.write(job.dst.worker_id, local, list(job.dst.block_ids),
-                                             notify=tag, deadline=deadline_mono)
+                                             notify=key, deadline=deadline_mono)
             await asyncio.to_thread(handle.wait)
             timings["transfer"] = time.time() - t_computed
             nbytes = len(job.dst.block_ids) * self.layout.block_bytes
@@ -128,10 +129,10 @@ class PrefillActor(WorkerActor):
             log.exception("prefill job %s failed", rid, extra={"request_id": rid})
             done.error, done.error_code = f"{type(e).__name__}: {e}", ErrorCode.INTERNAL
         finally:
-            self.first_tokens.pop(rid, None)
+            self.first_tokens.pop(key, None)
             if held:  # on the model thread, after its current step: no layer write starts after this
-                await self.runner.call(lambda e: (e.layer_hooks.pop(rid, None), e.abort(rid), e.release_held(rid)))
-            self.jobs.pop(rid, None)
+                await self.runner.call(lambda e: (e.layer_hooks.pop(key, None), e.abort(key), e.release_held(key)))
+            self.jobs.pop(key, None)
         done.wrote = whole_write or bool(stream and stream.handles)
         metrics.PREFILL_JOBS.labels("ok" if done.ok else done.error_code or "error").inc()
         if not done.ok:
@@ -154,9 +155,9 @@ class PrefillActor(WorkerActor):
 
     def _admit(self, engine, job: PrefillJob, params, stream: LayerStream | None) -> None:
         """On the model thread: queue the prompt, holding its blocks for the transfer."""
-        engine.add_request(job.request_id, job.prompt_ids, params, hold_blocks=True)
+        engine.add_request(job_key(job), job.prompt_ids, params, hold_blocks=True)
         if stream is not None:
-            engine.layer_hooks[job.request_id] = stream.on_layer
+            engine.layer_hooks[job_key(job)] = stream.on_layer
 
     def _check_cancel(self, rid: str) -> None:
         if rid in self.cancelled_ids:
@@ -169,11 +170,16 @@ class PrefillActor(WorkerActor):
                 fut.set_result(out)
 
     async def on_cancel(self, request_id: str, reason: str) -> None:
-        if request_id not in self.jobs:
-            return  # a job that arrives later is refused by _check_cancel (cancelled_ids)
-        fut = self.first_tokens.get(request_id)
-        if fut is not None and not fut.done():
-            fut.set_exception(_JobError(ErrorCode.CANCELLED, "request was cancelled"))
+        """Stop the request's jobs here; one that arrives later is refused by _check_cancel (cancelled_ids)."""
+        for key in [k for k, job in self.jobs.items() if job.request_id == request_id]:
+            fut = self.first_tokens.get(key)
+            if fut is not None and not fut.done():
+                fut.set_exception(_JobError(ErrorCode.CANCELLED, "request was cancelled"))
+
+
+def job_key(job: PrefillJob) -> str:
+    """``<request>:<attempt>``: the job's id here, in our engine, and its KV write's notify tag."""
+    return f"{job.request_id}:{job.attempt}"
 
 
 class LayerStream:
@@ -193,7 +199,7 @@ class LayerStream:
         try:
             if self.local is None:
                 self.started = time.time()
-                table = self.actor.engine.seqs[self.job.request_id].block_table
+                table = self.actor.engine.seqs[job_key(self.job)].block_table
                 self.local = PrefillActor._local_blocks(table, self.job)
             self.handles.append(self.actor.transfer.write(
                 self.job.dst.worker_id, self.local, list(self.job.dst.block_ids), notify="",

@@ -39,6 +39,10 @@ class EngineRunner:
         self.calls.put((fn, args, fut))
         return fut
 
+    def hand_out(self, outputs: list[StepOutput]) -> None:
+        """Give outputs to the event loop; from the model thread, so they keep the order they were made in."""
+        self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+
     def _resolve(self, fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
         if fut.done():
             return
@@ -82,7 +86,7 @@ class EngineRunner:
                 if self.engine.has_work():
                     outputs = self.engine.step()
                     if outputs:
-                        self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+                        self.hand_out(outputs)
         except BaseException as e:  # the model thread died: make it loud, the actor exits
             log.exception("model thread failed")
             self.failure = e
