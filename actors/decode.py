@@ -150,7 +150,8 @@ class DecodeActor(WorkerActor):
         r.mode = mode
         r.seq = 1
         await publish(self.nc, req.stream_subject,
-                      StreamTokens(request_id=req.request_id, seq=0, token_ids=[], worker_id=self.worker_id))
+                      StreamTokens(request_id=req.request_id, seq=0, token_ids=[], worker_id=self.worker_id,
+                                   incarnation=self.incarnation))
         self.count_decision(mode, reason)
         log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids), extra={"request_id": req.request_id})
         if mode == "remote":

@@ -230,8 +230,9 @@ class StreamTokens(_Msg, tag="stream_tokens", kw_only=True):
 
     ``seq`` starts at 0 and grows by one per message of the request's stream (tokens,
     finish and error share the counter), so the gateway can detect gaps and duplicates.
-    Message 0 carries no tokens and names the worker: it says the request was admitted,
-    so the gateway knows whose liveness to watch while the prompt is prefilled.
+    Message 0 carries no tokens and names the worker and its process (``incarnation``): it
+    says the request was admitted, so the gateway knows whose liveness to watch while the
+    prompt is prefilled, and notices when that worker restarts under the same id.
     ``logprobs[i]`` belongs to ``token_ids[i]``; ``top_logprobs[i]`` is its
     ``[token_id, logprob]`` list.
     """
@@ -241,6 +242,7 @@ class StreamTokens(_Msg, tag="stream_tokens", kw_only=True):
     token_ids: list[TokenId]
     text: str = ""
     worker_id: str = ""  # the decode worker streaming it (set on message 0)
+    incarnation: str = ""  # that worker's process (set on message 0)
     logprobs: list[float] | None = None
     top_logprobs: list[list[TopLogprob]] | None = None
 

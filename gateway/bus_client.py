@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import OrderedDict
 from typing import Any
 
 import nats.errors
@@ -26,6 +28,7 @@ from bus.messages import (
     MessageError,
     PayloadTooLarge,
     StreamMessage,
+    StreamTokens,
     WorkerStats,
     decode,
 )
@@ -41,18 +44,22 @@ log = logging.getLogger("tandem.gateway.bus")
 BUS_LOST = object()
 
 
-class NoResponders:
-    """NATS said nobody subscribes to the worker subject a request was sent to (it left or drains)."""
+#: a message for a request nobody here waits for cancels it again after this many seconds
+ORPHAN_RECANCEL_S = 5.0
 
-    def __init__(self, subject: str) -> None:
-        self.subject = subject
+
+class NoResponders:
+    """NATS said nobody subscribes to the worker subject request ``request_id`` was sent to (it left or drains)."""
+
+    def __init__(self, request_id: str, subject: str) -> None:
+        self.request_id, self.subject = request_id, subject
 
 
 class Unreadable:
-    """A message on a request's stream that does not parse (e.g. from a newer tandem)."""
+    """A message on request ``request_id``'s stream that does not parse (e.g. from a newer tandem)."""
 
-    def __init__(self, error: str) -> None:
-        self.error = error
+    def __init__(self, request_id: str, error: str) -> None:
+        self.request_id, self.error = request_id, error
 
 # JetStream API error code for a stream at its max_msgs/max_bytes with discard=new.
 _JS_STREAM_FULL = (10077, 10047)
@@ -75,6 +82,7 @@ class GatewayBus:
         # targeted requests carry a reply subject here, so NATS reports "no responders" at once
         self._inbox = f"_INBOX.{gateway_id}."
         self.dropped = 0
+        self._cancelled_at: OrderedDict[str, float] = OrderedDict()  # request id → when we last cancelled it
 
     # ---- life cycle --------------------------------------------------------------------
     async def start(self, ensure: bool = True) -> None:
@@ -119,24 +127,45 @@ class GatewayBus:
         if route is None:
             self.dropped += 1
             log.debug("no open request %r for a message on %s (finished or cancelled)", rid, msg.subject)
+            self._cancel_orphan(rid, msg.data)
             return
         queue, tag = route
         try:
             body = decode(msg.data, StreamMessage)
         except MessageError as e:  # waiting on would hang the request or show a gap later
             log.warning("bad message on %s: %s", msg.subject, e)
-            queue.put_nowait((tag, Unreadable(str(e))))
+            queue.put_nowait((tag, Unreadable(rid, str(e))))
             return
         queue.put_nowait((tag, body))
+
+    def _cancel_orphan(self, rid: str, data: bytes) -> None:
+        """Tokens for a request nobody here waits for: a worker runs it for nobody, so cancel it (again).
+
+        It happens when a cancel missed that worker: it joined the cluster after the cancel, or
+        was cut off from NATS when its request was re-sent elsewhere.
+        """
+        try:
+            body = decode(data, StreamMessage)
+        except MessageError:
+            return
+        if not isinstance(body, StreamTokens) or not rid:
+            return  # a finish or an error: that worker stopped by itself
+        last = self._cancelled_at.get(rid)
+        if last is not None and time.monotonic() - last < ORPHAN_RECANCEL_S:
+            return
+        log.info("tokens of request %s, which nobody here waits for, from %s; cancelling it", rid,
+                 body.worker_id or "its worker", extra={"request_id": rid})
+        self.cancel_soon(rid, "nobody waits for this request at its gateway")
 
     async def _on_inbox(self, msg: Msg) -> None:
         status = (msg.headers or {}).get("Status")
         if status != "503":
             return  # a worker may answer a targeted request some day; nothing to do with it
-        route = self._routes.get(msg.subject[len(self._inbox):])
+        rid = msg.subject[len(self._inbox):]
+        route = self._routes.get(rid)
         if route is not None:
             queue, tag = route
-            queue.put_nowait((tag, NoResponders((msg.headers or {}).get("Nats-Subject", ""))))
+            queue.put_nowait((tag, NoResponders(rid, (msg.headers or {}).get("Nats-Subject", ""))))
 
     async def _on_stats(self, msg: Msg) -> None:
         try:
@@ -191,6 +220,7 @@ class GatewayBus:
     async def cancel(self, request_id: str, reason: str) -> None:
         """Tell every worker holding ``request_id`` to stop and free its blocks."""
         self.close_request(request_id)
+        self._remember_cancel(request_id)
         nc = self.nc
         if nc is None or nc.is_closed:
             return
@@ -202,6 +232,13 @@ class GatewayBus:
     def cancel_soon(self, request_id: str, reason: str) -> None:
         """:meth:`cancel` from code that must not await (a cancelled task's cleanup)."""
         self.close_request(request_id)
+        self._remember_cancel(request_id)
         task = asyncio.get_running_loop().create_task(self.cancel(request_id, reason))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _remember_cancel(self, request_id: str) -> None:
+        self._cancelled_at[request_id] = time.monotonic()
+        self._cancelled_at.move_to_end(request_id)
+        while len(self._cancelled_at) > 10_000:
+            self._cancelled_at.popitem(last=False)

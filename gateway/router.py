@@ -112,12 +112,13 @@ class WorkerRegistry:
             del self.workers[wid]
 
     def alive(self, roles: tuple[str, ...] = DECODE_ROLES) -> list[WorkerInfo]:
-        """Workers of ``roles`` heard from within ``alive_after`` seconds."""
+        """Workers of ``roles`` heard from within ``alive_after`` seconds and taking work (not draining)."""
         cutoff = self.clock() - self.alive_after
-        return [i for i in self.workers.values() if i.role in roles and i.last_seen >= cutoff]
+        return [i for i in self.workers.values()
+                if i.role in roles and i.last_seen >= cutoff and not i.stats.draining]
 
     def is_alive(self, worker_id: str, within: float | None = None) -> bool:
-        """Whether ``worker_id`` reported within ``within`` (default ``alive_after``) seconds."""
+        """Whether ``worker_id`` reported within ``within`` (default ``alive_after``) seconds (draining or not)."""
         info = self.workers.get(worker_id)
         window = self.alive_after if within is None else within
         return info is not None and info.last_seen >= self.clock() - window
@@ -172,6 +173,11 @@ class WorkerRegistry:
         while len(info.blocks) > self.max_hashes:
             info.blocks.popitem(last=False)
 
+    def incarnation(self, worker_id: str) -> str:
+        """The process id ``worker_id`` last reported ("" if unknown): it changes when the worker restarts."""
+        info = self.workers.get(worker_id)
+        return info.stats.incarnation if info is not None else ""
+
     def summary(self) -> list[dict[str, object]]:
         """Live workers as plain dicts (``/ready``)."""
         now = self.clock()
@@ -187,5 +193,6 @@ class WorkerRegistry:
                 "free_blocks": s.free_blocks,
                 "total_blocks": s.total_blocks,
                 "max_batch": s.max_batch,
+                "draining": s.draining,
             })
         return out

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from bus.messages import ErrorCode, GenerateRequest, StreamError, StreamFinish, StreamTokens, Usage
 from bus.messages import SamplingParams as BusSampling
+from bus.streams import DEFAULT_GENERATE
 from engine.chat_template import ChatTemplateError
 from engine.sampling import SamplingParams
 from gateway.bus_client import BUS_LOST, GatewayBus, NoResponders, Unreadable
@@ -33,6 +34,10 @@ log = logging.getLogger("tandem.gateway")
 Kind = Literal["chat", "completion"]
 
 
+#: JetStream drops a generate request nobody pulled for this long
+POOL_MAX_AGE_S = DEFAULT_GENERATE.max_age
+
+
 @dataclass
 class Job:
     """One generated sequence: a prompt and one of its ``n`` choices."""
@@ -44,6 +49,7 @@ class Job:
     sampling: BusSampling
     request_id: str = ""
     worker_id: str | None = None
+    worker_incarnation: str = ""  # the process of ``worker_id`` holding the job, when known
     route_reason: str = ""
     retried: bool = False
     next_seq: int = 0
@@ -398,6 +404,7 @@ class Run:
         self._counted = 0
         self._next_check = time.monotonic() + 1.0
         self.closed = False
+        self._deadline_timer: asyncio.TimerHandle | None = None
 
     # ---- dispatch ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -412,6 +419,10 @@ class Run:
             )
         gw.inflight += need
         self._counted = need
+        # next_event enforces the deadline, but only while someone asks for events: a streaming
+        # client that stops reading must not hold the jobs and the capacity past it
+        self._deadline_timer = asyncio.get_running_loop().call_later(
+            self._give_up_at - time.monotonic() + 1.0, self.close, "deadline passed")
         for job in self.jobs:
             await self._dispatch(job)
 
@@ -444,6 +455,7 @@ class Run:
             gw.bus.close_request(job.request_id)
             raise
         job.worker_id = route.worker_id
+        job.worker_incarnation = reg.incarnation(route.worker_id) if route.worker_id else ""
         job.route_reason = route.reason
         job.started = time.monotonic()
         reg.dispatched(route.worker_id, job.hashes)
@@ -485,7 +497,7 @@ class Run:
             if job.done:
                 continue
             if isinstance(msg, NoResponders):
-                if job.worker_id is not None:
+                if job.worker_id is not None and msg.request_id == job.request_id:
                     await self._lost(job, job.worker_id, "is not listening (stopped or draining)")
                 continue
             if (isinstance(msg, StreamError) and msg.code == ErrorCode.HANDED_BACK
@@ -511,6 +523,8 @@ class Run:
             job.next_seq = msg.seq + 1
             if msg.worker_id and job.worker_id is None:  # a pool job's worker, watched from now on
                 job.worker_id = msg.worker_id
+            if msg.incarnation and msg.worker_id == job.worker_id:
+                job.worker_incarnation = msg.incarnation
             if not msg.token_ids and not msg.text:  # the worker's admission notice
                 return None
             if msg.token_ids:
@@ -560,6 +574,8 @@ class Run:
             gw.bus.close_request(job.request_id)
             raise OpenAIError(msg.status, msg.message, code=msg.code)
         if isinstance(msg, Unreadable):
+            if msg.request_id != job.request_id:
+                return None
             raise OpenAIError(502, f"a worker sent a message this gateway cannot read: {msg.error}",
                               code="bad_worker_message")
         if msg is BUS_LOST:
@@ -568,13 +584,22 @@ class Run:
         return None
 
     async def _check_workers(self) -> None:
-        """Jobs whose worker went silent are handled by :meth:`_lost`."""
+        """Jobs whose worker went silent or restarted are handled by :meth:`_lost`; a job the
+        pool dropped unread (JetStream ``max_age``) fails."""
         reg = self.gw.registry
         for job in self.jobs:
-            if job.done or job.worker_id is None:
+            if job.done:
+                continue
+            if job.worker_id is None:
+                waited = time.monotonic() - job.started
+                if waited > POOL_MAX_AGE_S + 5.0:
+                    raise OpenAIError(503, f"no worker took the request from the queue in {waited:.0f}s; retry later",
+                                      code="queue_timeout", retry_after=5)
                 continue
             if not reg.is_alive(job.worker_id, within=self.gw.config.worker_lost_after):
                 await self._lost(job, job.worker_id, "stopped reporting")
+            elif job.worker_incarnation and reg.incarnation(job.worker_id) not in ("", job.worker_incarnation):
+                await self._lost(job, job.worker_id, "restarted")
 
     async def _lost(self, job: Job, worker: str, why: str) -> None:
         """The worker holding ``job`` is gone: before any token, re-send the job once elsewhere; else fail."""
@@ -596,6 +621,8 @@ class Run:
         if self.closed:
             return
         self.closed = True
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
         for job in self.jobs:
             if job.request_id and not job.done:
                 self.gw.bus.cancel_soon(job.request_id, reason)

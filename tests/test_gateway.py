@@ -9,9 +9,10 @@ tokenized by the real tokenizer. Behaviours are selected by words in the prompt:
     [slow]       one token every 0.1 s, 300 max   [failmid]  3 tokens, then StreamError 500
     [utf8]       a reply with multi-byte characters, split mid-character by the tokenizer
     [badmsg]     a stream message from a newer schema version (unreadable here)
+    [flood]      8 KiB of text per message as fast as it can, until cancelled
 
 A worker made with ``admit=True`` first sends the admission notice real decode workers send
-(message 0: no tokens, its worker id).
+(message 0: no tokens, its worker id and incarnation).
 
 The real cluster (`tandem up` with real workers) is exercised in tests/test_gateway_cluster.py.
 """
@@ -92,6 +93,7 @@ class FakeWorker:
         self.hands_back = False  # answer every request as a draining worker does: handed back
         self.listen_direct = True  # subscribe to its own generate subject
         self.fake_running: int | None = None  # report this many running instead of the truth
+        self.incarnation = "inc-1"  # its process; a new value reads as a restart under the same id
         self.nc: Any = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._cancelled: set[str] = set()
@@ -124,7 +126,7 @@ class FakeWorker:
         stats = m.WorkerStats(
             role=self.role, worker_id=self.worker_id, model=self.subjects.model,
             running=len(self.active) if self.fake_running is None else self.fake_running,
-            queued=0, free_blocks=1000, total_blocks=1024, max_batch=self.max_batch, incarnation="inc-1",
+            queued=0, free_blocks=1000, total_blocks=1024, max_batch=self.max_batch, incarnation=self.incarnation,
         )
         await publish(self.nc, self.subjects.stats(self.role, self.worker_id), stats)
 
@@ -160,7 +162,8 @@ class FakeWorker:
         if self.admit:
             seq = 1
             asyncio.get_running_loop().create_task(self._send(req.stream_subject, m.StreamTokens(
-                request_id=req.request_id, seq=0, token_ids=[], worker_id=self.worker_id)))
+                request_id=req.request_id, seq=0, token_ids=[], worker_id=self.worker_id,
+                incarnation=self.incarnation)))
         if self.mute:
             return
         if self.hands_back:
@@ -209,6 +212,13 @@ class FakeWorker:
         if "[hang]" in prompt:
             while rid not in self._cancelled:
                 await asyncio.sleep(0.05)
+            return
+        if "[flood]" in prompt:
+            chunk = "flood " * 1365
+            while rid not in self._cancelled and seq < 20_000:
+                await self._send(subj, m.StreamTokens(request_id=rid, seq=seq, token_ids=[7], text=chunk))
+                seq += 1
+                await asyncio.sleep(0.001 if seq % 50 == 0 else 0)
             return
         s = req.sampling
         ids = tok.encode(self._reply(req, prompt))
@@ -1251,4 +1261,123 @@ def test_handed_back_request_is_resent(nats_srv: EmbeddedNats, subjects: Subject
     finally:
         worker.fake_running = None
         loop_thread.run(drainer.stop())
+        srv.stop()
+
+
+def test_registry_routes_nothing_new_to_a_draining_worker() -> None:
+    reg = WorkerRegistry("m", rng=random.Random(0))
+    idle_but_draining = m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="d", running=0, max_batch=4,
+                                      total_blocks=100, free_blocks=100, draining=True)
+    busy = m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="b", running=3, max_batch=4,
+                         total_blocks=100, free_blocks=100)
+    reg.observe(idle_but_draining)
+    reg.observe(busy)
+    assert reg.choose([], 1).worker_id == "b"  # less loaded, but leaving
+    assert [w.worker_id for w in reg.alive()] == ["b"]
+    assert reg.is_alive("d")  # its running requests are still watched, not given up
+    reg.observe(m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="b", running=4, max_batch=4,
+                              total_blocks=100, free_blocks=100))
+    assert reg.choose([], 1) == Route(None, "every worker is full")
+
+
+def test_tokens_nobody_waits_for_are_cancelled(gw: ServerThread, nats_srv: EmbeddedNats, subjects: Subjects,
+                                               loop_thread: LoopThread) -> None:
+    """A worker that missed a cancel (it joined later, or was cut off) is told again by the gateway."""
+    gateway_id = httpx.get(f"{gw.url}/ready").json()["gateway_id"]
+
+    async def go() -> tuple[list[str], list[str]]:
+        nc = await nats.connect(nats_srv.url)
+        try:
+            cancels = await nc.subscribe(subjects.cancel_all)
+            await nc.flush()
+            for rid, msg in (("orphan-1", m.StreamTokens(request_id="orphan-1", seq=3, token_ids=[5], text="x")),
+                             ("orphan-1", m.StreamTokens(request_id="orphan-1", seq=4, token_ids=[6], text="y")),
+                             ("ended-1", m.StreamFinish(request_id="ended-1", seq=9, finish_reason="stop"))):
+                await publish(nc, subjects.stream(gateway_id, rid), msg)
+            first = await cancels.next_msg(timeout=10)
+            more: list[str] = []
+            with contextlib.suppress(nats.errors.TimeoutError):
+                while True:
+                    more.append(m.decode((await cancels.next_msg(timeout=1.5)).data, m.Cancel).request_id)
+            return [m.decode(first.data, m.Cancel).request_id], more
+        finally:
+            await nc.close()
+
+    first, more = loop_thread.run(go(), timeout=30)
+    assert first == ["orphan-1"]
+    assert more == []  # once for both token messages; a finished request is left alone
+    still_serving(gw.url)
+
+
+def test_worker_restarted_under_the_same_id_is_noticed(nats_srv: EmbeddedNats, subjects: Subjects,
+                                                       text_model: TextModel, loop_thread: LoopThread,
+                                                       worker: FakeWorker) -> None:
+    """A pod restarts within the liveness window and reports again under its name: its request is re-sent."""
+    srv = ServerThread(create_app(make_config(nats_srv.url, alive_after=2.0), text_model)).start()
+    phoenix = FakeWorker(nats_srv.url, subjects, text_model, "phoenix", pull_pool=False, admit=True)
+    phoenix.mute = True
+    loop_thread.run(phoenix.start())
+    try:
+        worker.fake_running = worker.max_batch  # reports full: the router picks phoenix
+
+        def routing_sees_both() -> bool:
+            live = {w["worker_id"]: w for w in httpx.get(f"{srv.url}/ready").json()["workers"] if w["age_s"] < 2.0}
+            return "phoenix" in live and live.get("fake-1", {}).get("running") == worker.max_batch
+
+        wait_for(routing_sees_both, 15, "the gateway to see phoenix and a full fake-1")
+        n_before = len(worker.requests)
+        result: list[Any] = []
+
+        def call() -> None:
+            try:
+                result.append(httpx.post(f"{srv.url}/v1/chat/completions",
+                                         json=chat_body("rise again", temperature=0), timeout=40))
+            except httpx.HTTPError as e:
+                result.append(e)
+
+        t = threading.Thread(target=call)
+        t.start()
+        wait_for(lambda: len(phoenix.requests) == 1, 15, "phoenix to take the request")
+        phoenix.incarnation = "inc-2"  # the new process reports at once, well within worker_lost_after (10 s)
+        t.join(45)
+        assert result and isinstance(result[0], httpx.Response), result
+        assert result[0].status_code == 200, result[0].text
+        assert [(how, req.request_id[-5:]) for how, req in worker.requests[n_before:]] == [("pool", "-0-r1")]
+        assert phoenix.requests[0][1].request_id in phoenix.cancels
+    finally:
+        worker.fake_running = None
+        loop_thread.run(phoenix.stop())
+        srv.stop()
+
+
+def test_stalled_stream_reader_is_cancelled_at_the_deadline(gw: ServerThread, worker: FakeWorker) -> None:
+    """A client that stops reading a stream (its socket stays open) does not hold the request past its deadline."""
+    body = json.dumps(chat_body("[flood]", stream=True)).encode()
+    n_before = len(worker.requests)
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                  b"X-Request-Timeout: 3\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert s.recv(12).startswith(b"HTTP/1.1 200")  # then never read again
+        wait_for(lambda: len(worker.requests) > n_before, 10, "the request to reach the worker")
+        rid = worker.requests[n_before][1].request_id
+        wait_for(lambda: rid in worker.cancels, 30, "the cancel at the deadline, with the reader stalled")
+    still_serving(gw.url)
+
+
+def test_pool_job_nobody_pulls_fails_when_the_queue_drops_it(nats_srv: EmbeddedNats, text_model: TextModel,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """JetStream drops a queued request after its max_age; the client hears so then, not at its deadline."""
+    import gateway.service
+
+    monkeypatch.setattr(gateway.service, "POOL_MAX_AGE_S", 0.5)
+    srv = ServerThread(create_app(make_config(nats_srv.url, namespace="nopull", queue_when_no_workers=True),
+                                  text_model)).start()
+    try:
+        t0 = time.monotonic()
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("anyone?"), timeout=60)
+        assert_error(r, 503, code="queue_timeout")
+        assert time.monotonic() - t0 < 30  # the request's deadline is 600 s
+        assert "Retry-After" in r.headers
+    finally:
         srv.stop()
