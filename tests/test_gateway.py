@@ -9,7 +9,7 @@ tokenized by the real tokenizer. Behaviours are selected by words in the prompt:
     [slow]       one token every 0.1 s, 300 max   [failmid]  3 tokens, then StreamError 500
     [utf8]       a reply with multi-byte characters, split mid-character by the tokenizer
     [badmsg]     a stream message from a newer schema version (unreadable here)
-    [flood]      8 KiB of text per message as fast as it can, until cancelled
+    [flood]      8 KiB of text per message, 16 MiB in all, then waits to be cancelled
 
 A worker made with ``admit=True`` first sends the admission notice real decode workers send
 (message 0: no tokens, its worker id and incarnation).
@@ -215,10 +215,12 @@ class FakeWorker:
             return
         if "[flood]" in prompt:
             chunk = "flood " * 1365
-            while rid not in self._cancelled and seq < 20_000:
+            while rid not in self._cancelled and seq < 2000:  # 16 MiB: more than the sockets buffer
                 await self._send(subj, m.StreamTokens(request_id=rid, seq=seq, token_ids=[7], text=chunk))
                 seq += 1
-                await asyncio.sleep(0.001 if seq % 50 == 0 else 0)
+                await asyncio.sleep(0.001 if seq % 20 == 0 else 0)
+            while rid not in self._cancelled:
+                await asyncio.sleep(0.05)
             return
         s = req.sampling
         ids = tok.encode(self._reply(req, prompt))
