@@ -203,7 +203,7 @@ class WorkerActor:
         for sub in self.subs:
             try:
                 await asyncio.wait_for(sub.drain(), timeout=5.0)
-            except Exception as e:  # what is left unread is re-sent by its gateway once we stop reporting
+            except Exception as e:  # its callback keeps running; a draining decode worker hands back what comes
                 log.warning("draining subscription %s: %r", sub.subject, e)
         self.subs = []
 

@@ -136,6 +136,10 @@ class DecodeActor(WorkerActor):
                      extra={"request_id": req.request_id})
             return
         r = Request(req, list(req.prompt_ids))
+        if self.draining:  # a targeted request that was on its way when the drain began
+            await self._fail(r, ErrorCode.HANDED_BACK,
+                             f"worker {self.worker_id} is draining; the request was handed back", 503)
+            return
         self.requests[req.request_id] = r
         try:
             try:

@@ -428,6 +428,8 @@ class Run:
 
     async def _dispatch(self, job: Job, exclude: frozenset[str] = frozenset()) -> None:
         gw = self.gw
+        if self.closed:  # the deadline timer closed this run while it was sending
+            raise OpenAIError(504, f"the request's deadline of {self.prep.timeout:g}s passed", code="deadline_exceeded")
         reg = gw.registry
         # "<client id>-<choice>", and "-r1" for a re-send: `tandem tail --request <client id>` finds them
         job.request_id = f"{self.client_id}-{job.index}" + ("-r1" if job.retried else "")
@@ -477,13 +479,13 @@ class Run:
         idle_until = None if idle is None else time.monotonic() + idle
         while True:
             now = time.monotonic()
-            if now >= self._next_check:  # also while other jobs of this request keep streaming
-                self._next_check = now + 1.0
-                await self._check_workers()
             if now >= self._give_up_at:
                 raise OpenAIError(
                     504, f"the request's deadline of {self.prep.timeout:g}s passed", code="deadline_exceeded"
                 )
+            if now >= self._next_check:  # also while other jobs of this request keep streaming
+                self._next_check = now + 1.0
+                await self._check_workers()
             wait = min(1.0, self._give_up_at - now)
             if idle_until is not None:
                 if now >= idle_until:

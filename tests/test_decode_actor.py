@@ -1,4 +1,4 @@
-"""Unit tests of the decode worker's bookkeeping for remote prefills: quarantined blocks and dropped requests.
+"""Unit tests of the decode actor's bookkeeping: quarantined blocks, dropped requests, work that arrives while draining.
 
 A cancel reaches the decode worker and the prefill worker at once; the prefill worker's
 "I wrote nothing" answer can be handled before the decode worker has finished quarantining
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from actors.base import SeenIds
 from actors.decode import DecodeActor, Request
-from bus.messages import GenerateRequest, PrefillDone, encode
+from bus.messages import ErrorCode, GenerateRequest, PrefillDone, StreamError, decode, encode
 
 
 class RecordingRunner:
@@ -125,3 +125,33 @@ def test_a_dropped_request_never_starts_a_local_prefill():
 
     calls, r = asyncio.run(go())
     assert calls == [] and not r.in_engine
+
+
+class RecordingNats:
+    """Stands in for the NATS client: keeps what is published."""
+
+    max_payload = 1 << 20
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject: str, data: bytes, reply: str = "", headers: dict | None = None) -> None:
+        self.published.append((subject, data))
+
+
+def test_a_request_that_arrives_while_draining_is_handed_back():
+    """A targeted request on its way when the drain began goes back to its gateway, which re-sends it."""
+    async def go():
+        actor = bare_decode_actor()
+        actor.draining, actor.requests, actor.worker_id = True, {}, "d9"
+        actor.seen, actor.cancelled_ids, actor.nc = SeenIds(), SeenIds(), RecordingNats()
+        req = GenerateRequest(request_id="late-1", prompt_ids=[1, 2, 3], stream_subject="tandem.stream.gw.late-1")
+        await actor.accept(SimpleNamespace(data=encode(req)), from_pool=False)
+        return actor
+
+    actor = asyncio.run(go())
+    assert actor.requests == {}
+    [(subject, data)] = actor.nc.published
+    err = decode(data, StreamError)
+    assert subject == "tandem.stream.gw.late-1"
+    assert (err.request_id, err.code, err.status) == ("late-1", ErrorCode.HANDED_BACK, 503)
