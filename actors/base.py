@@ -186,11 +186,16 @@ class WorkerActor:
     # ---------------------------------------------------------------- taking work
 
     def spawn(self, coro) -> asyncio.Task:
-        """A background task of this worker: cancelled when it stops, forgotten when it ends."""
+        """A background task of this worker: cancelled when it stops, forgotten when it ends, logged if it fails."""
         task = asyncio.create_task(coro)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._task_ended)
         return task
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s %s: background task failed", self.role, self.worker_id, exc_info=task.exception())
 
     async def take_work(self, pool: str, targeted_subject: str) -> None:
         """Pull from `pool` when there is capacity; hear messages sent to this worker alone."""
