@@ -393,6 +393,31 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, code:
     return err
 
 
+def chat_in_background(url: str, content: str) -> tuple[threading.Thread, list[Any]]:
+    """POST a greedy chat completion from a thread; the list gets its response or its httpx error."""
+    result: list[Any] = []
+
+    def call() -> None:
+        try:
+            result.append(httpx.post(f"{url}/v1/chat/completions", json=chat_body(content, temperature=0),
+                                     timeout=40))
+        except httpx.HTTPError as e:
+            result.append(e)
+
+    t = threading.Thread(target=call)
+    t.start()
+    return t, result
+
+
+def wait_until_routing_sees(url: str, newcomer: str, full: FakeWorker) -> None:
+    """Until the gateway at ``url`` has a fresh report of ``newcomer`` and one of ``full`` saying it is full."""
+    def sees_both() -> bool:
+        live = {w["worker_id"]: w for w in httpx.get(f"{url}/ready").json()["workers"] if w["age_s"] < 2.0}
+        return newcomer in live and live.get(full.worker_id, {}).get("running") == full.max_batch
+
+    wait_for(sees_both, 15, f"the gateway to see {newcomer} and a full {full.worker_id}")
+
+
 def still_serving(url: str) -> None:
     r = httpx.post(f"{url}/v1/chat/completions", json=chat_body("ping", temperature=0), timeout=30)
     assert r.status_code == 200, r.text
@@ -857,16 +882,13 @@ def test_worker_lost_before_tokens_is_resent(nats_srv: EmbeddedNats, subjects: S
         # the others silent for longer than alive_after (2 s): out of routing
         wait_for(lambda: [w["worker_id"] for w in httpx.get(f"{srv.url}/ready").json()["workers"]
                           if w["age_s"] < 2.0] == ["ghost"], 15, "only the ghost reporting")
-        result: list[httpx.Response] = []
-        t = threading.Thread(target=lambda: result.append(httpx.post(
-            f"{srv.url}/v1/chat/completions", json=chat_body("resend me", temperature=0), timeout=30)))
         n_before = len(worker.requests)
-        t.start()
+        t, result = chat_in_background(srv.url, "resend me")
         wait_for(lambda: len(ghost.requests) == 1, 15, "the request to reach the ghost")
         ghost.report = False
         worker.report = True
-        t.join(30)
-        assert result and result[0].status_code == 200, result
+        t.join(45)
+        assert result and isinstance(result[0], httpx.Response) and result[0].status_code == 200, result
         assert len(worker.requests) == n_before + 1
         assert ghost.requests[0][1].request_id in worker.cancels
     finally:
@@ -1117,17 +1139,7 @@ def test_pool_job_worker_lost_after_admission_is_resent(nats_srv: EmbeddedNats, 
                                   text_model)).start()
     try:
         wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
-        result: list[Any] = []
-
-        def call() -> None:
-            try:
-                result.append(httpx.post(f"{srv.url}/v1/chat/completions",
-                                         json=chat_body("pool me", temperature=0), timeout=40))
-            except httpx.HTTPError as e:
-                result.append(e)
-
-        t = threading.Thread(target=call)
-        t.start()
+        t, result = chat_in_background(srv.url, "pool me")
         wait_for(lambda: len(ghost.requests) == 1, 15, "the ghost to pull the request")
         assert ghost.requests[0][0] == "pool"
         ghost.report = False
@@ -1248,12 +1260,7 @@ def test_handed_back_request_is_resent(nats_srv: EmbeddedNats, subjects: Subject
     loop_thread.run(drainer.start())
     try:
         worker.fake_running = worker.max_batch  # reports full: the router picks the drainer first
-
-        def routing_sees_both() -> bool:
-            live = {w["worker_id"]: w for w in httpx.get(f"{srv.url}/ready").json()["workers"] if w["age_s"] < 2.0}
-            return "drainer" in live and live.get("fake-1", {}).get("running") == worker.max_batch
-
-        wait_for(routing_sees_both, 15, "the gateway to see the drainer and a full fake-1")
+        wait_until_routing_sees(srv.url, "drainer", worker)
         n_before = len(worker.requests)
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("hand me back", temperature=0), timeout=30)
         assert r.status_code == 200, r.text
@@ -1321,24 +1328,9 @@ def test_worker_restarted_under_the_same_id_is_noticed(nats_srv: EmbeddedNats, s
     loop_thread.run(phoenix.start())
     try:
         worker.fake_running = worker.max_batch  # reports full: the router picks phoenix
-
-        def routing_sees_both() -> bool:
-            live = {w["worker_id"]: w for w in httpx.get(f"{srv.url}/ready").json()["workers"] if w["age_s"] < 2.0}
-            return "phoenix" in live and live.get("fake-1", {}).get("running") == worker.max_batch
-
-        wait_for(routing_sees_both, 15, "the gateway to see phoenix and a full fake-1")
+        wait_until_routing_sees(srv.url, "phoenix", worker)
         n_before = len(worker.requests)
-        result: list[Any] = []
-
-        def call() -> None:
-            try:
-                result.append(httpx.post(f"{srv.url}/v1/chat/completions",
-                                         json=chat_body("rise again", temperature=0), timeout=40))
-            except httpx.HTTPError as e:
-                result.append(e)
-
-        t = threading.Thread(target=call)
-        t.start()
+        t, result = chat_in_background(srv.url, "rise again")
         wait_for(lambda: len(phoenix.requests) == 1, 15, "phoenix to take the request")
         phoenix.incarnation = "inc-2"  # the new process reports at once, well within worker_lost_after (10 s)
         t.join(45)
