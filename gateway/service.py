@@ -400,6 +400,7 @@ class Run:
         self.jobs = prep.jobs
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.deadline = time.time() + prep.timeout
+        self.accepted_at = time.monotonic()  # TTFT counts from here, across re-sends
         self._give_up_at = time.monotonic() + prep.timeout + gw.config.deadline_grace
         self._counted = 0
         self._next_check = time.monotonic() + 1.0
@@ -532,7 +533,7 @@ class Run:
             if msg.token_ids:
                 now = time.monotonic()
                 if job.first_token_s is None:
-                    job.first_token_s = now - job.started
+                    job.first_token_s = now - self.accepted_at
                 elif job.last_token_at is not None:
                     job.token_gaps.append(now - job.last_token_at)
                 job.last_token_at = now
