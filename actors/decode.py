@@ -398,8 +398,12 @@ class DecodeActor(WorkerActor):
         """Collect completion notices; NIXL without a progress thread needs this polling."""
         while True:
             waiting = any(r.mode == "remote" and not r.in_engine for r in self.requests.values())
-            for tag in await asyncio.to_thread(self.transfer.completed):
-                self.landed.add(tag)
+            try:
+                for tag in await asyncio.to_thread(self.transfer.completed):
+                    self.landed.add(tag)
+            except Exception:  # this loop must outlive one bad read, or no remote prefill lands again
+                log.exception("reading KV transfer completions failed")
+                await asyncio.sleep(0.5)
             await asyncio.sleep(0.001 if waiting else 0.02)
 
     async def _on_prefill_done(self, msg: Msg) -> None:

@@ -97,12 +97,13 @@ class PrefillActor(WorkerActor):
             self._check_cancel(rid)
             if stream is not None:  # layers went out during compute; wait for them, then notify
                 await asyncio.to_thread(stream.finish)
-                handle = self.transfer.write(job.dst.worker_id, [], [], notify=key, deadline=deadline_mono)
+                handle = self.transfer.write(job.dst.worker_id, [], [], notify=key, deadline=deadline_mono,
+                                             incarnation=job.dst.incarnation)
             else:
                 local = self._local_blocks(self.engine.held[key].block_table, job)
                 whole_write = True
                 handle = self.transfer.write(job.dst.worker_id, local, list(job.dst.block_ids),
-                                             notify=key, deadline=deadline_mono)
+                                             notify=key, deadline=deadline_mono, incarnation=job.dst.incarnation)
             await asyncio.to_thread(handle.wait)
             timings["transfer"] = time.time() - t_computed
             nbytes = len(job.dst.block_ids) * self.layout.block_bytes
@@ -131,7 +132,7 @@ class PrefillActor(WorkerActor):
         finally:
             self.first_tokens.pop(key, None)
             if held:  # on the model thread, after its current step: no layer write starts after this
-                await self.runner.call(lambda e: (e.layer_hooks.pop(key, None), e.abort(key), e.release_held(key)))
+                await self.runner.call(self._let_go, key, stream if not done.ok else None)
             self.jobs.pop(key, None)
         done.wrote = whole_write or bool(stream and stream.handles)
         metrics.PREFILL_JOBS.labels("ok" if done.ok else done.error_code or "error").inc()
@@ -158,6 +159,15 @@ class PrefillActor(WorkerActor):
         engine.add_request(job_key(job), job.prompt_ids, params, hold_blocks=True)
         if stream is not None:
             engine.layer_hooks[job_key(job)] = stream.on_layer
+
+    @staticmethod
+    def _let_go(engine, key: str, failed_stream: LayerStream | None) -> None:
+        """On the model thread: stop the job's layer hooks (and a failed job's writes), free its blocks."""
+        engine.layer_hooks.pop(key, None)
+        engine.abort(key)
+        if failed_stream is not None:
+            failed_stream.cancel()
+        engine.release_held(key)
 
     def _check_cancel(self, rid: str) -> None:
         if rid in self.cancelled_ids:
@@ -203,17 +213,26 @@ class LayerStream:
                 self.local = PrefillActor._local_blocks(table, self.job)
             self.handles.append(self.actor.transfer.write(
                 self.job.dst.worker_id, self.local, list(self.job.dst.block_ids), notify="",
-                layers=(layer, layer + 1), deadline=self.deadline))
+                layers=(layer, layer + 1), deadline=self.deadline, incarnation=self.job.dst.incarnation))
         except Exception as e:  # reported by finish(); the model thread must keep running
             self.error = e
 
     def finish(self) -> None:
-        """Wait for every layer's write; raise the first failure."""
-        if self.error is not None:
-            raise self.error
-        for h in self.handles:
-            h.wait()
+        """Wait for every layer's write; on the first failure cancel the rest (so none lands later) and raise it."""
+        try:
+            if self.error is not None:
+                raise self.error
+            for h in self.handles:
+                h.wait()
+        except Exception:
+            self.cancel()
+            raise
         self.seconds = time.time() - self.started if self.started else 0.0
+
+    def cancel(self) -> None:
+        """Stop every layer write still in flight: the job failed, none of its bytes may land later."""
+        for h in self.handles:
+            h.cancel()
 
 
 class _JobError(Exception):

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -436,6 +437,91 @@ def test_in_process_pair_small_chunks_strided_layers_and_cancel(
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("kind", CPU_ENGINES)
+def test_write_for_an_earlier_incarnation_is_refused(kind: str) -> None:
+    """A job for a peer that has since restarted under its worker id must not write into the new process's blocks."""
+    a = create_engine(kind, LAYOUT, 8, "cpu", "a")
+    b = create_engine(kind, LAYOUT, 8, "cpu", "b")
+    try:
+        a.add_peer(json.loads(json.dumps(b.metadata())))
+        with pytest.raises(TransferError, match="peer restarted"):
+            a.write("b", [0], [0], "stale", incarnation="an-earlier-b")
+        h = a.write("b", [0], [0], "", incarnation=b.incarnation)
+        end = time.monotonic() + 10
+        while not h.poll():  # both sides poll: NIXL without a progress thread needs it
+            b.completed()
+            assert time.monotonic() < end
+            time.sleep(0.001)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_tcp_writes_queued_to_a_removed_peer_end_at_once() -> None:
+    """Writes waiting behind a slow one end when their peer is removed, instead of at their deadline."""
+    a = create_engine("tcp", LAYOUT, NUM_BLOCKS, "cpu", "a")
+    b = create_engine("tcp", LAYOUT, NUM_BLOCKS, "cpu", "b")
+    try:
+        a.add_peer(json.loads(json.dumps(b.metadata())))
+        deadline = time.monotonic() + 60
+        every = list(range(NUM_BLOCKS))
+        handles = [a.write("b", every, every, f"w{i}", deadline=deadline) for i in range(20)]
+        a.remove_peer("b")
+        t0 = time.monotonic()
+        outcomes = []
+        for h in handles:
+            try:
+                h.wait(30)
+                outcomes.append("ok")
+            except TransferError as e:
+                outcomes.append(str(e))
+        assert time.monotonic() - t0 < 20, outcomes  # not the 60 s deadline
+        assert any("removed" in o for o in outcomes), outcomes
+        end = time.monotonic() + 10
+        while a._inflight and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not a._inflight
+    finally:
+        a.close()
+        b.close()
+
+
+def test_closing_a_shm_engine_leaves_its_pool_usable() -> None:
+    """close() unlinks the segment but never unmaps memory a tensor still views (that would be a SIGSEGV)."""
+    code = (
+        "from kv.layout import KVLayout; from kv.transfer import create_engine\n"
+        "layout = KVLayout(model='t', dtype='float32', block_size=8, num_layers=2, num_kv_heads=2, head_dim=16)\n"
+        "e = create_engine('shm', layout, 4, 'cpu', 'closer')\n"
+        "pool = e.pool\n"
+        "e.close()\n"
+        "pool.tensor.fill_(1.0)\n"
+        "print(float(pool.tensor.sum()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert float(out.stdout.strip()) > 0
+
+
+def test_auto_completions_survive_one_failing_engine() -> None:
+    engine = create_engine("auto", LAYOUT, 4, "cpu", "auto-notices")
+    real = engine.engines
+    try:
+        class Broken:
+            def completed(self) -> list[str]:
+                raise RuntimeError("boom")
+
+        class Fine:
+            def completed(self) -> list[str]:
+                return ["landed-1"]
+
+        engine.engines = {"broken": Broken(), "fine": Fine()}
+        assert engine.completed() == ["landed-1"]
+    finally:
+        engine.engines = real
+        engine.close()
 
 
 # ---- auto ------------------------------------------------------------------------------------------

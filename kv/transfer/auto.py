@@ -130,8 +130,11 @@ class AutoEngine(TransferEngine):
 
     def completed(self) -> list[str]:
         tags: list[str] = []
-        for engine in self.engines.values():
-            tags.extend(engine.completed())
+        for mech, engine in self.engines.items():
+            try:  # one engine's failure must not lose the notices the others already handed over
+                tags.extend(engine.completed())
+            except Exception:
+                log.exception("kv %s engine: reading completion notices failed", mech)
         return tags
 
     def close(self) -> None:

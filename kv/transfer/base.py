@@ -255,6 +255,7 @@ class TransferEngine(abc.ABC):
         self.peers: dict[str, dict[str, Any]] = {}
         self._inflight: set[TransferHandle] = set()  # writes not finished yet, cancelled by close()
         self._closed = False
+        self._peers_lock = threading.Lock()  # add_peer runs in worker threads, two jobs may race
 
     # ---- description -------------------------------------------------------------------------
 
@@ -292,24 +293,26 @@ class TransferEngine(abc.ABC):
         if theirs.fingerprint() != self.pool.layout.fingerprint():
             raise LayoutMismatch(self.pool.layout, theirs)
         worker = meta["worker_id"]
-        old = self.peers.get(worker)
-        if old is not None and old["incarnation"] == meta["incarnation"]:
-            return False
-        if old is not None:
-            del self.peers[worker]
-            log.info(
-                "kv peer %s restarted (incarnation %s -> %s)", worker, old["incarnation"], meta["incarnation"]
-            )
-            self._forget(old)
-        self._connect(meta)
-        self.peers[worker] = meta
-        return True
+        with self._peers_lock:
+            old = self.peers.get(worker)
+            if old is not None and old["incarnation"] == meta["incarnation"]:
+                return False
+            if old is not None:
+                del self.peers[worker]
+                log.info(
+                    "kv peer %s restarted (incarnation %s -> %s)", worker, old["incarnation"], meta["incarnation"]
+                )
+                self._forget(old)
+            self._connect(meta)
+            self.peers[worker] = meta
+            return True
 
     def remove_peer(self, worker_id: str) -> None:
         """Drop a peer (it left); later writes to it fail until it is added again."""
-        old = self.peers.pop(worker_id, None)
-        if old is not None:
-            self._forget(old)
+        with self._peers_lock:
+            old = self.peers.pop(worker_id, None)
+            if old is not None:
+                self._forget(old)
 
     def _connect(self, meta: dict[str, Any]) -> None:
         """Prepare to write to a newly added peer (map a segment, load an agent); default: nothing."""
@@ -338,16 +341,22 @@ class TransferEngine(abc.ABC):
         notify: str,
         layers: tuple[int, int] | None = None,
         deadline: float | None = None,
+        incarnation: str | None = None,
     ) -> TransferHandle:
         """Write our `local_blocks` into the peer's `remote_blocks` (pairwise), asynchronously.
 
         `notify` ("" for none) appears in the peer's `completed()` once these bytes landed.
         `layers` = [first, last) restricts the write to those layers (layer-wise streaming).
         `deadline` is a `time.monotonic()` instant; default now + DEFAULT_TIMEOUT_S.
+        `incarnation`, when given, is the peer process the blocks belong to: a peer that has
+        restarted under the same worker id since (its block ids mean other things now) is refused.
         """
         if self._closed:
             raise TransferError(self.name, peer_worker_id, 0, "engine is closed")
         meta = self.peer(peer_worker_id)
+        if incarnation is not None and meta["incarnation"] != incarnation:
+            raise TransferError(self.name, peer_worker_id, 0,
+                                f"peer restarted: the blocks were {incarnation}'s, the peer is now {meta['incarnation']}")
         self._check_blocks(local_blocks, self.pool.num_blocks, "local")
         self._check_blocks(remote_blocks, meta["num_blocks"], f"{peer_worker_id}'s")
         ranges = byte_ranges(self.pool.layout, local_blocks, remote_blocks, layers)

@@ -162,15 +162,15 @@ class ShmSegment:
         return torch.frombuffer(self.mm, dtype=torch.uint8, count=self.size)
 
     def close(self) -> None:
-        """Unmap (when no tensor still views it) and, for the creator, unlink."""
+        """For the creator, unlink; the mapping itself goes with its last user.
+
+        Never ``mm.close()``: tensors from ``torch.frombuffer`` view the mapping without holding a
+        buffer export, so closing it under a model step or a copy thread would crash the process
+        (SIGSEGV). They hold a reference to the mmap object, which unmaps when the last one goes.
+        """
         if self.owner:
             _unlink(self.path)
             _track(self.path, False)
-        try:
-            self.mm.close()
-        except BufferError:
-            # A tensor still views the mapping; it is unmapped when the last view goes away.
-            log.debug("segment %s still viewed; unmapped later", self.name)
 
 
 def shm_pool(layout: KVLayout, num_blocks: int, worker_id: str) -> tuple[KVPool, ShmSegment]:

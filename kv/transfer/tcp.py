@@ -84,14 +84,21 @@ class _Peer:
         self.addr = (mech["host"], int(mech["port"]))
         self.sock: socket.socket | None = None
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-tcp-{self.worker}")
+        self.closed = False
 
     def drop(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            try:  # wakes a sendall blocked on a peer that stopped reading
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                log.debug("kv tcp connection to %s already down", self.worker)
+            sock.close()
 
     def close(self) -> None:
-        self.thread.shutdown(wait=False, cancel_futures=True)
+        """Writes still queued run at once and fail (their handles must end, not wait out their deadline)."""
+        self.closed = True
+        self.thread.shutdown(wait=False)
         self.drop()
 
 
@@ -237,6 +244,8 @@ class TcpEngine(TransferEngine):
 
     def _run(self, h: FutureHandle, peer: _Peer, ranges: list[tuple[int, int, int]], notify: str) -> None:
         try:
+            if peer.closed:
+                raise ConnectionAbortedError(f"peer {peer.worker} {peer.incarnation} was removed (left or restarted)")
             self._send(h, peer, ranges, notify)
             h.future.set_result(None)
         except TimeoutError as e:
