@@ -179,11 +179,12 @@ class LLMEngine:
         self.blocks.release_quarantine(blocks)
 
     def abort(self, request_id: str) -> bool:
-        seq = self.seqs.pop(request_id, None)
+        seq = self.seqs.get(request_id)
         if seq is None:
             return False
-        if seq.status is SeqStatus.REMOTE:
+        if seq.status is SeqStatus.REMOTE:  # left in place: abandon_remote still frees its blocks
             raise RuntimeError("abort a remote-prefill sequence through its owner (blocks may be quarantined)")
+        del self.seqs[request_id]
         self.scheduler.finish(seq)
         seq.finish_reason = seq.finish_reason or "abort"
         return True
@@ -306,6 +307,7 @@ class LLMEngine:
         next token completes it.
         """
         ids = seq.output_ids
+        searched_to = len(seq.detok_text)  # stop strings were looked for up to here (pending bytes may shrink)
         start = max(0, seq.detok_read - DETOK_CONTEXT_TOKENS)
         stable = self.tokenizer.decode(ids[start : seq.detok_read])
         window = self.tokenizer.decode(ids[start:])
@@ -318,7 +320,7 @@ class LLMEngine:
         stops = seq.params.stop
         if stops:
             longest = max(len(s) for s in stops)
-            search_from = max(0, len(seq.text) - longest)
+            search_from = max(0, searched_to - longest)
             hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
             if hits:
                 text = text[: min(hits)]
@@ -345,7 +347,7 @@ class LLMEngine:
             logprobs=infos,
             finish_reason=seq.finish_reason,
             prompt_tokens=len(seq.prompt_ids),
-            cached_tokens=seq.num_cached,
+            cached_tokens=seq.cached_prompt_tokens or 0,
             completion_tokens=len(seq.output_ids),
         )
 

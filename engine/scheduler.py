@@ -92,6 +92,8 @@ class Scheduler:
         seq.block_table = matched + fresh
         seq.block_hashes = hashes[:usable]
         seq.num_computed = seq.num_cached = usable * self.block_size
+        if seq.cached_prompt_tokens is None:  # a resumed sequence re-matches its own blocks: not a hit
+            seq.cached_prompt_tokens = min(seq.num_cached, len(seq.prompt_ids))
         return fresh
 
     def _cached_in_lru(self, hashes: list[bytes]) -> int:

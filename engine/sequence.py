@@ -29,7 +29,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks registered so far
         self.num_computed = 0  # tokens whose K/V sit in the pool
-        self.num_cached = 0  # prompt tokens found in the prefix cache at admission
+        self.num_cached = 0  # tokens found in the prefix cache at the latest placement
+        self.cached_prompt_tokens: int | None = None  # prompt tokens the cache served at the first placement (usage)
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None

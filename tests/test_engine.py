@@ -136,6 +136,66 @@ def test_streamed_text_is_whole_characters(smollm, make_engine, stop):
     engine.abort("u")
 
 
+def byte_fallback_tokenizer():
+    """A Llama-2-style decoder: each byte of an unfinished character decodes to its own U+FFFD."""
+    from tokenizers import Tokenizer, decoders, models
+
+    from engine.tokenizer import TextTokenizer
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return TextTokenizer(tok, eos_ids=set())
+
+
+@pytest.mark.parametrize("stop", ["😀", "a😀"])
+def test_stop_string_found_when_pending_bytes_shrink_the_text(make_engine, stop):
+    """'a���' becomes 'a😀' when the last byte comes: the stop is found at that token, not a token later."""
+    engine = make_engine()
+    engine.tokenizer = byte_fallback_tokenizer()
+    forced = engine.tokenizer.encode("a😀b")
+    seq = engine.add_request("bf", [1, 2, 3], SamplingParams(max_tokens=10, stop=[stop]))
+    deltas = []
+    for tok in forced:
+        out = engine.append_token(seq, tok)
+        deltas.append(out.text)
+        if out.finish_reason:
+            break
+    assert seq.finish_reason == "stop"
+    assert len(deltas) == len(forced) - 1  # stopped at the emoji's last byte, before "b"
+    assert "".join(deltas) == seq.text == "a😀b"[: "a😀b".index(stop)]
+    engine.abort("bf")
+
+
+def test_cached_tokens_after_preemption_count_only_prompt_cache_hits(make_engine):
+    """A preempted sequence re-matches its own blocks when it resumes; usage must not call that a cache hit."""
+    engine = make_engine(block_size=4, num_blocks=7)
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    engine.add_request("p1", [11, 12, 13], params)
+    engine.add_request("p2", [21, 22, 23], params)
+    finals = {}
+    for _ in range(500):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            if out.finish_reason:
+                finals[out.request_id] = out
+    assert engine.scheduler.preemptions > 0
+    assert set(finals) == {"p1", "p2"}
+    for out in finals.values():
+        assert 0 <= out.cached_tokens <= out.prompt_tokens, out
+
+
+def test_abort_of_a_remote_prefill_sequence_leaves_it_to_its_owner(smollm, make_engine):
+    engine = make_engine()
+    seq, fresh = engine.reserve_remote("r", chat_ids(smollm, QUESTIONS[0]), SamplingParams(max_tokens=4))
+    assert fresh
+    with pytest.raises(RuntimeError, match="through its owner"):
+        engine.abort("r")
+    assert engine.abandon_remote("r", quarantine=False) == []  # and the blocks are free again (fixture checks)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
 def test_sequence_outgrowing_the_pool_ends_with_length(smollm, make_engine):
     """A sequence cannot grow past the pool: it ends with "length" instead of preempting itself forever."""
     engine = make_engine(num_blocks=3)  # 48 token slots
