@@ -199,6 +199,7 @@ class NixlEngine(TransferEngine):
         mech = meta["mechanisms"]["nixl"]
         remote = self._remote[peer]
         tag = notify.encode()
+        handle: _NixlHandle | None = None
         try:
             if not ranges and not tag:
                 return DoneHandle(self.name, peer, 0, notify)
@@ -222,6 +223,8 @@ class NixlEngine(TransferEngine):
                 handle = _NixlHandle(self, xfer, peer, nbytes, deadline, notify)
                 state = self.agent.transfer(xfer)
         except self._errors as e:
+            if handle is not None:  # posted nothing: give the prepared transfer back to the agent
+                handle._release()
             raise TransferError(self.name, peer, nbytes, f"{type(e).__name__}: {e}") from e
         if state == "ERR":
             handle._release()
