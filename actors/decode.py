@@ -179,8 +179,10 @@ class DecodeActor(WorkerActor):
             raise RequestFailed(ErrorCode.BAD_REQUEST, str(e.args[0]), 400) from e
 
     def alive_prefill_workers(self) -> dict[str, WorkerStats]:
+        """Prefill workers that reported lately and take jobs (a draining one gets none)."""
         now = time.monotonic()
-        return {w: st for w, (st, seen) in self.prefill_workers.items() if now - seen < PREFILL_ALIVE_S}
+        return {w: st for w, (st, seen) in self.prefill_workers.items()
+                if now - seen < PREFILL_ALIVE_S and not st.draining}
 
     def _resolve_target(self, target: str) -> str:
         alive = self.alive_prefill_workers()

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from actors.base import SeenIds
 from actors.decode import DecodeActor, Request
-from bus.messages import ErrorCode, GenerateRequest, PrefillDone, StreamError, decode, encode
+from bus.messages import ErrorCode, GenerateRequest, PrefillDone, StreamError, WorkerStats, decode, encode
 
 
 class RecordingRunner:
@@ -155,3 +155,14 @@ def test_a_request_that_arrives_while_draining_is_handed_back():
     err = decode(data, StreamError)
     assert subject == "tandem.stream.gw.late-1"
     assert (err.request_id, err.code, err.status) == ("late-1", ErrorCode.HANDED_BACK, 503)
+
+
+def test_draining_prefill_workers_get_no_jobs():
+    actor = bare_decode_actor()
+    now = time.monotonic()
+    actor.prefill_workers = {
+        "p-leaving": (WorkerStats(role="prefill_only", worker_id="p-leaving", draining=True), now),
+        "p-staying": (WorkerStats(role="prefill_only", worker_id="p-staying"), now),
+        "p-silent": (WorkerStats(role="prefill_only", worker_id="p-silent"), now - 60),
+    }
+    assert list(actor.alive_prefill_workers()) == ["p-staying"]
