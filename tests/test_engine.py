@@ -115,6 +115,17 @@ def test_streamed_text_never_passes_stop(smollm, make_engine):
 MULTILINGUAL = "Grüße aus Köln 🙂 — 日本語のテキスト 🎉 done. " * 20
 
 
+def force_tokens(engine, seq, forced: list[int]) -> list[str]:
+    """Append ``forced`` as if sampled, until the sequence finishes; the text delta of each step."""
+    deltas = []
+    for tok in forced:
+        out = engine.append_token(seq, tok)
+        deltas.append(out.text)
+        if out.finish_reason:
+            break
+    return deltas
+
+
 @pytest.mark.parametrize("stop", [None, "テキスト 🎉 done. Gr"])
 def test_streamed_text_is_whole_characters(smollm, make_engine, stop):
     """Forced tokens that split characters: every delta is whole characters, the sum is the text."""
@@ -122,12 +133,7 @@ def test_streamed_text_is_whole_characters(smollm, make_engine, stop):
     forced = smollm.tokenizer.encode(MULTILINGUAL)
     assert any("\ufffd" in smollm.tokenizer.decode([t]) for t in forced)  # some tokens are part-characters
     seq = engine.add_request("u", [1, 2, 3], SamplingParams(max_tokens=len(forced), stop=[stop] if stop else []))
-    deltas = []
-    for tok in forced:
-        out = engine.append_token(seq, tok)
-        deltas.append(out.text)
-        if out.finish_reason:
-            break
+    deltas = force_tokens(engine, seq, forced)
     assert not any("\ufffd" in d for d in deltas)
     if stop:
         assert seq.finish_reason == "stop" and "".join(deltas) == MULTILINGUAL[: MULTILINGUAL.index(stop)]
@@ -155,12 +161,7 @@ def test_stop_string_found_when_pending_bytes_shrink_the_text(make_engine, stop)
     engine.tokenizer = byte_fallback_tokenizer()
     forced = engine.tokenizer.encode("a😀b")
     seq = engine.add_request("bf", [1, 2, 3], SamplingParams(max_tokens=10, stop=[stop]))
-    deltas = []
-    for tok in forced:
-        out = engine.append_token(seq, tok)
-        deltas.append(out.text)
-        if out.finish_reason:
-            break
+    deltas = force_tokens(engine, seq, forced)
     assert seq.finish_reason == "stop"
     assert len(deltas) == len(forced) - 1  # stopped at the emoji's last byte, before "b"
     assert "".join(deltas) == seq.text == "a😀b"[: "a😀b".index(stop)]
