@@ -21,7 +21,7 @@ import nats.micro
 from nats.aio.msg import Msg
 
 from actors.runner import EngineRunner
-from bus.connection import BusOptions, connect
+from bus.connection import BusConnectError, BusOptions, connect
 from bus.messages import (
     Cancel,
     KVMetaReply,
@@ -124,6 +124,9 @@ class WorkerActor:
             asyncio.set_event_loop(loop)
             try:
                 loop.run_until_complete(self.run())
+            except BusConnectError as e:  # a plain fact for the operator, no traceback
+                log.error("%s %s: %s", self.role, self.worker_id, e)
+                self.error = e
             except BaseException as e:  # reported by serve(); the model loop must still end
                 log.exception("%s %s: bus side failed", self.role, self.worker_id)
                 self.error = e

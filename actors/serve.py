@@ -15,8 +15,11 @@ def serve(settings: Settings) -> int:
     from actors.prefill import PrefillActor
     from tandem.metrics import serve_metrics
 
+    try:  # before loading the model: a busy port fails in a moment, not after seconds
+        serve_metrics(settings.metrics_port)
+    except OSError as e:
+        raise ValueError(f"cannot serve metrics on port {settings.metrics_port}: {e.strerror or e}") from e
     loaded = load_model(settings.model, settings.dtype)
-    serve_metrics(settings.metrics_port)
     actor_cls = PrefillActor if settings.role == "prefill_only" else DecodeActor
     actor = actor_cls(settings, loaded)
     actor.serve_forever()

@@ -32,13 +32,35 @@ log = logging.getLogger("tandem.bus.connection")
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
 
+_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def _check_server_url(url: str) -> None:
+    """ValueError (secrets left out) unless ``url`` is ``scheme://host[:port]`` with a known scheme, or host:port."""
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url if "://" in url else f"nats://{url}")
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"bad NATS URL {shown}: {e}") from None
+    if parts.scheme not in _SCHEMES:
+        raise ValueError(f"bad NATS URL {shown}: the scheme must be one of {', '.join(_SCHEMES)}")
+    if not parts.hostname:
+        raise ValueError(f"bad NATS URL {shown}: no host")
+    if port is not None and port == 0:
+        raise ValueError(f"bad NATS URL {shown}: port 0")
+
+
 class BusConnectError(ConnectionError):
     """The first connection to NATS failed (no server before the deadline, or refused)."""
 
 
 def redact_url(url: str) -> str:
     """A server URL with any password/token replaced, safe to log."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
     if parts.username is None and parts.password is None:
         return url
     host = parts.hostname or ""
@@ -81,10 +103,12 @@ class BusOptions:
     reconnect_buffer: int = 8 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        servers = (self.servers,) if isinstance(self.servers, str) else tuple(self.servers)
+        servers = tuple(self.servers.split(",")) if isinstance(self.servers, str) else tuple(self.servers)
         servers = tuple(s.strip() for s in servers if s and s.strip())
         if not servers:
             raise ValueError("BusOptions.servers is empty: give at least one nats:// URL")
+        for url in servers:
+            _check_server_url(url)
         object.__setattr__(self, "servers", servers)
         if self.tls_key and not self.tls_cert:
             raise ValueError("tls_key given without tls_cert")

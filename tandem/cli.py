@@ -22,10 +22,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.loader import load_model
     from engine.sampling import SamplingParams
 
-    try:
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    try:  # bad flags fail before seconds of loading
+        params.validate()
+        if args.num_blocks < 1:
+            raise ValueError("--num-blocks must be at least 1")
         loaded = load_model(args.model, args.dtype)
-    except ModelLoadError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, ModelLoadError) as e:
+        print(f"error: {e.args[0] if isinstance(e, ValueError) else e}", file=sys.stderr)
         return 2
     tok = loaded.tokenizer
     if args.raw:
@@ -33,9 +39,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         text = loaded.chat_template.render([{"role": "user", "content": args.message}])
         prompt_ids = tok.encode(text)
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
     engine = LLMEngine(loaded, EngineConfig(dtype=args.dtype, device=args.device, num_blocks=args.num_blocks))
     try:
         engine.check_request(prompt_ids, params)
@@ -68,7 +71,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "WARNING"))
+    parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "WARNING"),
+                        help="DEBUG, INFO, WARNING or ERROR (TANDEM_LOG_LEVEL)")
     parser.add_argument("--log-format", default=os.environ.get("TANDEM_LOG_FORMAT", "text"), choices=["text", "json"])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -176,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from tandem.logs import setup_logging
 
-    setup_logging(args.log_level, args.log_format)
+    try:
+        setup_logging(args.log_level, args.log_format)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return args.func(args)
 
 

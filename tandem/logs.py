@@ -33,7 +33,13 @@ class TextFormatter(logging.Formatter):
         return f"{line} request_id={rid}" if rid and rid not in record.getMessage() else line
 
 
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """Log to stderr at ``level`` as text or JSON lines; ValueError names a level that does not exist."""
+    if level.upper() not in LEVELS:
+        raise ValueError(f"unknown log level {level!r}; use one of {', '.join(LEVELS)}")
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()

@@ -52,9 +52,10 @@ class Settings:
     def from_env(cls, **overrides) -> Settings:
         s = cls()
         for f in fields(cls):
-            raw = os.environ.get(f"TANDEM_{f.name.upper()}")
+            name = f"TANDEM_{f.name.upper()}"
+            raw = os.environ.get(name)
             if raw is not None:
-                setattr(s, f.name, _convert(raw, getattr(s, f.name)))
+                setattr(s, f.name, _convert(name, raw, getattr(s, f.name)))
         for k, v in overrides.items():
             if v is not None:
                 setattr(s, k, v)
@@ -78,15 +79,36 @@ class Settings:
             raise ValueError("--remote-prefill-fallback must be local or error")
         if any(c in self.worker_id for c in ".*> \t"):
             raise ValueError(f"worker id {self.worker_id!r} must not contain '.', '*', '>' or whitespace")
+        check_token(self.namespace, "namespace")
+        for name, least in (("block_size", 1), ("num_blocks", 1), ("max_batch", 1), ("max_step_tokens", 1),
+                            ("local_prefill_max_tokens", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}")
+        for name in ("prefill_timeout", "request_timeout", "stats_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be 0 (none) to 65535, got {self.metrics_port}")
 
 
-def _convert(raw: str, like):
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _convert(name: str, raw: str, like: Any) -> Any:
+    """``raw`` read as the type of ``like``; a ValueError names the variable."""
+    text = raw.strip()
     if isinstance(like, bool):
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    if isinstance(like, int):
-        return int(raw)
-    if isinstance(like, float):
-        return float(raw)
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(f"{name} must be true or false (1/0, yes/no, on/off), got {raw!r}")
+    try:
+        if isinstance(like, int):
+            return int(text)
+        if isinstance(like, float):
+            return float(text)
+    except ValueError:
+        kind = "an integer" if isinstance(like, int) else "a number"
+        raise ValueError(f"{name} must be {kind}, got {raw!r}") from None
     return raw
 
 
@@ -95,17 +117,17 @@ def _convert(raw: str, like):
 
 def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
-    return float(raw) if raw else default
+    return _convert(name, raw, default) if raw else default
 
 
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
-    return int(raw) if raw else default
+    return _convert(name, raw, default) if raw else default
 
 
 def _env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
-    return raw.strip().lower() in ("1", "true", "yes", "on") if raw else default
+    return _convert(name, raw, default) if raw else default
 
 
 def api_keys_from_env() -> tuple[str, ...]:

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -49,7 +49,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``tandem up`` flags to ``p`` and make it run :func:`main`."""
     p.add_argument("--model", default=None, help="alias, .gguf file or HF directory (default: the built-in model)")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="gateway HTTP port (default 8000; 0 = any free)")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"gateway HTTP port (default {DEFAULT_PORT}, or any free one when that is busy; 0 = any free)")
     p.add_argument("--prefill", type=int, default=1, help="prefill_only workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--aggregated", action="store_true",
@@ -336,7 +337,27 @@ class Cluster:
             self.nats = None
 
 
-def _plan(args: argparse.Namespace, own_nats: bool) -> Plan:
+def _check_port(flag: str, port: int | None, count: int = 1) -> None:
+    if port is not None and not (0 <= port and port + count - 1 <= 65535):
+        raise UpError(f"{flag} must be 0 (any free port) to 65535, got {port}")
+
+
+def _gateway_port(args: argparse.Namespace, warn: Callable[[str], None]) -> int:
+    """The port asked for; the default one only while it is free (else any free port, with a warning)."""
+    bind = args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    if args.port == 0:
+        return free_port(bind)
+    port = DEFAULT_PORT if args.port is None else args.port
+    if port_free(port, args.host):
+        return port
+    if args.port is not None:
+        raise UpError(f"port {port} is busy; pass --port 0 for any free port, or stop what listens there")
+    free = free_port(bind)
+    warn(f"tandem up: port {port} is busy; the gateway takes port {free} instead")
+    return free
+
+
+def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None]) -> Plan:
     from engine.loader import DEFAULT_MODEL, model_name
     from tandem.settings import Settings
 
@@ -347,6 +368,13 @@ def _plan(args: argparse.Namespace, own_nats: bool) -> Plan:
         raise UpError("--decode must be at least 1")
     if args.prefill < 0:
         raise UpError("--prefill must not be negative")
+    _check_port("--port", args.port)
+    _check_port("--nats-port", args.nats_port)
+    _check_port("--metrics-port-base", args.metrics_port_base, args.decode + args.prefill)
+    if args.ready_file:
+        folder = Path(args.ready_file).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise UpError(f"--ready-file {args.ready_file}: {folder} is not a writable folder")
     suffix = "" if own_nats else f"-{uuid.uuid4().hex[:4]}"  # sharing a NATS: ids must not clash
     specs: list[tuple[str, str]] = []
     if args.aggregated:
@@ -354,7 +382,7 @@ def _plan(args: argparse.Namespace, own_nats: bool) -> Plan:
     else:
         specs += [(f"prefill-{i + 1}{suffix}", "prefill_only") for i in range(args.prefill)]
         specs += [(f"decode-{i + 1}{suffix}", "decode_only") for i in range(args.decode)]
-    port = args.port if args.port else free_port(args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
+    port = _gateway_port(args, warn)
     ports = pick_ports(args.metrics_port_base, len(specs), {port})
     serve_args = ["--model", model, "--namespace", namespace]
     if args.dtype:
@@ -391,7 +419,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
     env.setdefault("UCX_NET_DEVICES", "lo")  # every process is on this machine
     try:
         own_nats = not args.nats_url
-        plan = _plan(args, own_nats)
+        plan = _plan(args, own_nats, cluster.warn)
         # 1. NATS
         if own_nats:
             nport = args.nats_port
@@ -404,7 +432,10 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
         else:
             nats_url = args.nats_url
             cluster.say(f"tandem up: joining NATS at {nats_url}")
-        asyncio.run(asyncio.wait_for(_ensure_streams(nats_url, plan.model_name, plan.namespace, 15.0), 30.0))
+        if not asyncio.run(_unless_stopped(cluster, _ensure_streams(nats_url, plan.model_name, plan.namespace, 15.0),
+                                           30.0)):
+            cluster.say(f"tandem up: {cluster.stop_reason} during start-up; stopping")
+            return 0
         # 2. workers, 3. gateway
         for wid, role, mport in plan.workers:
             cluster.children.append(Child(
@@ -465,9 +496,12 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
             time.sleep(0.2)
         cluster.say(f"tandem up: {cluster.stop_reason}; stopping")
         return 0
-    except (UpError, NatsServerError, ValueError) as e:
+    except (UpError, NatsServerError, ValueError, OverflowError) as e:
         cluster.warn(f"tandem up: {e}")
-        return 1 if not isinstance(e, ValueError) else 2
+        return 1 if isinstance(e, (UpError, NatsServerError)) else 2
+    except OSError as e:  # e.g. a --host that does not resolve, or a port that cannot be bound
+        cluster.warn(f"tandem up: {e}")
+        return 1
     except (StreamConfigError, BusConnectError, asyncio.TimeoutError) as e:
         cluster.warn(f"tandem up: cannot prepare the NATS streams: {e}")
         return 1
@@ -478,6 +512,24 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
         if args.ready_file:
             with contextlib.suppress(OSError):
                 Path(args.ready_file).unlink()
+
+
+async def _unless_stopped(cluster: Cluster, work: Coroutine[Any, Any, Any], timeout: float) -> bool:
+    """Run ``work`` (deadline ``timeout``); False, abandoning it, as soon as Ctrl-C/SIGTERM arrives."""
+    task = asyncio.ensure_future(work)
+    deadline = time.monotonic() + timeout
+    while not task.done():
+        if cluster.stop_reason:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return False
+        if time.monotonic() > deadline:
+            task.cancel()
+            raise asyncio.TimeoutError(f"not done within {timeout:g}s")
+        await asyncio.wait({task}, timeout=0.2)
+    task.result()
+    return True
 
 
 def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:

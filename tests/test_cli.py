@@ -1,18 +1,22 @@
-"""`tandem generate` and logging, as a user runs them."""
+"""`tandem generate`, logging, and bad command-line input, as a user runs them."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import subprocess
 import sys
+
+import pytest
 
 from tandem.logs import JsonFormatter
 
 
-def tandem(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def tandem(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def test_generate_json_answers_paris(smollm):
@@ -49,3 +53,38 @@ def test_json_log_lines_carry_the_request_id():
     entry = json.loads(JsonFormatter().format(record))
     assert entry["message"] == "request r1: local prefill"
     assert entry["request_id"] == "r1" and entry["level"] == "info" and entry["logger"] == "actors.decode"
+
+
+@pytest.mark.parametrize("args,env,code,says", [
+    (["--log-level", "INFO", "generate", "hi", "--max-tokens", "-1"], {}, 2, "max_tokens must be at least 1"),
+    (["--log-level", "bogus", "status"], {}, 2, "unknown log level 'bogus'"),
+    (["status"], {"TANDEM_LOG_LEVEL": "loud"}, 2, "unknown log level 'loud'"),
+    (["status", "--nats-url", "nats://127.0.0.1:abc"], {}, 2, "bad NATS URL nats://127.0.0.1:abc"),
+    (["tail", "--nats-url", "nats://[::1"], {}, 2, "bad NATS URL"),
+    (["status", "--nats-url", "http://127.0.0.1:4222"], {}, 2, "the scheme must be one of"),
+    (["up", "--port", "70000"], {}, 1, "--port must be 0 (any free port) to 65535, got 70000"),
+    (["up", "--nats-port", "70000"], {}, 1, "--nats-port must be 0"),
+    (["up", "--metrics-port-base", "-5"], {}, 1, "--metrics-port-base must be 0"),
+    (["up", "--ready-file", "/no/such/dir/ready.json"], {}, 1, "is not a writable folder"),
+    (["serve", "--num-blocks", "0"], {}, 2, "--num-blocks must be at least 1, got 0"),
+    (["serve", "--metrics-port", "70000"], {}, 2, "--metrics-port must be 0 (none) to 65535"),
+    (["serve", "--prefill-timeout", "0"], {}, 2, "--prefill-timeout must be positive"),
+    (["serve", "--namespace", "a.b"], {}, 2, "namespace 'a.b' is not a subject token"),
+    (["serve"], {"TANDEM_MAX_BATCH": "abc"}, 2, "TANDEM_MAX_BATCH must be an integer, got 'abc'"),
+    (["serve"], {"TANDEM_ENABLE_PREFIX_CACHE": "flase"}, 2, "TANDEM_ENABLE_PREFIX_CACHE must be true or false"),
+])
+def test_bad_input_is_one_clear_line_before_any_work(args, env, code, says):
+    """No traceback, the right exit code, and no model loaded or cluster started first."""
+    out = tandem(*args, timeout=60, env=env)
+    assert out.returncode == code, (out.returncode, out.stderr)
+    assert says in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "loaded" not in out.stderr
+
+
+def test_busy_metrics_port_fails_before_the_model_loads():
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        out = tandem("--log-level", "INFO", "serve", "--metrics-port", str(s.getsockname()[1]), timeout=60)
+    assert out.returncode == 2 and "cannot serve metrics on port" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "loaded" not in out.stderr

@@ -5,6 +5,7 @@ The full cluster (`tandem up` serving real requests) is tested in tests/test_gat
 
 from __future__ import annotations
 
+import argparse
 import signal
 import socket
 import subprocess
@@ -13,7 +14,8 @@ import time
 
 import pytest
 
-from tandem.up import Child, describe_exit, pick_ports, port_free, stop_children
+import tandem.up
+from tandem.up import Child, UpError, describe_exit, pick_ports, port_free, stop_children
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,6 +38,21 @@ def test_pick_ports_skips_busy_and_taken() -> None:
         assert all(p > busy for p in ports)
     anyp = pick_ports(0, 3, set())
     assert len(set(anyp)) == 3
+
+
+def test_gateway_port_default_moves_aside_an_explicit_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        monkeypatch.setattr(tandem.up, "DEFAULT_PORT", busy)
+        warnings: list[str] = []
+        port = tandem.up._gateway_port(argparse.Namespace(port=None, host="127.0.0.1"), warnings.append)
+        assert port != busy and port_free(port)
+        assert warnings == [f"tandem up: port {busy} is busy; the gateway takes port {port} instead"]
+        with pytest.raises(UpError, match=f"port {busy} is busy; pass --port 0"):
+            tandem.up._gateway_port(argparse.Namespace(port=busy, host="127.0.0.1"), warnings.append)
+    assert tandem.up._gateway_port(argparse.Namespace(port=None, host="127.0.0.1"), warnings.append) == busy
 
 
 def test_stop_children_terminates_then_kills() -> None:
@@ -72,3 +89,23 @@ def test_up_reports_the_child_that_died(tmp_path) -> None:
     assert "neither a known alias" in p.stderr  # the child's own last words are shown
     assert not (tmp_path / "ready.json").exists()
     assert time.monotonic() - t0 < 60
+
+
+def test_ctrl_c_while_waiting_for_nats_stops_at_once() -> None:
+    """`tandem up` joining a NATS that is not there heeds Ctrl-C at once, and starts no worker."""
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--nats-url", "nats://127.0.0.1:1",
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert proc.poll() is None  # still trying to reach NATS (its deadline is 15 s)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 5, (out, err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, (out, err)
+    assert "SIGINT during start-up" in out
+    assert "tandem serve" not in err and "ready" not in out
