@@ -6,6 +6,7 @@ The full cluster (`tandem up` serving real requests) is tested in tests/test_gat
 from __future__ import annotations
 
 import argparse
+import select
 import signal
 import socket
 import subprocess
@@ -96,11 +97,16 @@ def test_ctrl_c_while_waiting_for_nats_stops_at_once() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--nats-url", "nats://127.0.0.1:1",
                              "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(3)
+        ready, _, _ = select.select([proc.stdout], [], [], 60)  # its first line: signal handlers are set
+        assert ready, "tandem up said nothing within 60 s"
+        first = proc.stdout.readline()
+        assert "joining NATS at nats://127.0.0.1:1" in first, first
+        time.sleep(1)
         assert proc.poll() is None  # still trying to reach NATS (its deadline is 15 s)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        rest, err = proc.communicate(timeout=30)
+        out = first + rest
         assert time.monotonic() - t0 < 5, (out, err)
     finally:
         if proc.poll() is None:
