@@ -418,6 +418,16 @@ def wait_until_routing_sees(url: str, newcomer: str, full: FakeWorker) -> None:
     wait_for(sees_both, 15, f"the gateway to see {newcomer} and a full {full.worker_id}")
 
 
+def wait_until_only_fake1_routable(url: str, worker: FakeWorker) -> None:
+    """The shared gateway hears every test's fake workers: wait until those of earlier tests aged out
+    of routing (``alive_after``, 3 s) and fake-1 reports room again, so a request lands on fake-1."""
+    def settled() -> bool:
+        live = [w for w in httpx.get(f"{url}/ready").json()["workers"] if w["age_s"] < 3.5]
+        return [w["worker_id"] for w in live] == [worker.worker_id] and live[0]["running"] < worker.max_batch
+
+    wait_for(settled, 20, "fake-1 alone to be routable at the shared gateway")
+
+
 def still_serving(url: str) -> None:
     r = httpx.post(f"{url}/v1/chat/completions", json=chat_body("ping", temperature=0), timeout=30)
     assert r.status_code == 200, r.text
@@ -1290,8 +1300,9 @@ def test_registry_routes_nothing_new_to_a_draining_worker() -> None:
 
 
 def test_tokens_nobody_waits_for_are_cancelled(gw: ServerThread, nats_srv: EmbeddedNats, subjects: Subjects,
-                                               loop_thread: LoopThread) -> None:
+                                               loop_thread: LoopThread, worker: FakeWorker) -> None:
     """A worker that missed a cancel (it joined later, or was cut off) is told again by the gateway."""
+    wait_until_only_fake1_routable(gw.url, worker)
     gateway_id = httpx.get(f"{gw.url}/ready").json()["gateway_id"]
 
     async def go() -> tuple[list[str], list[str]]:
@@ -1346,6 +1357,7 @@ def test_worker_restarted_under_the_same_id_is_noticed(nats_srv: EmbeddedNats, s
 
 def test_stalled_stream_reader_is_cancelled_at_the_deadline(gw: ServerThread, worker: FakeWorker) -> None:
     """A client that stops reading a stream (its socket stays open) does not hold the request past its deadline."""
+    wait_until_only_fake1_routable(gw.url, worker)
     body = json.dumps(chat_body("[flood]", stream=True)).encode()
     n_before = len(worker.requests)
     with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
