@@ -1305,7 +1305,7 @@ def test_tokens_nobody_waits_for_are_cancelled(gw: ServerThread, nats_srv: Embed
     wait_until_only_fake1_routable(gw.url, worker)
     gateway_id = httpx.get(f"{gw.url}/ready").json()["gateway_id"]
 
-    async def go() -> tuple[list[str], list[str]]:
+    async def go() -> list[str]:
         nc = await nats.connect(nats_srv.url)
         try:
             cancels = await nc.subscribe(subjects.cancel_all)
@@ -1314,18 +1314,22 @@ def test_tokens_nobody_waits_for_are_cancelled(gw: ServerThread, nats_srv: Embed
                              ("orphan-1", m.StreamTokens(request_id="orphan-1", seq=4, token_ids=[6], text="y")),
                              ("ended-1", m.StreamFinish(request_id="ended-1", seq=9, finish_reason="stop"))):
                 await publish(nc, subjects.stream(gateway_id, rid), msg)
-            first = await cancels.next_msg(timeout=10)
-            more: list[str] = []
-            with contextlib.suppress(nats.errors.TimeoutError):
+            seen: list[str] = []
+            deadline = time.monotonic() + 10
+            while "orphan-1" not in seen and time.monotonic() < deadline:
+                with contextlib.suppress(nats.errors.TimeoutError):
+                    seen.append(m.decode((await cancels.next_msg(timeout=1)).data, m.Cancel).request_id)
+            with contextlib.suppress(nats.errors.TimeoutError):  # then until 1.5 s pass without one
                 while True:
-                    more.append(m.decode((await cancels.next_msg(timeout=1.5)).data, m.Cancel).request_id)
-            return [m.decode(first.data, m.Cancel).request_id], more
+                    seen.append(m.decode((await cancels.next_msg(timeout=1.5)).data, m.Cancel).request_id)
+            return seen
         finally:
             await nc.close()
 
-    first, more = loop_thread.run(go(), timeout=30)
-    assert first == ["orphan-1"]
-    assert more == []  # once for both token messages; a finished request is left alone
+    seen = loop_thread.run(go(), timeout=30)
+    # once for both token messages; a finished request is left alone (other tests' cancels may pass by)
+    assert seen.count("orphan-1") == 1, seen
+    assert "ended-1" not in seen, seen
     still_serving(gw.url)
 
 
