@@ -51,7 +51,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None,
                    help=f"gateway HTTP port (default {DEFAULT_PORT}, or any free one when that is busy; 0 = any free)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill_only workers (default 1)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill_only workers (default 1; none with --aggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--aggregated", action="store_true",
                    help="run --decode prefill_and_decode workers and no prefill workers")
@@ -366,11 +366,14 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
     namespace = args.namespace or s.namespace
     if args.decode < 1:
         raise UpError("--decode must be at least 1")
-    if args.prefill < 0:
+    if args.aggregated and args.prefill:
+        raise UpError("--aggregated runs no prefill_only workers; drop --prefill (or --aggregated)")
+    prefill = 0 if args.aggregated else (1 if args.prefill is None else args.prefill)
+    if prefill < 0:
         raise UpError("--prefill must not be negative")
     _check_port("--port", args.port)
     _check_port("--nats-port", args.nats_port)
-    _check_port("--metrics-port-base", args.metrics_port_base, args.decode + args.prefill)
+    _check_port("--metrics-port-base", args.metrics_port_base, args.decode + prefill)
     if args.ready_file:
         folder = Path(args.ready_file).resolve().parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
@@ -380,7 +383,7 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
     if args.aggregated:
         specs += [(f"worker-{i + 1}{suffix}", "prefill_and_decode") for i in range(args.decode)]
     else:
-        specs += [(f"prefill-{i + 1}{suffix}", "prefill_only") for i in range(args.prefill)]
+        specs += [(f"prefill-{i + 1}{suffix}", "prefill_only") for i in range(prefill)]
         specs += [(f"decode-{i + 1}{suffix}", "decode_only") for i in range(args.decode)]
     port = _gateway_port(args, warn)
     ports = pick_ports(args.metrics_port_base, len(specs), {port})
@@ -463,6 +466,10 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
                 if cluster.stop_reason:
                     cluster.say(f"tandem up: {cluster.stop_reason} during start-up; stopping")
                     return 0
+                if cluster.nats is not None and not cluster.nats.running:
+                    cluster.warn(f"tandem up: the embedded nats-server died during start-up; last log lines:\n"
+                                 f"{cluster.nats.log_tail(20)}")
+                    return 1
                 dead = cluster.dead_child()
                 if dead is not None:
                     cluster.report_death(dead)

@@ -66,6 +66,7 @@ def test_json_log_lines_carry_the_request_id():
     (["up", "--nats-port", "70000"], {}, 1, "--nats-port must be 0"),
     (["up", "--metrics-port-base", "-5"], {}, 1, "--metrics-port-base must be 0"),
     (["up", "--ready-file", "/no/such/dir/ready.json"], {}, 1, "is not a writable folder"),
+    (["up", "--aggregated", "--prefill", "2"], {}, 1, "--aggregated runs no prefill_only workers"),
     (["serve", "--num-blocks", "0"], {}, 2, "--num-blocks must be at least 1, got 0"),
     (["serve", "--metrics-port", "70000"], {}, 2, "--metrics-port must be 0 (none) to 65535"),
     (["serve", "--prefill-timeout", "0"], {}, 2, "--prefill-timeout must be positive"),
