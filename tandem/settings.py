@@ -14,10 +14,6 @@ from engine.loader import DEFAULT_MODEL
 ROLES = ("prefill_and_decode", "prefill_only", "decode_only")
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TANDEM_{name.upper()}", default)
-
-
 @dataclass
 class Settings:
     model: str = DEFAULT_MODEL
@@ -77,8 +73,7 @@ class Settings:
             raise ValueError("--layerwise-transfer must be auto, on or off")
         if self.remote_prefill_fallback not in ("local", "error"):
             raise ValueError("--remote-prefill-fallback must be local or error")
-        if any(c in self.worker_id for c in ".*> \t"):
-            raise ValueError(f"worker id {self.worker_id!r} must not contain '.', '*', '>' or whitespace")
+        check_token(self.worker_id, "worker id")
         check_token(self.namespace, "namespace")
         for name, least in (("block_size", 1), ("num_blocks", 1), ("max_batch", 1), ("max_step_tokens", 1),
                             ("local_prefill_max_tokens", 0)):
@@ -115,17 +110,8 @@ def _convert(name: str, raw: str, like: Any) -> Any:
 # ---------------------------------------------------------------- gateway
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    return _convert(name, raw, default) if raw else default
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    return _convert(name, raw, default) if raw else default
-
-
-def _env_bool(name: str, default: bool) -> bool:
+def _env_value(name: str, default: Any) -> Any:
+    """Variable ``name`` read as the type of ``default``; unset or empty: ``default``."""
     raw = os.environ.get(name)
     return _convert(name, raw, default) if raw else default
 
@@ -191,10 +177,10 @@ class GatewayConfig:
             namespace=s.namespace,
             api_keys=api_keys_from_env(),
             request_timeout=s.request_timeout,
-            max_request_timeout=max(s.request_timeout, _env_float("TANDEM_GATEWAY_MAX_REQUEST_TIMEOUT", 3600.0)),
+            max_request_timeout=max(s.request_timeout, _env_value("TANDEM_GATEWAY_MAX_REQUEST_TIMEOUT", 3600.0)),
             block_size=s.block_size,
-            max_inflight=_env_int("TANDEM_GATEWAY_MAX_INFLIGHT", 512),
-            queue_when_no_workers=_env_bool("TANDEM_GATEWAY_QUEUE_WHEN_NO_WORKERS", False),
+            max_inflight=_env_value("TANDEM_GATEWAY_MAX_INFLIGHT", 512),
+            queue_when_no_workers=_env_value("TANDEM_GATEWAY_QUEUE_WHEN_NO_WORKERS", False),
         )
         if os.environ.get("TANDEM_GATEWAY_ID"):
             cfg = replace(cfg, gateway_id=os.environ["TANDEM_GATEWAY_ID"])
