@@ -308,19 +308,19 @@ class Cluster:
         else:
             self.force = True
 
-    def dead_child(self) -> Child | None:
-        """The first child that exited, if any."""
-        for c in self.children:
-            if c.poll() is not None:
-                return c
-        return None
-
-    def report_death(self, c: Child) -> None:
-        """Say which child died and why (exit status and its last lines)."""
-        self.warn(f"tandem up: {c.name} (pid {c.pid}) {describe_exit(c.poll())}; stopping everything. "
-                  f"Its last output:")
-        for line in c.last_lines().splitlines() or ["(no output)"]:
-            self.warn(f"  | {line}")
+    def something_died(self) -> bool:
+        """Whether a child or the embedded nats-server has exited; says which, why, and its last lines."""
+        dead = next((c for c in self.children if c.poll() is not None), None)
+        if dead is not None:
+            self.warn(f"tandem up: {dead.name} (pid {dead.pid}) {describe_exit(dead.poll())}; stopping everything. "
+                      f"Its last output:")
+            for line in dead.last_lines().splitlines() or ["(no output)"]:
+                self.warn(f"  | {line}")
+            return True
+        if self.nats is not None and not self.nats.running:
+            self.warn(f"tandem up: the embedded nats-server died; last log lines:\n{self.nats.log_tail(20)}")
+            return True
+        return False
 
     def stop(self) -> None:
         """Gateway first (no new requests), then decode, then prefill workers, then NATS."""
@@ -466,13 +466,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
                 if cluster.stop_reason:
                     cluster.say(f"tandem up: {cluster.stop_reason} during start-up; stopping")
                     return 0
-                if cluster.nats is not None and not cluster.nats.running:
-                    cluster.warn(f"tandem up: the embedded nats-server died during start-up; last log lines:\n"
-                                 f"{cluster.nats.log_tail(20)}")
-                    return 1
-                dead = cluster.dead_child()
-                if dead is not None:
-                    cluster.report_death(dead)
+                if cluster.something_died():
                     return 1
                 ok, why = _ready(url, expected, client)
                 if ok:
@@ -492,13 +486,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
             _write_ready_file(Path(args.ready_file), cluster, plan, url, nats_url)
         # 6. supervise
         while not cluster.stop_reason:
-            dead = cluster.dead_child()
-            if dead is not None:
-                cluster.report_death(dead)
-                return 1
-            if cluster.nats is not None and not cluster.nats.running:
-                cluster.warn(f"tandem up: the embedded nats-server died; last log lines:\n"
-                             f"{cluster.nats.log_tail(20)}")
+            if cluster.something_died():
                 return 1
             time.sleep(0.2)
         cluster.say(f"tandem up: {cluster.stop_reason}; stopping")
