@@ -81,6 +81,11 @@ class Request:
     cancelled: bool = False
     done: bool = False
 
+    @property
+    def attempt_tag(self) -> str:
+        """``<request>:<attempt>``: the current prefill attempt's key (and its KV write's notify tag)."""
+        return f"{self.req.request_id}:{self.attempt}"
+
 
 class DecodeActor(WorkerActor):
     def __init__(self, settings, loaded):
@@ -137,8 +142,7 @@ class DecodeActor(WorkerActor):
             return
         r = Request(req, list(req.prompt_ids))
         if self.draining:  # a targeted request that was on its way when the drain began
-            await self._fail(r, ErrorCode.HANDED_BACK,
-                             f"worker {self.worker_id} is draining; the request was handed back", 503)
+            await self._hand_back_one(r)
             return
         self.requests[req.request_id] = r
         try:
@@ -258,13 +262,13 @@ class DecodeActor(WorkerActor):
             first_index = seq.num_cached
             t_attempt = time.time()
             try:
-                done = await self._run_prefill_job(r, fresh, first_index, attempt, target)
+                done = await self._run_prefill_job(r, fresh, first_index, target)
             except RequestFailed as f:
                 await self.runner.call(lambda e: e.abandon_remote(rid, quarantine=False))
                 await self._fail(r, f.code, f.message, f.status)
                 return
             finally:
-                taker = self.prefill_takers.pop(f"{rid}:{attempt}", None)
+                taker = self.prefill_takers.pop(r.attempt_tag, None)
             if r.cancelled:
                 return
             if done is not None and done.ok:
@@ -282,7 +286,7 @@ class DecodeActor(WorkerActor):
             # side may still write into these blocks.
             timed_out = done is None
             blocks = await self.runner.call(LLMEngine.abandon_remote, rid, timed_out or done.wrote)
-            self._quarantine(f"{rid}:{attempt}", blocks, r.attempt_deadline)
+            self._quarantine(r.attempt_tag, blocks, r.attempt_deadline)
             why = "timed out" if timed_out else f"failed: {done.error}"
             log.warning("request %s: remote prefill attempt %d %s", rid, attempt, why, extra={"request_id": rid})
             self.count_decision("remote_failed", "timeout" if timed_out else done.error_code or "error")
@@ -307,14 +311,14 @@ class DecodeActor(WorkerActor):
         """Handed out by the model thread itself, so it cannot fall behind the next step's token."""
         self.runner.hand_out([engine.complete_remote(rid, token, info)])
 
-    async def _run_prefill_job(self, r: Request, fresh: list[int], first_index: int, attempt: int,
+    async def _run_prefill_job(self, r: Request, fresh: list[int], first_index: int,
                                target: str | None) -> PrefillDone | None:
         """Publish the job and wait for its PrefillDone and for the KV to land. None on timeout."""
         rid = r.req.request_id
         deadline = time.time() + self.s.prefill_timeout
         if r.req.deadline:
             deadline = min(deadline, r.req.deadline)
-        tag = f"{rid}:{attempt}"
+        tag = r.attempt_tag
         r.attempt_deadline = deadline
         job = PrefillJob(
             request_id=rid, prompt_ids=r.prompt_ids, sampling=r.req.sampling,
@@ -323,7 +327,7 @@ class DecodeActor(WorkerActor):
                               block_ids=fresh, first_token_index=first_index,
                               endpoint=self.subjects.kv_meta(self.worker_id)),
             reply_subject=self.subjects.prefill_done(self.worker_id, rid), deadline=deadline,
-            decode_worker_id=self.worker_id, attempt=attempt, model=self.model,
+            decode_worker_id=self.worker_id, attempt=r.attempt, model=self.model,
         )
         fut = asyncio.get_running_loop().create_future()
         self.prefill_waits[tag] = fut
@@ -522,9 +526,12 @@ class DecodeActor(WorkerActor):
         for rid in [rid for rid, r in self.requests.items() if r.first_token_at is None]:
             r = await self._drop(rid)
             if r is not None:
-                log.info("request %s handed back (draining)", rid, extra={"request_id": rid})
-                await self._fail(r, ErrorCode.HANDED_BACK,
-                                 f"worker {self.worker_id} is draining; the request was handed back", 503)
+                await self._hand_back_one(r)
+
+    async def _hand_back_one(self, r: Request) -> None:
+        log.info("request %s handed back (draining)", r.req.request_id, extra={"request_id": r.req.request_id})
+        await self._fail(r, ErrorCode.HANDED_BACK, f"worker {self.worker_id} is draining; the request was handed back",
+                         503)
 
     async def _drop(self, request_id: str) -> Request | None:
         """Stop a request wherever it is: in the engine, or waiting for a remote prefill."""
@@ -535,7 +542,7 @@ class DecodeActor(WorkerActor):
         if r.in_engine:
             await self.runner.call(lambda e: e.abort(request_id))
         elif r.mode == "remote":
-            tag, deadline = f"{request_id}:{r.attempt}", r.attempt_deadline or time.time() + self.s.prefill_timeout
+            tag, deadline = r.attempt_tag, r.attempt_deadline or time.time() + self.s.prefill_timeout
             blocks = await self.runner.call(LLMEngine.abandon_remote, request_id, r.job_sent)
             self._quarantine(tag, blocks, deadline)
         return r
