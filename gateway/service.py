@@ -430,7 +430,7 @@ class Run:
     async def _dispatch(self, job: Job, exclude: frozenset[str] = frozenset()) -> None:
         gw = self.gw
         if self.closed:  # the deadline timer closed this run while it was sending
-            raise OpenAIError(504, f"the request's deadline of {self.prep.timeout:g}s passed", code="deadline_exceeded")
+            raise self._deadline_passed()
         reg = gw.registry
         # "<client id>-<choice>", and "-r1" for a re-send: `tandem tail --request <client id>` finds them
         job.request_id = f"{self.client_id}-{job.index}" + ("-r1" if job.retried else "")
@@ -481,9 +481,7 @@ class Run:
         while True:
             now = time.monotonic()
             if now >= self._give_up_at:
-                raise OpenAIError(
-                    504, f"the request's deadline of {self.prep.timeout:g}s passed", code="deadline_exceeded"
-                )
+                raise self._deadline_passed()
             if now >= self._next_check:  # also while other jobs of this request keep streaming
                 self._next_check = now + 1.0
                 await self._check_workers()
@@ -585,6 +583,9 @@ class Run:
             raise OpenAIError(503, "the gateway lost its NATS connection while the request ran; retry",
                               code="bus_unavailable", retry_after=2)
         return None
+
+    def _deadline_passed(self) -> OpenAIError:
+        return OpenAIError(504, f"the request's deadline of {self.prep.timeout:g}s passed", code="deadline_exceeded")
 
     async def _check_workers(self) -> None:
         """Jobs whose worker went silent or restarted are handled by :meth:`_lost`; a job the
