@@ -47,7 +47,7 @@ def _check_server_url(url: str) -> None:
         raise ValueError(f"bad NATS URL {shown}: the scheme must be one of {', '.join(_SCHEMES)}")
     if not parts.hostname:
         raise ValueError(f"bad NATS URL {shown}: no host")
-    if port is not None and port == 0:
+    if port == 0:
         raise ValueError(f"bad NATS URL {shown}: port 0")
 
 
