@@ -393,8 +393,9 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, code:
     return err
 
 
-def chat_in_background(url: str, content: str) -> tuple[threading.Thread, list[Any]]:
-    """POST a greedy chat completion from a thread; the list gets its response or its httpx error."""
+def chat_in_background(url: str, content: str) -> Callable[[], httpx.Response]:
+    """POST a greedy chat completion from a thread; the returned function waits for it (45 s) and
+    returns its response, which must be a 200 (an httpx error, e.g. the client's 40 s timeout, fails)."""
     result: list[Any] = []
 
     def call() -> None:
@@ -406,7 +407,14 @@ def chat_in_background(url: str, content: str) -> tuple[threading.Thread, list[A
 
     t = threading.Thread(target=call)
     t.start()
-    return t, result
+
+    def answer() -> httpx.Response:
+        t.join(45)
+        assert result and isinstance(result[0], httpx.Response), result
+        assert result[0].status_code == 200, result[0].text
+        return result[0]
+
+    return answer
 
 
 def wait_until_routing_sees(url: str, newcomer: str, full: FakeWorker) -> None:
@@ -893,12 +901,11 @@ def test_worker_lost_before_tokens_is_resent(nats_srv: EmbeddedNats, subjects: S
         wait_for(lambda: [w["worker_id"] for w in httpx.get(f"{srv.url}/ready").json()["workers"]
                           if w["age_s"] < 2.0] == ["ghost"], 15, "only the ghost reporting")
         n_before = len(worker.requests)
-        t, result = chat_in_background(srv.url, "resend me")
+        answer = chat_in_background(srv.url, "resend me")
         wait_for(lambda: len(ghost.requests) == 1, 15, "the request to reach the ghost")
         ghost.report = False
         worker.report = True
-        t.join(45)
-        assert result and isinstance(result[0], httpx.Response) and result[0].status_code == 200, result
+        answer()
         assert len(worker.requests) == n_before + 1
         assert ghost.requests[0][1].request_id in worker.cancels
     finally:
@@ -1149,16 +1156,14 @@ def test_pool_job_worker_lost_after_admission_is_resent(nats_srv: EmbeddedNats, 
                                   text_model)).start()
     try:
         wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
-        t, result = chat_in_background(srv.url, "pool me")
+        answer = chat_in_background(srv.url, "pool me")
         wait_for(lambda: len(ghost.requests) == 1, 15, "the ghost to pull the request")
         assert ghost.requests[0][0] == "pool"
         ghost.report = False
         loop_thread.run(healthy.start())
-        t.join(45)
         # Without the admission notice the gateway would not know whom to watch: it would wait
         # for the request's 600 s deadline and the client would time out after 40 s.
-        assert result and isinstance(result[0], httpx.Response), result
-        assert result[0].status_code == 200, result[0].text
+        answer()
         assert [how for how, _ in healthy.requests] == ["direct"]
         assert ghost.requests[0][1].request_id in healthy.cancels
     finally:
@@ -1345,12 +1350,10 @@ def test_worker_restarted_under_the_same_id_is_noticed(nats_srv: EmbeddedNats, s
         worker.fake_running = worker.max_batch  # reports full: the router picks phoenix
         wait_until_routing_sees(srv.url, "phoenix", worker)
         n_before = len(worker.requests)
-        t, result = chat_in_background(srv.url, "rise again")
+        answer = chat_in_background(srv.url, "rise again")
         wait_for(lambda: len(phoenix.requests) == 1, 15, "phoenix to take the request")
         phoenix.incarnation = "inc-2"  # the new process reports at once, well within worker_lost_after (10 s)
-        t.join(45)
-        assert result and isinstance(result[0], httpx.Response), result
-        assert result[0].status_code == 200, result[0].text
+        answer()
         assert [(how, req.request_id[-5:]) for how, req in worker.requests[n_before:]] == [("pool", "-0-r1")]
         assert phoenix.requests[0][1].request_id in phoenix.cancels
     finally:
