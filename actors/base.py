@@ -39,8 +39,8 @@ from engine.engine import EngineConfig, LLMEngine, StepOutput
 from engine.loader import LoadedModel, model_name
 from kv.transfer.auto import create_engine
 from kv.transfer.base import new_incarnation
-from tandem import metrics
-from tandem.settings import Settings
+from runtime import metrics
+from runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

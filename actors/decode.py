@@ -39,7 +39,7 @@ from bus.subjects import check_subject, check_token
 from engine.engine import LLMEngine, StepOutput
 from engine.sampling import SamplingParams, TokenLogprob
 from kv.blocks import prefix_hashes
-from tandem import metrics
+from runtime import metrics
 
 log = logging.getLogger(__name__)
 

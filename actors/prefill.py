@@ -20,8 +20,8 @@ from bus.publish import publish
 from engine.engine import StepOutput
 from kv.layout import KVLayout, LayoutMismatch
 from kv.transfer.base import TransferError
-from tandem import metrics
-from tandem.metrics import observe_transfer
+from runtime import metrics
+from runtime.metrics import observe_transfer
 
 log = logging.getLogger(__name__)
 MAX_CONCURRENT_JOBS = 2  # one computing while the previous one's KV is in flight

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from engine.loader import load_model
-from tandem.settings import Settings
+from runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 def serve(settings: Settings) -> int:
     from actors.decode import DecodeActor
     from actors.prefill import PrefillActor
-    from tandem.metrics import serve_metrics
+    from runtime.metrics import serve_metrics
 
     try:  # before loading the model: a busy port fails in a moment, not after seconds
         serve_metrics(settings.metrics_port)

@@ -9,5 +9,5 @@ Modules: ``app`` (the FastAPI app and its endpoints), ``service`` (one request's
 prepare, dispatch, collect, deadlines, worker loss), ``bus_client`` (NATS: publish, the
 stream subscription, cancel), ``router`` (worker registry and routing), ``protocol``
 (request bodies), ``errors`` (OpenAI error shapes), ``textmodel`` (tokenizer-only model
-load), ``server`` (``tandem gateway``); its settings are ``tandem.settings.GatewayConfig``.
+load), ``server`` (``tandem gateway``); its settings are ``runtime.settings.GatewayConfig``.
 """

@@ -38,8 +38,8 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.router import WorkerRegistry
 from gateway.service import Event, Gateway, Prepared, Run
 from gateway.textmodel import TextModel, load_text_model
-from tandem.metrics import GatewayMetrics
-from tandem.settings import GatewayConfig
+from runtime.metrics import GatewayMetrics
+from runtime.settings import GatewayConfig
 
 log = logging.getLogger("tandem.gateway")
 

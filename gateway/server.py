@@ -1,6 +1,6 @@
 """``tandem gateway``: run the OpenAI-compatible HTTP gateway with uvicorn.
 
-Flags override ``TANDEM_*`` variables (see :class:`tandem.settings.GatewayConfig`). The
+Flags override ``TANDEM_*`` variables (see :class:`runtime.settings.GatewayConfig`). The
 heavy imports (FastAPI, uvicorn, the tokenizer) happen only when the command runs, so
 ``tandem --help`` stays fast.
 """
@@ -39,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
     from engine.loader import ModelLoadError
     from gateway.app import create_app
     from gateway.textmodel import load_text_model
-    from tandem.settings import GatewayConfig
+    from runtime.settings import GatewayConfig
 
     try:
         config = GatewayConfig.from_env(

@@ -27,7 +27,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest, as_stop_l
 from gateway.router import WorkerRegistry
 from gateway.textmodel import TextModel, TokenBytes
 from kv.blocks import prefix_hashes
-from tandem.settings import GatewayConfig
+from runtime.settings import GatewayConfig
 
 log = logging.getLogger("tandem.gateway")
 

@@ -152,7 +152,7 @@ _SERVE_FIELDS = ("role", "model", "dtype", "device", "nats_url", "namespace", "w
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from actors.serve import serve
-    from tandem.settings import Settings
+    from runtime.settings import Settings
 
     try:
         settings = Settings.from_env(**{f: getattr(args, f) for f in _SERVE_FIELDS})
@@ -178,7 +178,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from tandem.logs import setup_logging
+    from runtime.logs import setup_logging
 
     try:
         setup_logging(args.log_level, args.log_format)

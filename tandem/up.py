@@ -359,7 +359,7 @@ def _gateway_port(args: argparse.Namespace, warn: Callable[[str], None]) -> int:
 
 def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None]) -> Plan:
     from engine.loader import DEFAULT_MODEL, model_name
-    from tandem.settings import Settings
+    from runtime.settings import Settings
 
     s = Settings.from_env()
     model = args.model or s.model or DEFAULT_MODEL

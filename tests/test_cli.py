@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tandem.logs import JsonFormatter
+from runtime.logs import JsonFormatter
 
 
 def tandem(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

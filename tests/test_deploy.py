@@ -462,11 +462,11 @@ def parse_tandem(cmd: list[str]) -> Any:
         raise AssertionError(f"`{shlex.join(cmd)}` is not a valid tandem command line") from e
 
 
-#: TANDEM_* variables read by something other than tandem.settings.Settings.
+#: TANDEM_* variables read by something other than runtime.settings.Settings.
 OTHER_ENV = {
     "TANDEM_NATS_USER", "TANDEM_NATS_PASSWORD", "TANDEM_NATS_TOKEN", "TANDEM_NATS_NKEY_SEED", "TANDEM_NATS_CREDS",
     "TANDEM_NATS_TLS_CA", "TANDEM_NATS_TLS_CERT", "TANDEM_NATS_TLS_KEY",  # bus/connection.py
-    "TANDEM_GATEWAY_ID", "TANDEM_API_KEYS", "TANDEM_CACHE_DIR",  # tandem/settings.py, engine/loader.py
+    "TANDEM_GATEWAY_ID", "TANDEM_API_KEYS", "TANDEM_CACHE_DIR",  # runtime/settings.py, engine/loader.py
     "TANDEM_STREAM_REPLICAS", "TANDEM_STREAMS_TIMEOUT",  # deploy/k8s/init-streams.py
     "TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT",  # tandem/cli.py
 }
@@ -478,7 +478,7 @@ def check_tandem_env(env: dict[str, str], where: str) -> None:
     """Every TANDEM_* variable a container gets is one tandem reads (no typos)."""
     from dataclasses import fields
 
-    from tandem.settings import Settings
+    from runtime.settings import Settings
 
     known = {f"TANDEM_{f.name.upper()}" for f in fields(Settings)} | OTHER_ENV | PENDING_ENV
     unknown = {k for k in env if k.startswith("TANDEM_") and not k.startswith("TANDEM_NATS_PASSWORD_")} - known
@@ -625,7 +625,7 @@ def test_compose_workers_advertise_a_name_peers_resolve(compose: dict[str, Any],
     """KV over TCP across containers: a worker listening on 0.0.0.0 must not advertise 127.0.0.1."""
     import socket
 
-    from tandem.settings import Settings
+    from runtime.settings import Settings
 
     for role_service, role in (("prefill", ROLE_PREFILL_ONLY), ("decode", ROLE_DECODE_ONLY)):
         env = compose["services"][role_service]["environment"]
@@ -672,11 +672,11 @@ METRIC_RE = re.compile(r"\b((?:tandem|jetstream)_[a-z0-9_]+)")
 
 
 def metric_collectors() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Every metric tandem.metrics defines (worker registry and a gateway app's registry).
+    """Every metric runtime.metrics defines (worker registry and a gateway app's registry).
 
     Maps the exposed name (counters with ``_total``) to (type, label names).
     """
-    import tandem.metrics as tm
+    import runtime.metrics as tm
 
     registries = [tm.REGISTRY]
     if hasattr(tm, "GatewayMetrics"):
@@ -737,7 +737,7 @@ def test_grafana_provisioning_and_dashboard(compose: dict[str, Any]) -> None:
     known = registry_names()
     used = {m for es in exprs.values() for e in es for m in METRIC_RE.findall(e)}
     for m in used:
-        assert m.startswith("jetstream_") or m in known, f"dashboard uses {m}, which tandem/metrics.py does not define"
+        assert m.startswith("jetstream_") or m in known, f"dashboard uses {m}, which runtime/metrics.py does not define"
 
 
 def test_metrics_doc_documents_every_metric() -> None:

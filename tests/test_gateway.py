@@ -48,7 +48,7 @@ from gateway.app import create_app
 from gateway.router import Route, WorkerRegistry
 from gateway.textmodel import TextModel, TokenBytes, load_text_model
 from kv.blocks import prefix_hashes
-from tandem.settings import GatewayConfig
+from runtime.settings import GatewayConfig
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
          "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango"]
