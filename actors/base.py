@@ -40,6 +40,7 @@ from engine.loader import LoadedModel, model_name
 from kv.transfer.auto import create_engine
 from kv.transfer.base import new_incarnation
 from runtime import metrics
+from runtime.placement import available_cpus, format_cpus
 from runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -363,6 +364,7 @@ class WorkerActor:
             "incarnation": self.incarnation, "layout_fingerprint": self.layout.fingerprint(),
             "layout": self.layout.describe(), "metrics_url": self.metrics_url,
             "kv_transfer": self.transfer.name, "started": str(self.started),
+            "device": self.s.device, "cpus": format_cpus(available_cpus()), "threads": str(self.s.threads),
         }
 
     async def _register_service(self):

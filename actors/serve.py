@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from engine.loader import load_model
+from runtime.placement import available_cpus, format_cpus, parse_cpus, pin_process
 from runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -15,6 +16,7 @@ def serve(settings: Settings) -> int:
     from actors.prefill import PrefillActor
     from runtime.metrics import serve_metrics
 
+    place(settings)
     try:  # before loading the model: a busy port fails in a moment, not after seconds
         serve_metrics(settings.metrics_port)
     except OSError as e:
@@ -24,3 +26,20 @@ def serve(settings: Settings) -> int:
     actor = actor_cls(settings, loaded)
     actor.serve_forever()
     return 0 if actor.error is None and actor.runner.failure is None else 1
+
+
+def place(settings: Settings) -> None:
+    """Pin this process to ``--cpus`` and size torch's thread pool (before any kernel runs).
+
+    ``settings.threads`` is left holding the thread count in effect (advertised to ``tandem status``).
+    """
+    import torch
+
+    if settings.cpus:
+        pin_process(parse_cpus(settings.cpus))
+    threads = settings.threads or (len(parse_cpus(settings.cpus)) if settings.cpus else 0)
+    if threads:
+        torch.set_num_threads(threads)
+    settings.threads = torch.get_num_threads()
+    log.info("%s %s on cores %s with %d torch threads, device %s", settings.role, settings.worker_id,
+             format_cpus(available_cpus()), settings.threads, settings.device)

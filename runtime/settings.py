@@ -10,6 +10,7 @@ from typing import Any
 
 from bus.subjects import check_token
 from engine.loader import DEFAULT_MODEL
+from runtime.placement import check_device, format_cpus, parse_cpus
 
 ROLES = ("prefill_and_decode", "prefill_only", "decode_only")
 
@@ -29,6 +30,8 @@ class Settings:
     kv_transfer: str = "auto"  # auto|nixl|shm|tcp|cuda_ipc
     nixl_backend: str = "ucx"  # ucx|libfabric|uccl
     device: str = "cpu"
+    cpus: str = ""  # pin the worker to these cores ("0", "2-3"); "" = wherever the OS puts it
+    threads: int = 0  # torch threads; 0 = one per core of `cpus`, or torch's default without it
     dtype: str = "float32"
     block_size: int = 16
     num_blocks: int = 1024
@@ -74,9 +77,12 @@ class Settings:
         if self.remote_prefill_fallback not in ("local", "error"):
             raise ValueError("--remote-prefill-fallback must be local or error")
         check_token(self.worker_id, "worker id")
+        check_device(self.device)
+        if self.cpus:
+            self.cpus = format_cpus(parse_cpus(self.cpus))
         check_token(self.namespace, "namespace")
         for name, least in (("block_size", 1), ("num_blocks", 1), ("max_batch", 1), ("max_step_tokens", 1),
-                            ("local_prefill_max_tokens", 0)):
+                            ("local_prefill_max_tokens", 0), ("threads", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}")
         for name in ("prefill_timeout", "request_timeout", "stats_interval"):

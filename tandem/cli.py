@@ -93,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=["prefill_and_decode", "prefill_only", "decode_only"])
     sv.add_argument("--model", default=None)
     sv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    sv.add_argument("--device", default=None)
+    sv.add_argument("--device", default=None, help="cpu, cuda or cuda:N (TANDEM_DEVICE)")
+    sv.add_argument("--cpus", default=None,
+                    help="pin this worker to these cores, e.g. 0 or 2-3 (TANDEM_CPUS); its torch threads "
+                         "default to their count")
+    sv.add_argument("--threads", type=int, default=None,
+                    help="torch threads (TANDEM_THREADS; default: one per --cpus core, else torch's default)")
     sv.add_argument("--nats-url", default=None)
     sv.add_argument("--namespace", default=None)
     sv.add_argument("--worker-id", default=None)
@@ -143,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_SERVE_FIELDS = ("role", "model", "dtype", "device", "nats_url", "namespace", "worker_id", "metrics_port",
-                 "advertise_host", "kv_tcp_host",
+_SERVE_FIELDS = ("role", "model", "dtype", "device", "cpus", "threads", "nats_url", "namespace", "worker_id",
+                 "metrics_port", "advertise_host", "kv_tcp_host",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
                  "local_prefill_max_tokens", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",
                  "layerwise_transfer")

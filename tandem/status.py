@@ -44,6 +44,9 @@ class WorkerStatus:
     metrics_url: str = ""
     kv_transfer: str = ""
     layout: str = ""
+    device: str = ""
+    cpus: str = ""
+    threads: int | None = None
     started: float | None = None
     running: int | None = None
     queued: int | None = None
@@ -150,6 +153,9 @@ def _worker_from_info(info: dict[str, Any]) -> WorkerStatus:
         metrics_url=md.get("metrics_url", ""),
         kv_transfer=md.get("kv_transfer", ""),
         layout=md.get("layout", ""),
+        device=md.get("device", ""),
+        cpus=md.get("cpus", ""),
+        threads=int(md["threads"]) if str(md.get("threads", "")).isdigit() else None,
         started=started,
         stats_subject=stats_subject,
     )
@@ -255,12 +261,21 @@ def _blocks(w: WorkerStatus) -> str:
     return f"{w.used_blocks}/{w.total_blocks} ({pct:.0f}%)"
 
 
+def _placement(w: WorkerStatus) -> str:
+    if not (w.cpus or w.device):
+        return "-"
+    parts = [w.device] if w.device and w.device != "cpu" else []
+    if w.cpus:
+        parts.append(f"cores {w.cpus}" + (f" ×{w.threads}" if w.threads else ""))
+    return " ".join(parts)
+
+
 def format_table(status: Status) -> str:
     """The human-readable report."""
     n = len(status.workers)
     lines = [f"NATS {status.nats_url}, namespace {status.namespace}: {n} worker{'s' if n != 1 else ''}"]
     if status.workers:
-        header = ("ROLE", "MODEL", "WORKER", "LOAD", "BLOCKS USED", "HIT", "UPTIME", "KV", "METRICS")
+        header = ("ROLE", "MODEL", "WORKER", "LOAD", "BLOCKS USED", "HIT", "UPTIME", "KV", "PLACEMENT", "METRICS")
         rows = [header]
         for w in status.workers:
             hit = f"{100.0 * w.prefix_hit_rate:.0f}%" if w.prefix_hit_rate is not None else "-"
@@ -268,11 +283,12 @@ def format_table(status: Status) -> str:
             if w.stats_error:
                 metrics += f"  (stats: {w.stats_error})"
             rows.append((w.role, w.model, w.worker_id, _load(w), _blocks(w), hit, format_duration(w.uptime),
-                         w.kv_transfer or "-", metrics))
+                         w.kv_transfer or "-", _placement(w), metrics))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
         for r in rows:
             lines.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(r[:-1])) + "  " + r[-1])
-        lines.append("LOAD: running/max batch +queued; BLOCKS USED: KV blocks in use/total")
+        lines.append("LOAD: running/max batch +queued; BLOCKS USED: KV blocks in use/total; "
+                     "PLACEMENT: device, cores ×torch threads")
     else:
         lines.append("no tandem worker answered (is one running, on this NATS and namespace?)")
     for p in status.pools:

@@ -36,6 +36,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from runtime.placement import WorkerPlacement, available_cpus, format_cpus, plan_layout
+
 DEFAULT_PORT = 8000
 DEFAULT_NATS_PORT = 4222
 DEFAULT_METRICS_BASE = 9400
@@ -63,6 +65,15 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="workers get the first free metrics ports from here (default 9400; 0 = any free)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="cpu or cuda[:N] for the workers")
+    p.add_argument("--prefill-cpus", default=None,
+                   help="cores for the prefill workers, e.g. 0 or 0-3, split among them (default: see --no-pin)")
+    p.add_argument("--decode-cpus", default=None,
+                   help="cores for the decode (or --aggregated) workers, split among them")
+    p.add_argument("--prefill-devices", default=None, help="GPUs for the prefill workers, e.g. cuda:0 (split)")
+    p.add_argument("--decode-devices", default=None, help="GPUs for the decode workers, e.g. cuda:1 (split)")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not give workers their own cores (default on a CPU host: prefill and decode "
+                        "workers on disjoint cores when there are enough, one torch thread per core)")
     p.add_argument("--worker-args", default="", help="extra flags for every `tandem serve`, e.g. '--max-batch 8'")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /ready (default 300)")
     p.add_argument("--stop-timeout", type=float, default=15.0,
@@ -243,6 +254,8 @@ class Plan:
     workers: list[tuple[str, str, int]]  # (worker id, role, metrics port)
     serve_args: list[str]
     gateway_args: list[str]
+    placements: dict[str, WorkerPlacement] = field(default_factory=dict)  # worker id -> cores/device
+    placement_note: str = ""
 
 
 def _tandem(*args: str) -> list[str]:
@@ -385,6 +398,12 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
     else:
         specs += [(f"prefill-{i + 1}{suffix}", "prefill_only") for i in range(prefill)]
         specs += [(f"decode-{i + 1}{suffix}", "decode_only") for i in range(args.decode)]
+    if args.device and (args.prefill_devices or args.decode_devices):
+        raise UpError("--device applies to every worker; drop it or --prefill-devices/--decode-devices")
+    layout = plan_layout(prefill, args.decode, prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
+                         prefill_devices=args.prefill_devices, decode_devices=args.decode_devices,
+                         gpu=bool(args.device and args.device.startswith("cuda")), pin=args.pin)
+    placements = dict(zip([wid for wid, _ in specs], layout.prefill + layout.decode))
     port = _gateway_port(args, warn)
     ports = pick_ports(args.metrics_port_base, len(specs), {port})
     serve_args = ["--model", model, "--namespace", namespace]
@@ -402,6 +421,8 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         workers=[(wid, role, p) for (wid, role), p in zip(specs, ports)],
         serve_args=serve_args,
         gateway_args=["--model", model, "--namespace", namespace, "--host", args.host, "--port", str(port)],
+        placements=placements,
+        placement_note=layout.note,
     )
 
 
@@ -444,7 +465,8 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
             cluster.children.append(Child(
                 wid,
                 _tandem(*logging_args, "serve", "--pipeline-role", role, "--worker-id", wid,
-                        "--nats-url", nats_url, "--metrics-port", str(mport), *plan.serve_args),
+                        "--nats-url", nats_url, "--metrics-port", str(mport),
+                        *plan.placements[wid].serve_args(), *plan.serve_args),
                 role, mport, env, echo,
             ))
         cluster.children.append(Child(
@@ -535,7 +557,10 @@ def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
     cluster.say(f"  NATS        {nats_url}   (watch: nats sub '{plan.namespace}.>' -s {nats_url})")
     for c in cluster.children:
         where = f"metrics :{c.metrics_port}" if c.metrics_port else f"metrics {url}/metrics"
-        cluster.say(f"  {c.name:<14} {c.role:<19} pid {c.pid:<8} {where}")
+        place = plan.placements[c.name].describe() if c.name in plan.placements else "any core"
+        cluster.say(f"  {c.name:<14} {c.role:<19} pid {c.pid:<8} {where:<14} {place}")
+    cluster.say(f"  placement   {plan.placement_note}; NATS and the gateway are light and run on any core "
+                f"({format_cpus(available_cpus())})")
     cluster.say("Try:")
     auth = " -H \"Authorization: Bearer $TANDEM_API_KEY\"" if os.environ.get("TANDEM_API_KEYS") else ""
     cluster.say(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
@@ -552,7 +577,8 @@ def _write_ready_file(path: Path, cluster: Cluster, plan: Plan, url: str, nats_u
         "model": plan.model_name,
         "namespace": plan.namespace,
         "pid": os.getpid(),
-        "children": [{"name": c.name, "role": c.role, "pid": c.pid, "metrics_port": c.metrics_port}
+        "children": [{"name": c.name, "role": c.role, "pid": c.pid, "metrics_port": c.metrics_port,
+                      "placement": plan.placements[c.name].describe() if c.name in plan.placements else ""}
                      for c in cluster.children],
     }
     tmp = path.with_suffix(path.suffix + ".tmp")

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 WORKER = "s1"
 BLOCKS = 64
+PIN = max(os.sched_getaffinity(0))  # s1 runs on this core alone (`tandem serve --cpus`)
 
 
 def free_port() -> int:
@@ -90,18 +91,41 @@ def tandem(*args: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[tuple[str, int]]:
-    """NATS + one prefill_and_decode worker `s1` with 64 blocks and a metrics port."""
+def worker_proc() -> Iterator[tuple[str, int, Proc]]:
+    """NATS + one prefill_and_decode worker `s1` with 64 blocks and a metrics port, pinned to core PIN."""
     with EmbeddedNats() as srv:
         metrics_port = free_port()
         worker = Proc(tandem("--log-level", "INFO", "serve", "--pipeline-role", "prefill_and_decode",
                              "--worker-id", WORKER, "--nats-url", srv.url, "--num-blocks", str(BLOCKS),
-                             "--metrics-port", str(metrics_port)), env={"UCX_NET_DEVICES": "lo"})
+                             "--metrics-port", str(metrics_port), "--cpus", str(PIN)), env={"UCX_NET_DEVICES": "lo"})
         try:
             worker.wait_for("ready", "out", timeout=180)
-            yield srv.url, metrics_port
+            yield srv.url, metrics_port, worker
         finally:
             worker.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(worker_proc: tuple[str, int, Proc]) -> tuple[str, int]:
+    return worker_proc[0], worker_proc[1]
+
+
+def cpus_allowed(pid: int) -> set[str]:
+    """``Cpus_allowed_list`` of every thread of ``pid``."""
+    out = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                out.add(line.split()[1])
+    return out
+
+
+def test_cpus_pins_every_thread_of_the_worker(worker_proc: tuple[str, int, Proc]) -> None:
+    """`tandem serve --cpus N`: the process and all its threads (model, bus, metrics) may run on N only."""
+    pid = worker_proc[2].proc.pid
+    assert len(list(Path(f"/proc/{pid}/task").iterdir())) > 2
+    assert cpus_allowed(pid) == {str(PIN)}
+    assert any(f"on cores {PIN} with 1 torch threads" in line for line in worker_proc[2].err), worker_proc[2].text()
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -124,6 +148,7 @@ def test_status_json_lists_the_worker(cluster: tuple[str, int]) -> None:
     assert 0.0 <= w["prefix_hit_rate"] <= 1.0 and w["uptime"] > 0
     assert w["metrics_url"].endswith(f":{metrics_port}/metrics")
     assert w["stats_error"] is None and w["incarnation"]
+    assert (w["cpus"], w["threads"], w["device"]) == (str(PIN), 1, "cpu")
     s = Subjects(MODEL)
     pools = {p["pool"]: p for p in data["pools"]}
     assert pools["generate"]["stream"] == s.generate_stream and pools["generate"]["consumer"] == s.generate_consumer
@@ -139,6 +164,7 @@ def test_status_table_and_filters(cluster: tuple[str, int]) -> None:
     assert "1 worker" in res.stdout
     row = next(line for line in res.stdout.splitlines() if f" {WORKER} " in line)
     assert "prefill_and_decode" in row and MODEL in row and f"/{BLOCKS} (" in row and str(metrics_port) in row
+    assert f" cores {PIN} ×1 " in row
     other = json.loads(run_cli("status", "--json", "--nats-url", url, "--namespace", "elsewhere").stdout)
     assert other["workers"] == []
     none = json.loads(run_cli("status", "--json", "--nats-url", url, "--model", "another-model").stdout)
@@ -276,12 +302,13 @@ def test_status_formatting() -> None:
     w = _worker_from_info(info)
     assert (w.role, w.worker_id, w.stats_subject, w.started) == ("decode_only", "d1", "tandem.svc.d1.stats", None)
     w2 = WorkerStatus(role="prefill_only", model=MODEL, worker_id="p1", service="tandem-prefill-only", service_id="Y",
-                      running=1, queued=2, max_batch=4, free_blocks=6, total_blocks=8, prefix_hit_rate=0.5, uptime=61)
+                      running=1, queued=2, max_batch=4, free_blocks=6, total_blocks=8, prefix_hit_rate=0.5, uptime=61,
+                      device="cuda:1", cpus="0-3", threads=4)
     w.stats_error = "TimeoutError"
     text = format_table(Status("nats://x", "tandem", [w, w2], [
         PoolStatus(MODEL, "generate", "S", "C", pending=3, in_flight=1), PoolStatus(MODEL, "prefill", "S2", "C2",
                                                                                     error="no stream")]))
-    assert "2 workers" in text and "(stats: TimeoutError)" in text
+    assert "2 workers" in text and "(stats: TimeoutError)" in text and " cuda:1 cores 0-3 ×4 " in text
     assert "1/4 +2" in text and "2/8 (25%)" in text and "50%" in text and "1m01s" in text
     assert "generate: 3 pending, 1 in flight" in text and "prefill: unavailable (no stream)" in text
     assert "no tandem worker answered" in format_table(Status("nats://x", "tandem"))
