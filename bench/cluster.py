@@ -1,4 +1,4 @@
-"""A real nats-server and real `tandem serve` worker processes, for tests and benchmarks."""
+"""A real nats-server, real `tandem serve` workers and whole `tandem up` clusters, for tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -171,3 +171,44 @@ class Client:
             await asyncio.sleep(0.3)
         held = {k: (v["free_blocks"], v["total_blocks"], v["running"]) if v else "no report" for k, v in last.items()}
         raise AssertionError(f"blocks still held after {timeout:g}s: {held}")
+
+
+class Up:
+    """A `tandem up` child process started on free ports, known by its ready file."""
+
+    def __init__(self, log_dir: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0):
+        self.log_path = log_dir / "up.log"
+        ready = log_dir / "ready.json"
+        cmd = [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--nats-port", "0", "--metrics-port-base",
+               "0", "--ready-file", str(ready), "--quiet", *args]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"tandem up {' '.join(args)} did not become ready:\n{self.log_tail()}")
+            time.sleep(0.2)
+        self.info = json.loads(ready.read_text())
+
+    @property
+    def url(self) -> str:
+        return self.info["url"]
+
+    def child(self, name: str) -> dict:
+        """The ready file's entry of child ``name`` (pid, role, placement)."""
+        return next(c for c in self.info["children"] if c["name"] == name)
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Ctrl-C, then SIGKILL after ``timeout``."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)

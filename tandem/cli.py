@@ -141,10 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     tail_parser(sub.add_parser("tail", help="follow the bus (tandem.>) with token ids decoded to text"))
 
-    b = sub.add_parser("bench", help="benchmarks")
-    b.add_argument("what", choices=["engine"])
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(func=cmd_bench)
+    import bench.command
+
+    bench.command.configure_parser(sub.add_parser(
+        "bench", help="load an OpenAI-compatible server: latency, throughput, goodput",
+        description=bench.command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -171,14 +172,6 @@ def cmd_nats(args: argparse.Namespace) -> int:
     from bus.server import run
 
     return run(args)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "engine":
-        from bench.engine import main as bench_main
-
-        return bench_main(args.rest)
-    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,362 @@
+"""`tandem bench`: prompts of exact token lengths, arrivals, the figures and goodput, the stream parsing
+(llama-server's way too), and the whole command against a real `tandem up` — whose default layout
+really pins prefill and decode to their own cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from bench.cluster import Up
+from bench.datasets import FileDataset, PromptBuilder, SyntheticDataset, is_long
+from bench.loadgen import Load, Options, RequestRecord, Stop, arrival_gaps, chunk_gaps, run_level, send
+from bench.results import SCHEMA, latency_stats, meets, parse_slo, summarize
+from bench.target import Target, identify, normalize_base_url
+from engine.loader import DEFAULT_MODEL, load_text
+from runtime.placement import available_cpus, format_cpus, plan_layout
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def builder() -> PromptBuilder:
+    text = load_text(DEFAULT_MODEL)
+    return PromptBuilder(text.tokenizer, text.chat_template)
+
+
+def rendered_tokens(messages: list[dict[str, str]]) -> int:
+    text = load_text(DEFAULT_MODEL)
+    return len(text.tokenizer.encode(text.chat_template.render(messages)))
+
+
+# ============================================================================ datasets
+
+
+def test_prompts_have_the_asked_token_length(builder: PromptBuilder) -> None:
+    """A "2,000-token prompt" is 2,000 tokens of the served model, chat template included."""
+    for n in (40, 256, 2000):
+        p = SyntheticDataset("random", builder, input_len=n).get(n)
+        assert p.input_tokens == n == rendered_tokens(p.messages)
+    text = load_text(DEFAULT_MODEL)
+    p = SyntheticDataset("random", builder, endpoint="completions", input_len=300).get(0)
+    assert p.messages is None and len(text.tokenizer.encode(p.text)) == 300 == p.input_tokens
+    # shorter than the template: the shortest possible prompt, its true length recorded
+    p = SyntheticDataset("random", builder, input_len=5).get(0)
+    assert p.input_tokens == rendered_tokens(p.messages) > 5
+
+
+def test_random_prompts_are_distinct_and_repeatable(builder: PromptBuilder) -> None:
+    d = SyntheticDataset("random", builder, input_len=64, output_len=16, range_ratio=0.5, seed=3)
+    prompts = [d.get(i) for i in range(40)]
+    assert d.get(7) == prompts[7]  # a pure function of (seed, index)
+    firsts = {tuple(p.messages[-1]["content"].split()[:3]) for p in prompts}
+    assert len(firsts) == 40  # no shared prefix beyond the template's system prompt
+    assert all(32 <= p.input_tokens <= 96 and 8 <= p.max_tokens <= 24 for p in prompts)
+    assert len({p.input_tokens for p in prompts}) > 5
+    other = SyntheticDataset("random", builder, input_len=64, seed=4).get(7)
+    assert other.messages != prompts[7].messages
+
+
+def test_shared_prefix_and_mixed(builder: PromptBuilder) -> None:
+    d = SyntheticDataset("shared-prefix", builder, input_len=50, prefix_len=100, num_prefixes=3)
+    ps = [d.get(i) for i in range(6)]
+    systems = [p.messages[0]["content"] for p in ps]
+    assert systems[0] == systems[3] and systems[1] == systems[4] and len(set(systems)) == 3
+    base = rendered_tokens([{"role": "system", "content": systems[0]}])
+    assert all(p.input_tokens == base + 50 == rendered_tokens(p.messages) for p in ps[:1])
+    assert 95 <= base - rendered_tokens([{"role": "system", "content": ""}]) <= 105
+    m = SyntheticDataset("mixed", builder, input_len=30, output_len=20, long_share=0.25, long_tokens=500,
+                         long_output_len=4)
+    kinds = [m.get(i).kind for i in range(12)]
+    assert kinds == ["short", "short", "short", "long"] * 3  # evenly spaced, a fixed share
+    long = m.get(3)
+    assert (long.input_tokens, long.max_tokens) == (500, 4) and m.get(0).max_tokens == 20
+    assert [is_long(i, 0.1) for i in range(20)].count(True) == 2
+    with pytest.raises(ValueError, match="--long-share must be between 0 and 1"):
+        SyntheticDataset("mixed", builder, long_share=2)
+    with pytest.raises(ValueError, match="unknown dataset 'nope'"):
+        SyntheticDataset("nope", builder)
+
+
+def test_jsonl_dataset(tmp_path: Path, builder: PromptBuilder) -> None:
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 5, "kind": "chat"}\n\n'
+                 '{"prompt": "Once upon a time"}\n')
+    d = FileDataset.load(f, builder, 9)
+    assert [p.max_tokens for p in d.prompts] == [5, 9] and d.get(3) == d.prompts[1]
+    assert d.prompts[0].kind == "chat" and d.prompts[1].text == "Once upon a time" and d.prompts[1].input_tokens == 4
+    for line, why in (("nope", "d.jsonl:1: not JSON"), ('{"max_tokens": 3}', 'exactly one of "messages" or "prompt"'),
+                      ('{"prompt": "x", "max_tokens": 0}', "max_tokens must be a positive integer"),
+                      ('{"messages": "hi"}', '"messages" must be a list')):
+        f.write_text(line + "\n")
+        with pytest.raises(ValueError, match=why):
+            FileDataset.load(f, builder, 9)
+
+
+# ============================================================================ load and figures
+
+
+def test_arrivals_are_gamma_with_the_asked_rate() -> None:
+    for burstiness in (1.0, 0.25):
+        gap = arrival_gaps(4.0, burstiness, random.Random(1))
+        xs = [gap() for _ in range(20000)]
+        assert statistics.fmean(xs) == pytest.approx(0.25, rel=0.05)
+        cv2 = statistics.pvariance(xs) / statistics.fmean(xs) ** 2  # gamma: CV² = 1 / shape
+        assert cv2 == pytest.approx(1 / burstiness, rel=0.1)
+    assert arrival_gaps(float("inf"), 1.0, random.Random(1))() == 0.0
+
+
+def test_gaps_tpot_goodput() -> None:
+    r = RequestRecord(0, "short", 0.0, output_tokens=6, ttft=0.1, e2e=0.6,
+                      chunks=[(0.1, 1), (0.2, 1), (0.5, 3), (0.6, 1)])
+    assert [t for t, _ in chunk_gaps(r.chunks)] == [0.2, 0.5, 0.5, 0.5, 0.6]  # the chunk of 3 is 3 gaps
+    assert r.gaps() == pytest.approx([0.1] * 5)
+    assert r.tpot() == pytest.approx(0.1)
+    slow = RequestRecord(1, "long", 1.0, output_tokens=2, ttft=2.0, e2e=2.5, chunks=[(2.0, 1), (2.5, 1)])
+    failed = RequestRecord(2, "short", 2.0, error_kind="http_503:no_workers", error="x")
+    assert meets(r, {"ttft": 100, "itl": 100, "tpot": 100}) and not meets(r, {"itl": 99})
+    assert not meets(slow, {"ttft": 1000}) and meets(slow, {"itl": 500}) and not meets(slow, {"tpot": 499})
+    assert not meets(failed, {})
+    s = summarize([r, slow, failed], 4.0, parse_slo(["ttft:1000", "itl:200"]))
+    assert s["goodput"] == {"requests_per_s": 0.25, "met": 1, "share": 0.3333}
+    assert s["requests"] == {"sent": 3, "completed": 2, "failed": 1} and s["errors"] == {"http_503:no_workers": 1}
+    assert s["throughput"]["output_tokens_per_s"] == 2.0 and s["latency_ms"]["itl"]["count"] == 6
+    assert summarize([r], 1.0, {})["goodput"] is None
+    values = [random.Random(i).random() for i in range(101)]
+    st = latency_stats(values)
+    for q, key in ((50, "p50"), (90, "p90"), (99, "p99")):
+        assert st[key] == pytest.approx(np.percentile(np.array(values) * 1000, q), abs=1e-3)
+    assert latency_stats([])["p99"] is None
+    for bad in ("ttft", "e2e:5", "itl:x", "ttft:-1"):
+        with pytest.raises(ValueError, match="--goodput"):
+            parse_slo([bad])
+
+
+def sse(*events: object) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+
+def fake_llama_server(seen: list[dict]) -> httpx.MockTransport:
+    """What llama-server answers: /props, one token per chunk, no usage in the stream."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "smol.gguf", "owned_by": "llamacpp"}]})
+        if path == "/props":
+            return httpx.Response(200, json={"total_slots": 16, "n_ctx": 32768, "build_info": "b1", "other": 1})
+        body = json.loads(request.content)
+        seen.append(body)
+        content = body["messages"][0]["content"]
+        if content == "busy":
+            return httpx.Response(503, json={"error": {"message": "no slot", "code": "no_workers"}})
+        words = [{"choices": [{"delta": {"content": w}}]} for w in (" The", " capital", " is", " Paris")]
+        if content == "cut":
+            return httpx.Response(200, content=sse(*words[:2]))
+        if content == "fails":
+            return httpx.Response(200, content=sse(words[0], {"error": {"message": "boom", "code": "worker_lost"}},
+                                                   b"[DONE]"))
+        return httpx.Response(200, content=b": keep-alive\n\n" + sse({"choices": [{"delta": {"role": "assistant"}}]},
+                                                                     *words, b"[DONE]"))
+    return httpx.MockTransport(handler)
+
+
+def test_stream_parsing_and_server_identity() -> None:
+    from bench.datasets import Prompt
+
+    seen: list[dict] = []
+    transport = fake_llama_server(seen)
+    target = Target("http://llama:8080/v1", "smol.gguf")
+
+    async def go() -> tuple[dict, list[RequestRecord]]:
+        async with httpx.AsyncClient(transport=transport) as client:
+            server = await identify(client, "http://llama:8080/v1")
+            recs = [await send(client, target, Prompt([{"role": "user", "content": c}], None, 4, None), i, 0.0,
+                               Options())
+                    for i, c in enumerate(("ok", "busy", "cut", "fails"))]
+        return server, recs
+
+    server, (ok, busy, cut, fails) = asyncio.run(go())
+    assert server["kind"] == "llama.cpp" and server["models"] == ["smol.gguf"]
+    assert server["props"] == {"total_slots": 16, "n_ctx": 32768, "build_info": "b1"}
+    assert seen[0]["ignore_eos"] is True and seen[0]["stream"] is True and seen[0]["max_tokens"] == 4
+    assert seen[0]["stream_options"] == {"include_usage": True}
+    assert ok.ok and ok.output_tokens == 4 and ok.usage_source == "counted" and len(ok.chunks) == 4
+    assert ok.ttft == ok.chunks[0][0] and ok.e2e >= ok.ttft
+    assert (busy.error_kind, busy.error) == ("http_503:no_workers", "no slot")
+    assert cut.error_kind == "incomplete" and fails.error_kind == "stream_error:worker_lost"
+    assert normalize_base_url("http://h:1/") == normalize_base_url("http://h:1/v1") == "http://h:1/v1"
+    with pytest.raises(ValueError, match="expected http://host:port"):
+        normalize_base_url("h:1")
+
+
+class Counting:
+    """Progress that counts."""
+
+    def __init__(self) -> None:
+        self.started = self.done = 0
+
+    def sent(self) -> None:
+        self.started += 1
+
+    def finished(self, record: RequestRecord) -> None:
+        self.done += 1
+
+
+def test_levels_send_what_they_say(builder: PromptBuilder) -> None:
+    """Closed loop sends exactly --requests; an open-loop duration sends about rate × duration."""
+    d = SyntheticDataset("random", builder, input_len=20, output_len=4)
+    target = Target("http://llama:8080/v1", "smol.gguf")
+
+    def level(load: Load, stop: Stop, progress: Counting) -> list[RequestRecord]:
+        return asyncio.run(run_level(target, d, load, stop, Options(), progress,
+                                     transport=fake_llama_server([]))).records
+
+    progress = Counting()
+    recs = level(Load(concurrency=3), Stop(requests=7), progress)
+    assert [r.index for r in recs] == list(range(7)) and all(r.ok for r in recs)
+    assert progress.started == progress.done == 7
+    n = len(level(Load(rate=40.0), Stop(duration=0.5), Counting()))
+    assert 5 <= n <= 60  # Poisson: about 20
+
+
+# ============================================================================ against a real `tandem up`
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    """The default `tandem up`: one prefill_only and one decode_only worker, placed by default."""
+    cluster = Up(tmp_path_factory.mktemp("bench-up"), "--stop-timeout", "10", "--worker-args", "--num-blocks 256")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def cpus_allowed(pid: int) -> set[str]:
+    """``Cpus_allowed_list`` of every thread of ``pid``."""
+    out = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out |= {line.split()[1] for line in (task / "status").read_text().splitlines()
+                if line.startswith("Cpus_allowed_list:")}
+    return out
+
+
+def test_up_places_prefill_and_decode_on_their_own_cores(up: Up) -> None:
+    avail = available_cpus()
+    if len(avail) < 2:
+        pytest.skip("needs two cores")
+    layout = plan_layout(1, 1, available=avail)
+    pinned = {}
+    for name, place in (("prefill-1", layout.prefill[0]), ("decode-1", layout.decode[0])):
+        pinned[name] = cpus_allowed(up.child(name)["pid"])
+        assert pinned[name] == {format_cpus(place.cpus)} and up.child(name)["placement"] == place.describe()
+    if avail == [0, 1]:
+        assert (pinned["prefill-1"], pinned["decode-1"]) == ({"0"}, {"1"})
+        assert layout.prefill[0].threads == layout.decode[0].threads == 1
+    text = up.log_path.read_text()
+    assert f"placement   each worker on its own cores; NATS and the gateway are light and run on any core " \
+           f"({format_cpus(avail)})" in text
+    assert cpus_allowed(up.child("gateway")["pid"]) == {format_cpus(avail)}
+
+
+RUN_KEYS = {"load", "duration_s", "requests", "tokens", "throughput", "latency_ms", "errors", "goodput", "by_kind",
+            "records", "error_samples"}
+RECORD_KEYS = {"index", "kind", "start_s", "ttft_s", "e2e_s", "prompt_tokens", "output_tokens", "usage_source",
+               "chunks", "error_kind", "error"}
+
+
+def run_bench(up: Up, tmp_path: Path, *args: str) -> tuple[dict, str]:
+    out = tmp_path / "out.json"
+    res = subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "--base-url", up.url, "--json", str(out),
+                          "--plot", str(tmp_path / "out.png"), *args],
+                         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr + up.log_tail()
+    return json.loads(out.read_text()), res.stdout
+
+
+def check_stats(st: dict) -> None:
+    assert set(st) == {"mean", "p50", "p90", "p99", "max", "count"} and st["count"] > 0
+    assert 0 < st["p50"] <= st["p90"] <= st["p99"] <= st["max"] and 0 < st["mean"] <= st["max"]
+
+
+def test_bench_mixed_against_tandem_up(up: Up, tmp_path: Path) -> None:
+    slo = {"ttft": 4000.0, "itl": 400.0}
+    data, stdout = run_bench(up, tmp_path, "--dataset", "mixed", "--long-share", "0.25", "--long-tokens", "300",
+                             "--long-output-len", "6", "--input-len", "40", "--output-len", "8", "--requests", "8",
+                             "--concurrency", "2", "--goodput", "ttft:4000", "itl:400")
+    assert set(data) == {"schema", "started_at", "command", "server", "config", "runs"} and data["schema"] == SCHEMA
+    assert data["server"]["kind"] == "tandem" and data["server"]["models"] == [MODEL]
+    assert data["config"]["slo_ms"] == slo and data["config"]["dataset"]["exact_lengths"] is True
+    [run] = data["runs"]
+    assert set(run) == RUN_KEYS and run["load"] == {"mode": "concurrency", "concurrency": 2}
+    assert run["requests"] == {"sent": 8, "completed": 8, "failed": 0} and run["errors"] == {}
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        check_stats(run["latency_ms"][name])
+    records = run["records"]
+    assert all(set(r) == RECORD_KEYS for r in records)
+    for r in records:
+        long = r["kind"] == "long"
+        # ignore_eos: exactly max_tokens out; the server's usage counts the prompt as we built it
+        assert (r["prompt_tokens"], r["output_tokens"], r["usage_source"]) == ((300, 6, "server") if long
+                                                                                else (40, 8, "server"))
+        assert 0 < r["ttft_s"] <= r["e2e_s"] and r["chunks"][0][0] == r["ttft_s"]
+    assert [r["kind"] for r in records] == ["short", "short", "short", "long"] * 2
+    assert run["throughput"]["requests_per_s"] == pytest.approx(8 / run["duration_s"], rel=1e-3)
+    assert run["throughput"]["output_tokens_per_s"] == pytest.approx((6 * 8 + 2 * 6) / run["duration_s"], rel=1e-3)
+    assert run["tokens"] == {"input": 6 * 40 + 2 * 300, "output": 60, "output_usage_source": ["server"]}
+    # goodput recounted here from the requests and the SLOs
+    def met(r: dict) -> bool:
+        gaps = [g for _, g in chunk_gaps(r["chunks"])]
+        return r["ttft_s"] * 1000 <= slo["ttft"] and (not gaps or max(gaps) * 1000 <= slo["itl"])
+
+    for kind, part in [("", run), *run["by_kind"].items()]:
+        mine = [r for r in records if not kind or r["kind"] == kind]
+        assert part["goodput"]["met"] == sum(map(met, mine))
+        assert part["goodput"]["requests_per_s"] == pytest.approx(part["goodput"]["met"] / run["duration_s"], abs=1e-4)
+    assert set(run["by_kind"]) == {"short", "long"} and run["by_kind"]["long"]["requests"]["sent"] == 2
+    assert "concurrency 2: 8 requests" in stdout and "goodput" in stdout
+    png = (tmp_path / "out.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_bench_rate_sweep(up: Up, tmp_path: Path) -> None:
+    data, _ = run_bench(up, tmp_path, "--dataset", "random", "--input-len", "30", "--output-len", "4",
+                        "--rate", "2,8", "--burstiness", "0.5", "--requests", "3", "--warmup", "0",
+                        "--goodput", "tpot:100000")
+    assert [r["load"] for r in data["runs"]] == [{"mode": "rate", "rate": 2.0, "burstiness": 0.5},
+                                                 {"mode": "rate", "rate": 8.0, "burstiness": 0.5}]
+    for run in data["runs"]:
+        assert run["requests"]["completed"] == 3 and run["goodput"]["met"] == 3 and run["by_kind"] == {}
+    # each level its own prompts: no prefix shared with the level before
+    first = {r["index"] for r in data["runs"][0]["records"]}
+    assert first.isdisjoint({r["index"] for r in data["runs"][1]["records"]})
+    assert (tmp_path / "out.png").stat().st_size > 20_000
+
+
+@pytest.mark.parametrize("args, message, code", [
+    (["--rate", "1", "--concurrency", "2"], "not allowed with argument", 2),
+    (["--goodput", "e2e:5"], "tandem bench: --goodput 'e2e:5': expected NAME:MS", 2),
+    (["--rate", "0"], "tandem bench: --rate '0': rates must be positive", 2),
+    (["--dataset", "nope.jsonl"], "tandem bench: --dataset 'nope.jsonl': choose random", 2),
+    (["--base-url", "http://127.0.0.1:9"], "tandem bench: cannot reach http://127.0.0.1:9/v1/models", 1),
+])
+def test_bench_bad_input_is_one_clear_line(args: list[str], message: str, code: int) -> None:
+    base = [] if any(a == "--base-url" for a in args) else ["--base-url", "http://127.0.0.1:9"]
+    res = subprocess.run([sys.executable, "-m", "tandem.cli", "bench", *base, *args], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == code and message in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
