@@ -118,7 +118,8 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tm = text or await asyncio.to_thread(load_text_model, config.model)
         subjects = Subjects(tm.name, config.namespace)
-        registry = WorkerRegistry(subjects.model_token, alive_after=config.alive_after)
+        registry = WorkerRegistry(subjects.model_token, alive_after=config.alive_after,
+                                  load_weight=config.route_load_weight)
         opts = BusOptions.from_env(servers=config.nats_url, connect_timeout=config.connect_timeout)
         bus = GatewayBus(subjects, config.gateway_id, registry, opts)
         await bus.start(ensure=config.ensure_streams)

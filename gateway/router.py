@@ -1,12 +1,19 @@
-"""Which decode worker gets a request: prefix-cache affinity first, then least load, else the pool.
+"""Which decode worker gets a request: the one that would do the least work for it, else the pool.
 
 Why at the gateway: it already holds the prompt's token ids, so it can name the prompt's
 full blocks with the same chained hashes the workers' prefix caches use
-(``kv.blocks.prefix_hashes``) and send a request to the worker that most likely still has
-them. Load comes from the workers' 1 Hz ``WorkerStats``; requests this gateway sent since a
-worker's last report count too, so a burst does not all land on one worker. When no worker
-has room (or nothing is known) the request goes to the JetStream pool, which workers pull
-only when they have a batch slot and blocks free.
+(``kv.blocks.prefix_hashes``) and tell which worker most likely still has them.
+
+The cost of a worker is Dynamo's KV-router cost: the prompt blocks it would have to prefill
+(those not cached there) plus ``load_weight`` × the KV blocks it would then hold for running
+requests (its decode load). So a long cached prefix attracts its requests until that worker
+is busier by about as many blocks as the prefix saves, while chats that share only the chat
+template's system prompt (one block) spread by load — the longest match alone sent a burst of
+them all to one worker. Load comes from the workers' 1 Hz ``WorkerStats`` (blocks in use,
+running, queued); requests this gateway sent or saw end since a worker's last report adjust
+it, so a burst does not all land on one worker. Ties go to the longer cached prefix, then to
+fewer requests, then by chance. When no worker has room (or nothing is known) the request
+goes to the JetStream pool, which workers pull only when they have a batch slot and blocks free.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from bus.messages import WorkerStats
 from bus.subjects import ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY
 
 DECODE_ROLES = (ROLE_PREFILL_AND_DECODE, ROLE_DECODE_ONLY)
+MAX_IN_FLIGHT = 65536
 
 
 @dataclass
@@ -31,15 +39,24 @@ class WorkerInfo:
     role: str
     stats: WorkerStats
     last_seen: float
-    #: requests this gateway sent it since its last stats report
+    #: requests this gateway sent it since its last stats report, and requests of this gateway that ended there
     sent_since_report: int = 0
+    done_since_report: int = 0
+    #: KV blocks of the requests sent since the report, less those of requests that ended since
+    blocks_since_report: int = 0
     #: block hashes of prompts it served, most recent last (bounded LRU)
     blocks: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
     @property
     def load(self) -> int:
-        """Running + queued as last reported, plus what was sent since."""
-        return self.stats.running + self.stats.queued + self.sent_since_report
+        """Running + queued as last reported, plus what was sent since, less what ended since."""
+        return max(0, self.stats.running + self.stats.queued + self.sent_since_report - self.done_since_report)
+
+    @property
+    def active_blocks(self) -> int:
+        """KV blocks held for running requests: as last reported, adjusted by what was sent and ended since."""
+        s = self.stats
+        return max(0, s.total_blocks - s.free_blocks + self.blocks_since_report)
 
     def has_room(self, blocks_needed: int) -> bool:
         """A batch slot and (roughly) the blocks for the uncached part of the prompt."""
@@ -77,6 +94,7 @@ class WorkerRegistry:
         alive_after: float = 3.0,
         forget_after: float = 60.0,
         max_hashes_per_worker: int = 16384,
+        load_weight: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
@@ -84,9 +102,12 @@ class WorkerRegistry:
         self.alive_after = alive_after
         self.forget_after = forget_after
         self.max_hashes = max_hashes_per_worker
+        self.load_weight = load_weight
         self.clock = clock
         self.rng = rng or random.Random()
         self.workers: dict[str, WorkerInfo] = {}
+        #: requests this gateway routed and that have not ended: request id -> (worker id, blocks counted)
+        self.in_flight: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     # ---- stats -------------------------------------------------------------------------
     def observe(self, stats: WorkerStats, same_model: bool = True) -> None:
@@ -103,7 +124,7 @@ class WorkerRegistry:
             return
         info.stats = stats
         info.last_seen = now
-        info.sent_since_report = 0
+        info.sent_since_report = info.done_since_report = info.blocks_since_report = 0
 
     def prune(self) -> None:
         """Forget workers silent for ``forget_after`` seconds."""
@@ -129,11 +150,12 @@ class WorkerRegistry:
 
     # ---- routing -----------------------------------------------------------------------
     def choose(self, hashes: list[bytes], prompt_blocks: int, exclude: frozenset[str] = frozenset()) -> Route:
-        """Pick a worker for a prompt whose full blocks hash to ``hashes``.
+        """Pick a worker for a prompt of ``prompt_blocks`` blocks whose full blocks hash to ``hashes``.
 
-        The live worker with room holding the longest cached prefix wins (least load breaks
-        ties); with no cached prefix anywhere, the least loaded worker with room; with none
-        having room, the pool. Workers in ``exclude`` (e.g. one that just went silent) are skipped.
+        Among the live workers with room, the lowest cost wins: uncached prompt blocks +
+        ``load_weight`` × (its active blocks + those new ones). Ties: the longer cached prefix,
+        then fewer requests, then chance. With no worker having room, the pool. Workers in
+        ``exclude`` (e.g. one that just went silent) are skipped.
         """
         live = [w for w in self.alive() if w.worker_id not in exclude]
         if not live:
@@ -141,26 +163,44 @@ class WorkerRegistry:
         scored = []
         for w in live:
             matched = w.matched_blocks(hashes)
-            if w.has_room(max(0, prompt_blocks - matched) + 1):
-                scored.append((matched, w))
+            new = max(0, prompt_blocks - matched)
+            if w.has_room(new + 1):
+                scored.append(((new + self.load_weight * (w.active_blocks + new), -matched, w.load), matched, w))
         if not scored:
             return Route(None, "every worker is full")
-        best_match = max(m for m, _ in scored)
-        pool = [w for m, w in scored if m == best_match]
-        least = min(w.load for w in pool)
-        pick = self.rng.choice([w for w in pool if w.load == least])
-        reason = "prefix affinity" if best_match else "least loaded"
-        return Route(pick.worker_id, reason, best_match)
+        best = min(key for key, _, _ in scored)
+        matched, pick = self.rng.choice([(m, w) for key, m, w in scored if key == best])
+        reason = "prefix affinity" if matched and matched == max(m for _, m, _ in scored) else "least loaded"
+        return Route(pick.worker_id, reason, matched)
 
-    def dispatched(self, worker_id: str | None, hashes: list[bytes]) -> None:
-        """A request (with these block hashes) went to ``worker_id``: count it, remember its blocks."""
+    def dispatched(self, worker_id: str | None, hashes: list[bytes], prompt_blocks: int = 0,
+                   request_id: str = "") -> None:
+        """A request (with these block hashes) went to ``worker_id``: count its load, remember its blocks.
+
+        Its blocks not cached there (and one for its output) count as that worker's load until the
+        next report, or until :meth:`finished` names ``request_id``.
+        """
         if worker_id is None:
             return
         info = self.workers.get(worker_id)
         if info is None:
             return
+        blocks = max(0, prompt_blocks - info.matched_blocks(hashes)) + 1
         info.sent_since_report += 1
+        info.blocks_since_report += blocks
+        if request_id:
+            self.in_flight[request_id] = (worker_id, blocks)
+            while len(self.in_flight) > MAX_IN_FLIGHT:  # bounded, should an end ever go unreported
+                self.in_flight.popitem(last=False)
         self.remember(worker_id, hashes)
+
+    def finished(self, request_id: str) -> None:
+        """The request ``request_id`` ended (or was re-sent elsewhere): its worker's load drops at once."""
+        wid, blocks = self.in_flight.pop(request_id, ("", 0))
+        info = self.workers.get(wid)
+        if info is not None:
+            info.done_since_report += 1
+            info.blocks_since_report -= blocks
 
     def remember(self, worker_id: str, hashes: list[bytes]) -> None:
         """``worker_id`` now holds these prompt blocks in its prefix cache (LRU-bounded)."""

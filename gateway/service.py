@@ -435,7 +435,8 @@ class Run:
         # "<client id>-<choice>", and "-r1" for a re-send: `tandem tail --request <client id>` finds them
         job.request_id = f"{self.client_id}-{job.index}" + ("-r1" if job.retried else "")
         bs = gw.config.block_size
-        route = reg.choose(job.hashes, (len(job.prompt_ids) + bs - 1) // bs, exclude)
+        blocks = (len(job.prompt_ids) + bs - 1) // bs
+        route = reg.choose(job.hashes, blocks, exclude)
         live = [w for w in reg.alive() if w.worker_id not in exclude]
         if route.worker_id is None and not live and not gw.config.queue_when_no_workers:
             raise OpenAIError(503, f"no decode worker for model {gw.text.name} is alive; retry later",
@@ -461,7 +462,7 @@ class Run:
         job.worker_incarnation = reg.incarnation(route.worker_id) if route.worker_id else ""
         job.route_reason = route.reason
         job.started = time.monotonic()
-        reg.dispatched(route.worker_id, job.hashes)
+        reg.dispatched(route.worker_id, job.hashes, blocks, job.request_id)
         log.info("request %s -> %s (%s, %d cached blocks)", job.request_id,
                  route.worker_id or "pool", route.reason, route.matched_blocks, extra={"request_id": job.request_id})
 
@@ -555,6 +556,7 @@ class Run:
                 )
             job.done = True
             gw.bus.close_request(job.request_id)
+            gw.registry.finished(job.request_id)
             if msg.finish_reason == "cancelled":
                 raise OpenAIError(503, "the request was cancelled by the worker", code="cancelled", retry_after=1)
             job.finish_reason = msg.finish_reason if msg.finish_reason in ("stop", "length") else "stop"
@@ -573,6 +575,7 @@ class Run:
                 return None
             job.done = True
             gw.bus.close_request(job.request_id)
+            gw.registry.finished(job.request_id)
             raise OpenAIError(msg.status, msg.message, code=msg.code)
         if isinstance(msg, Unreadable):
             if msg.request_id != job.request_id:
@@ -610,6 +613,7 @@ class Run:
         if not job.token_ids and not job.text_parts and not job.retried:
             log.warning("request %s: worker %s %s; re-sending the request", job.request_id, worker, why)
             self.gw.bus.cancel_soon(job.request_id, f"worker {worker} {why}")
+            self.gw.registry.finished(job.request_id)
             job.retried = True
             await self._dispatch(job, exclude=frozenset({worker}))
             return
@@ -632,6 +636,8 @@ class Run:
                 self.gw.bus.cancel_soon(job.request_id, reason)
             elif job.request_id:
                 self.gw.bus.close_request(job.request_id)
+            if job.request_id:
+                self.gw.registry.finished(job.request_id)
         self.gw.inflight -= self._counted
         self._counted = 0
 

@@ -155,6 +155,8 @@ class GatewayConfig:
     queue_when_no_workers: bool = False
     #: a worker counts as alive this long after its last stats report (/ready, routing)
     alive_after: float = 3.0
+    #: routing cost = uncached prompt blocks + this × the KV blocks the worker holds for running requests
+    route_load_weight: float = 1.0
     #: a request targeted at a worker silent this long is retried on the pool (or fails)
     worker_lost_after: float = 10.0
     #: SSE comment sent after this many idle seconds (keeps proxies and disconnect detection going)
@@ -172,6 +174,8 @@ class GatewayConfig:
         check_token(self.gateway_id, "gateway id")
         if self.request_timeout <= 0 or self.max_request_timeout < self.request_timeout:
             raise ValueError("request timeout must be positive and at most max_request_timeout")
+        if not 0 <= self.route_load_weight < float("inf"):
+            raise ValueError(f"TANDEM_GATEWAY_ROUTE_LOAD_WEIGHT must be a number ≥ 0, got {self.route_load_weight}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> GatewayConfig:
@@ -187,6 +191,7 @@ class GatewayConfig:
             block_size=s.block_size,
             max_inflight=_env_value("TANDEM_GATEWAY_MAX_INFLIGHT", 512),
             queue_when_no_workers=_env_value("TANDEM_GATEWAY_QUEUE_WHEN_NO_WORKERS", False),
+            route_load_weight=_env_value("TANDEM_GATEWAY_ROUTE_LOAD_WEIGHT", 1.0),
         )
         if os.environ.get("TANDEM_GATEWAY_ID"):
             cfg = replace(cfg, gateway_id=os.environ["TANDEM_GATEWAY_ID"])

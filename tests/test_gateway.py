@@ -492,6 +492,54 @@ def test_registry_restart_forgets_cache() -> None:
     assert reg.workers["a"].blocks == {}
 
 
+def test_routing_weighs_load_against_cached_prefix(text_model: TextModel) -> None:
+    """Distinct chats share only the template's system-prompt block: a burst spreads over both decode
+    workers (the longest match alone sent all of them to one). A long shared prefix still attracts its
+    requests, until the worker holding it is busier by about as many blocks as the prefix saves."""
+    bs = 16
+    tok, tpl = text_model.tokenizer, text_model.chat_template
+    reg = WorkerRegistry("m", rng=random.Random(0))
+
+    def report(wid: str, used: int = 0) -> None:
+        reg.observe(m.WorkerStats(role="decode_only", worker_id=wid, running=0, free_blocks=1000 - used,
+                                  total_blocks=1000, max_batch=64))
+
+    def route(ids: list[int], rid: str) -> Route:
+        hashes = prefix_hashes(ids, bs)
+        r = reg.choose(hashes, (len(ids) + bs - 1) // bs)
+        reg.dispatched(r.worker_id, hashes, (len(ids) + bs - 1) // bs, rid)
+        return r
+
+    def chat(content: str, system: str | None = None) -> list[int]:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+        return tok.encode(tpl.render(msgs))
+
+    report("a")
+    report("b")
+    route(chat("warm up"), "w0")  # one worker now holds the system-prompt block...
+    route(chat("warm up too"), "w1")  # ...the other too (it was the cheaper one)
+    report("a")
+    report("b")
+    burst = [route(chat(f"Question {i}: what is {i} times {i + 3}? Answer briefly."), f"r{i}") for i in range(6)]
+    assert all(r.matched_blocks == 1 for r in burst)  # each shares exactly the system-prompt block
+    assert sorted(r.worker_id for r in burst).count("a") == 3  # spread evenly, not 6 of 6
+    # requests that end free their worker at once: the next burst spreads again
+    for i in range(6):
+        reg.finished(f"r{i}")
+    assert reg.workers["a"].load == reg.workers["b"].load == 0
+
+    # a 30-block shared prefix, cached on one worker: its requests follow it
+    system = " ".join(f"rule {i} of the house." for i in range(100))
+    first = route(chat("first", system), "p0")
+    holder = first.worker_id
+    later = [route(chat(f"follow-up {i}", system), f"p{i + 1}") for i in range(5)]
+    assert all(r.worker_id == holder and r.reason == "prefix affinity" and r.matched_blocks >= 30 for r in later)
+    # ...until the holder holds many more blocks for running requests than the prefix saves
+    report(holder, used=400)
+    assert route(chat("one more", system), "p9").worker_id != holder
+    assert reg.choose([], 1).reason == "least loaded"
+
+
 def test_text_model_matches_full_loader(text_model: TextModel) -> None:
     ids = text_model.tokenizer.encode(text_model.chat_template.render([{"role": "user", "content": "Hi 12 ü"}]))
     assert text_model.max_position == 8192 and text_model.vocab_size == 49152
@@ -724,6 +772,8 @@ def test_routing_affinity_over_two_workers(nats_srv: EmbeddedNats, subjects: Sub
         assert all(how == "direct" for how, _ in new)
     finally:
         loop_thread.run(w2.stop())
+        # fake-2 looks alive for alive_after more seconds; the next tests expect fake-1 alone
+        wait_until_only_fake1_routable(gw.url, worker)
 
 
 # ============================================================================ errors
