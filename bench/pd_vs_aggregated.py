@@ -1,0 +1,184 @@
+"""Experiment 1 of issue 10: prefill/decode split against aggregated serving on the same two cores.
+
+    python -m bench.pd_vs_aggregated [--rates 0.25,0.5,1] [--duration 60] [--write]
+
+Each layout is a fresh ``tandem up`` measured by ``tandem bench`` under ``mixed`` load — short
+chats (``--input-len`` tokens in, ``--output-len`` out) with an evenly spaced ``--long-share`` of
+``--long-tokens``-token prompts — at increasing Poisson rates:
+
+- ``disaggregated``: 1 prefill worker on the first core, 1 decode worker on the second, one
+  torch thread each;
+- ``aggregated-512`` / ``aggregated-128``: one prefill_and_decode worker on both cores, step
+  token budget 512 or 128 (``--max-step-tokens``);
+- ``aggregated-2x``: two prefill_and_decode workers, one per core.
+
+It reports, per layout and rate, the short requests' ITL p99, TTFT p90 of short and long
+requests, and goodput at the SLOs (default TTFT ≤ 3 s, ITL ≤ 150 ms), and checks the issue's
+targets: at the first rate where ``aggregated-512``'s short ITL p99 passes the ITL SLO,
+disaggregated's should be at most 0.25× of it, and its goodput at least 2×. The load generator
+shares the two cores with the server, so figures measured on a busy machine are indicative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.cluster import Up
+from runtime.placement import available_cpus
+
+
+def layouts() -> dict[str, list[str]]:
+    """``tandem up`` flags of each layout, on this machine's first two cores."""
+    first, second = available_cpus()[:2]
+    return {
+        "disaggregated": ["--prefill-cpus", str(first), "--decode-cpus", str(second)],
+        "aggregated-512": ["--aggregated", "--decode-cpus", f"{first},{second}", "--worker-args",
+                           "--max-step-tokens 512"],
+        "aggregated-128": ["--aggregated", "--decode-cpus", f"{first},{second}", "--worker-args",
+                           "--max-step-tokens 128"],
+        "aggregated-2x": ["--aggregated", "--decode", "2", "--decode-cpus", f"{first},{second}"],
+    }
+
+
+def measure(name: str, up_args: list[str], args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    """Start the layout, run ``tandem bench`` against it, stop it; returns the bench result."""
+    log_dir = out_dir / name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"== {name}: tandem up {' '.join(up_args)}", flush=True)
+    up = Up(log_dir, *up_args)
+    result_path = log_dir / "bench.json"
+    cmd = [sys.executable, "-m", "tandem.cli", "bench", "--base-url", up.url, "--dataset", "mixed",
+           "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--long-share", str(args.long_share), "--long-tokens", str(args.long_tokens),
+           "--long-output-len", str(args.long_output_len), "--rate", args.rates, "--duration", str(args.duration),
+           "--warmup", "2", "--goodput", f"ttft:{args.slo_ttft}", f"itl:{args.slo_itl}",
+           "--json", str(result_path), "--plot", str(log_dir / "bench.png"), "--no-progress"]
+    try:
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        up.stop()
+    result = json.loads(result_path.read_text())
+    result["layout"] = {"name": name, "up_args": up_args, "placement": [c.get("placement", "")
+                                                                       for c in up.info["children"]]}
+    return result
+
+
+def rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per layout and rate: the figures the issue asks for."""
+    out = []
+    for name, res in results.items():
+        for run in res["runs"]:
+            short, long = run["by_kind"].get("short", {}), run["by_kind"].get("long", {})
+            out.append({
+                "layout": name, "rate": run["load"]["rate"],
+                "short_itl_p99": short.get("latency_ms", {}).get("itl", {}).get("p99"),
+                "short_ttft_p90": short.get("latency_ms", {}).get("ttft", {}).get("p90"),
+                "long_ttft_p90": long.get("latency_ms", {}).get("ttft", {}).get("p90"),
+                "goodput": run["goodput"]["requests_per_s"], "goodput_short": short.get("goodput", {})
+                .get("requests_per_s"), "failed": run["requests"]["failed"],
+            })
+    return out
+
+
+def verdict(table: list[dict[str, Any]], slo_itl: float) -> str:
+    """The issue's two targets, checked at the first rate where aggregated-512 misses the ITL SLO."""
+    agg = {r["rate"]: r for r in table if r["layout"] == "aggregated-512"}
+    dis = {r["rate"]: r for r in table if r["layout"] == "disaggregated"}
+    over = [rate for rate in sorted(agg) if (agg[rate]["short_itl_p99"] or 0) > slo_itl and rate in dis]
+    if not over:
+        return f"aggregated-512's short ITL p99 stayed within {slo_itl:g} ms at every rate: no crossing to compare at."
+    rate = over[0]
+    a, d = agg[rate], dis[rate]
+    itl_ratio = d["short_itl_p99"] / a["short_itl_p99"] if d["short_itl_p99"] else float("nan")
+    if not d["goodput"]:
+        good = f"goodput {d['goodput']:.3f} against {a['goodput']:.3f} req/s (target ≥ 2×: missed)"
+    else:
+        good_ratio = d["goodput"] / a["goodput"] if a["goodput"] else float("inf")
+        good = (f"goodput {d['goodput']:.3f} against {a['goodput']:.3f} req/s, {good_ratio:.2f}× "
+                f"(target ≥ 2×: {'met' if good_ratio >= 2 else 'missed'})")
+    return (f"At {rate:g} req/s (aggregated-512's short ITL p99 {a['short_itl_p99']:.0f} ms > {slo_itl:g} ms): "
+            f"disaggregated's is {d['short_itl_p99']:.0f} ms, {itl_ratio:.2f}× (target ≤ 0.25×: "
+            f"{'met' if itl_ratio <= 0.25 else 'missed'}); {good}.")
+
+
+def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f} ms"
+
+    lines = [
+        "## Experiment 1: P/D against aggregated on the same two cores (bench/pd_vs_aggregated.py)", "",
+        f"`python -m bench.pd_vs_aggregated --rates {args.rates} --duration {args.duration:g}`: `mixed` load — short "
+        f"chats of {args.input_len} prompt tokens and {args.output_len} out, plus {args.long_tokens}-token prompts "
+        f"({args.long_output_len} out) as {args.long_share:g} of the requests — Poisson arrivals, "
+        f"{args.duration:g} s per rate after 2 warm-up requests; goodput at TTFT ≤ {args.slo_ttft / 1000:g} s and "
+        f"ITL ≤ {args.slo_itl:g} ms. The load generator, NATS and the gateway run on the same two cores.", "",
+        "| layout | rate (req/s) | short ITL p99 | short TTFT p90 | long TTFT p90 | goodput (req/s) | "
+        "goodput, short | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in table:
+        lines.append(f"| {r['layout']} | {r['rate']:g} | {ms(r['short_itl_p99'])} | {ms(r['short_ttft_p90'])} | "
+                     f"{ms(r['long_ttft_p90'])} | {r['goodput']:.3f} | {r['goodput_short'] or 0:.3f} | "
+                     f"{r['failed']} |")
+    lines += ["", verdict(table, args.slo_itl)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: list[dict[str, Any]]) -> str:
+    from bench.report import plot_lines
+
+    names = sorted({r["layout"] for r in table})
+    itl = {n: [(r["rate"], r["short_itl_p99"]) for r in table if r["layout"] == n and r["short_itl_p99"]]
+           for n in names}
+    good = {n: [(r["rate"], r["goodput"]) for r in table if r["layout"] == n] for n in names}
+    return (plot_lines("pd_itl_p99", "short requests' ITL p99 under mixed load", "offered rate (req/s)", "ms", itl)
+            + plot_lines("pd_goodput", "goodput at the SLOs", "offered rate (req/s)", "req/s", good))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.pd_vs_aggregated", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="0.25,0.5,1", help="offered rates, requests/s (default 0.25,0.5,1)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate (default 60)")
+    p.add_argument("--input-len", type=int, default=100)
+    p.add_argument("--output-len", type=int, default=100)
+    p.add_argument("--long-share", type=float, default=0.1)
+    p.add_argument("--long-tokens", type=int, default=2000)
+    p.add_argument("--long-output-len", type=int, default=16)
+    p.add_argument("--slo-ttft", type=float, default=3000.0, help="ms (default 3000)")
+    p.add_argument("--slo-itl", type=float, default=150.0, help="ms (default 150)")
+    p.add_argument("--layouts", default=",".join(layouts()), help="comma-separated subset (default all)")
+    p.add_argument("--out", default=None, help="folder for logs and raw results (default a temp folder)")
+    p.add_argument("--write", action="store_true", help="update docs/benchmarks.md and its plots")
+    args = p.parse_args(argv)
+    if len(available_cpus()) < 2:
+        print("bench.pd_vs_aggregated needs two cores", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out or tempfile.mkdtemp(prefix="tandem-pd-"))
+    all_layouts = layouts()
+    chosen = [n.strip() for n in args.layouts.split(",")]
+    unknown = [n for n in chosen if n not in all_layouts]
+    if unknown:
+        print(f"unknown layout {', '.join(unknown)}; choose from {', '.join(all_layouts)}", file=sys.stderr)
+        return 2
+    results = {name: measure(name, all_layouts[name], args, out_dir) for name in chosen}
+    (out_dir / "results.json").write_text(json.dumps(rows(results), indent=1))
+    text = markdown(rows(results), args)
+    print(text)
+    print(f"raw results and per-layout plots: {out_dir}")
+    if args.write:
+        from bench.report import write_section
+
+        write_section("pd-vs-aggregated", text + "\n" + plot(rows(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
