@@ -51,13 +51,7 @@ class Worker:
         return "\n".join(self.log_path.read_text().splitlines()[-n:])
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, signal.SIGTERM, timeout)
         self.log.close()
         return self.proc.returncode
 
@@ -205,10 +199,24 @@ class Up:
 
     def stop(self, timeout: float = 60.0) -> None:
         """Ctrl-C, then SIGKILL after ``timeout``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, signal.SIGINT, timeout)
+
+
+def stop_process(proc: subprocess.Popen, sig: int, timeout: float) -> None:
+    """Send ``sig`` to a child still running; SIGKILL it if it has not exited within ``timeout``."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def cpus_allowed(pid: int) -> set[str]:
+    """``Cpus_allowed_list`` of every thread of process ``pid`` (what pinning left it)."""
+    out: set[str] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out |= {line.split()[1] for line in (task / "status").read_text().splitlines()
+                if line.startswith("Cpus_allowed_list:")}
+    return out

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.cluster import Up
+from bench.cluster import Up, cpus_allowed
 from bench.datasets import FileDataset, PromptBuilder, SyntheticDataset, is_long
 from bench.loadgen import Load, Options, RequestRecord, Stop, arrival_gaps, chunk_gaps, run_level, send
 from bench.results import SCHEMA, latency_stats, meets, parse_slo, summarize
@@ -244,15 +244,6 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         yield cluster
     finally:
         cluster.stop()
-
-
-def cpus_allowed(pid: int) -> set[str]:
-    """``Cpus_allowed_list`` of every thread of ``pid``."""
-    out = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out |= {line.split()[1] for line in (task / "status").read_text().splitlines()
-                if line.startswith("Cpus_allowed_list:")}
-    return out
 
 
 def test_up_places_prefill_and_decode_on_their_own_cores(up: Up) -> None:

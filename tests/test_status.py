@@ -18,6 +18,7 @@ from pathlib import Path
 import nats
 import pytest
 
+from bench.cluster import cpus_allowed
 from bus.messages import REQUEST_ID_HEADER
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
@@ -108,16 +109,6 @@ def worker_proc() -> Iterator[tuple[str, int, Proc]]:
 @pytest.fixture(scope="module")
 def cluster(worker_proc: tuple[str, int, Proc]) -> tuple[str, int]:
     return worker_proc[0], worker_proc[1]
-
-
-def cpus_allowed(pid: int) -> set[str]:
-    """``Cpus_allowed_list`` of every thread of ``pid``."""
-    out = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for line in (task / "status").read_text().splitlines():
-            if line.startswith("Cpus_allowed_list:"):
-                out.add(line.split()[1])
-    return out
 
 
 def test_cpus_pins_every_thread_of_the_worker(worker_proc: tuple[str, int, Proc]) -> None:
