@@ -39,7 +39,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="bearer key (default $OPENAI_API_KEY or $TANDEM_API_KEY)")
     p.add_argument("--tokenizer", default="auto",
                    help="model whose tokenizer sizes the prompts: alias, .gguf or HF dir; 'none' to estimate "
-                        "(default: --model when it names a local model, else the built-in model)")
+                        "(default: the served model when it names a local one, e.g. a llama-server GGUF path)")
     p.add_argument("--endpoint", default="chat", choices=["chat", "completions"],
                    help="chat (/v1/chat/completions, chat template counted) or completions (default chat)")
     d = p.add_argument_group("dataset")
@@ -115,20 +115,16 @@ def _stop(args: argparse.Namespace) -> Stop:
 
 
 def _tokenizer_spec(args: argparse.Namespace, model: str) -> str | None:
-    """The model spec whose tokenizer sizes prompts, or None (lengths estimated)."""
-    from engine.loader import DEFAULT_MODEL, ModelLoadError, resolve_model_path
+    """The model spec whose tokenizer sizes prompts: --tokenizer, else the served model when it is local."""
+    from engine.loader import ModelLoadError, resolve_model_path
 
-    if args.tokenizer == "none":
-        return None
     if args.tokenizer != "auto":
-        return args.tokenizer
-    for spec in (model, DEFAULT_MODEL):
-        try:
-            resolve_model_path(spec)
-            return spec
-        except (ModelLoadError, OSError):
-            continue
-    return None
+        return None if args.tokenizer == "none" else args.tokenizer
+    try:
+        resolve_model_path(model)
+    except (ModelLoadError, OSError):
+        return None
+    return model
 
 
 def _dataset(args: argparse.Namespace, builder: PromptBuilder) -> SyntheticDataset | FileDataset:

@@ -216,6 +216,19 @@ class Counting:
         self.done += 1
 
 
+def test_tokenizer_is_the_served_model_when_local() -> None:
+    from argparse import Namespace
+
+    from bench.command import _tokenizer_spec
+
+    assert _tokenizer_spec(Namespace(tokenizer="auto"), MODEL) == MODEL
+    assert _tokenizer_spec(Namespace(tokenizer="auto"), "gpt-3.5-turbo") is None  # estimated, never another's
+    assert _tokenizer_spec(Namespace(tokenizer="none"), MODEL) is None
+    assert _tokenizer_spec(Namespace(tokenizer=MODEL), "gpt-3.5-turbo") == MODEL
+    estimated = SyntheticDataset("random", PromptBuilder(), input_len=50).get(0)
+    assert estimated.input_tokens is None and len(estimated.messages[-1]["content"].split()) == 50
+
+
 def test_levels_send_what_they_say(builder: PromptBuilder) -> None:
     """Closed loop sends exactly --requests; an open-loop duration sends about rate × duration."""
     d = SyntheticDataset("random", builder, input_len=20, output_len=4)
