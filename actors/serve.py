@@ -21,7 +21,7 @@ def serve(settings: Settings) -> int:
         serve_metrics(settings.metrics_port)
     except OSError as e:
         raise ValueError(f"cannot serve metrics on port {settings.metrics_port}: {e.strerror or e}") from e
-    loaded = load_model(settings.model, settings.dtype)
+    loaded = load_model(settings.model, settings.dtype, settings.quantization)
     actor_cls = PrefillActor if settings.role == "prefill_only" else DecodeActor
     actor = actor_cls(settings, loaded)
     actor.serve_forever()

@@ -1,9 +1,13 @@
-"""Engine micro-benchmark: prefill and decode throughput, KV bytes per token, decode vs roofline.
+"""Engine micro-benchmark: weight formats side by side, and llama.cpp's server on the same GGUF.
 
-    python -m bench.engine [--model M] [--dtype D] [--write]
+    python -m bench.engine [--quantization none,auto] [--batches 1,8,32,64] [--prefill 128,512,2048]
+                           [--threads N] [--rounds 3] [--write]
 
-Runs in one process, warms up first, reports medians. The roofline is the weight bytes that
-one decode step must read, divided by the single-process copy bandwidth measured in this run.
+For each measure, every engine (one per `--quantization`) and `llama-server` (when it can be started,
+see bench/llama_server.py) run in turn, `--rounds` times, after a warm-up; the table gives medians,
+so drift on a shared machine hits every column alike. Decode tok/s is timed over pure decode steps
+of a batch of 64-token prompts; prefill tok/s is a whole prompt to its first token. llama-server
+reports its own `timings` (decode: the rates of concurrent requests added up).
 """
 
 from __future__ import annotations
@@ -13,12 +17,16 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import DEFAULT_MODEL, load_model
+from engine.loader import DEFAULT_MODEL, load_model, resolve_model_path
 from engine.sampling import SamplingParams
+
+DECODE_PROMPT = 64
+DECODE_STEPS = 16
 
 
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -39,30 +47,23 @@ def _prompt(n: int, offset: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=g).tolist()
 
 
-def bench_prefill(engine: LLMEngine, n: int, repeats: int = 3) -> float:
+def engine_prefill(engine: LLMEngine, n: int, seed: int) -> float:
     """Prompt tokens per second of a whole-prompt prefill (time to the first token)."""
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    for w in range(2):  # warm-up at this size: the first passes fault in fresh activation memory
-        engine.generate([_prompt(n, 500 + w)], params)
-    times = []
-    for r in range(repeats):
-        t = time.perf_counter()
-        engine.generate([_prompt(n, 1000 + r)], params)
-        times.append(time.perf_counter() - t)
-    return n / statistics.median(times)
+    t = time.perf_counter()
+    engine.generate([_prompt(n, seed)], SamplingParams(max_tokens=1, temperature=0.0))
+    return n / (time.perf_counter() - t)
 
 
-def bench_decode(engine: LLMEngine, batch: int, steps: int = 24, prompt_len: int = 64) -> float:
-    """Output tokens per second across the batch, timed over pure decode steps."""
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    seqs = [engine.add_request(f"d{batch}-{i}-{time.monotonic_ns()}", _prompt(prompt_len, i), params)
+def engine_decode(engine: LLMEngine, batch: int, seed: int) -> float:
+    """Output tokens per second across the batch, median over pure decode steps."""
+    params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(f"d{batch}-{seed}-{i}", _prompt(DECODE_PROMPT, seed * 1000 + i), params)
             for i in range(batch)]
     while any(s.num_computed < len(s.prompt_ids) for s in seqs):  # prefill everyone first
         engine.step()
-    for _ in range(3):  # warm-up decode steps
-        engine.step()
+    engine.step()
     times = []
-    for _ in range(steps):
+    for _ in range(DECODE_STEPS):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
@@ -71,8 +72,18 @@ def bench_decode(engine: LLMEngine, batch: int, steps: int = 24, prompt_len: int
     return batch / statistics.median(times)
 
 
-def start_times(model: str, dtype: str) -> tuple[float, float]:
-    """Seconds to load the model with an empty weight cache (parse + dequantize) and with a warm one."""
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of weights the engine holds (each tensor once; the tied embedding is the LM head)."""
+    m = engine.model
+    weights = [m.embed, m.lm_head] + [w for layer in m.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up,
+                                                                       layer.w_down)]
+    seen = {id(w): w.nbytes for w in weights}
+    norms = [m.norm] + [t for layer in m.layers for t in (layer.attn_norm, layer.ffn_norm)]
+    return sum(seen.values()) + sum(t.numel() * t.element_size() for t in norms)
+
+
+def start_times(model: str, dtype: str, quantization: str) -> tuple[float, float]:
+    """Seconds to load the model with an empty weight cache (parse + repack) and with a warm one."""
     import tempfile
 
     old = os.environ.get("TANDEM_CACHE_DIR")
@@ -80,10 +91,10 @@ def start_times(model: str, dtype: str) -> tuple[float, float]:
         os.environ["TANDEM_CACHE_DIR"] = tmp
         try:
             t = time.perf_counter()
-            load_model(model, dtype)
+            load_model(model, dtype, quantization)
             cold = time.perf_counter() - t
             t = time.perf_counter()
-            load_model(model, dtype)
+            load_model(model, dtype, quantization)
             warm = time.perf_counter() - t
         finally:
             if old is None:
@@ -93,62 +104,115 @@ def start_times(model: str, dtype: str) -> tuple[float, float]:
     return cold, warm
 
 
-def run(model: str, dtype: str, device: str) -> str:
-    cold, warm = start_times(model, dtype)
-    loaded = load_model(model, dtype)
-    engine = LLMEngine(loaded, EngineConfig(dtype=dtype, device=device, num_blocks=600, max_batch=32,
-                                            max_step_tokens=4096, enable_prefix_cache=False))
-    weight_bytes = sum(t.numel() * t.element_size() for t in loaded.weights.values())
+def _interleaved(runners: dict[str, Callable[[int], float]], rounds: int) -> dict[str, float]:
+    """Median of `rounds` runs of each runner, the runners taking turns (one warm-up each first)."""
+    for fn in runners.values():
+        fn(-1)
+    got: dict[str, list[float]] = {name: [] for name in runners}
+    for r in range(rounds):
+        for name, fn in runners.items():
+            got[name].append(fn(r))
+    return {name: statistics.median(v) for name, v in got.items()}
+
+
+def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: list[int], rounds: int,
+        peer: bool, plot: bool = False) -> str:
+    engines: dict[str, LLMEngine] = {}
+    facts: dict[str, dict[str, str]] = {}
+    for mode in modes:
+        cold, warm = start_times(model, dtype, mode)
+        loaded = load_model(model, dtype, mode)
+        e = LLMEngine(loaded, EngineConfig(dtype=dtype, num_blocks=64 * 8 + 160, max_batch=max(batches),
+                                           max_step_tokens=max(prefills), enable_prefix_cache=False))
+        name = f"{mode} ({loaded.quantization})" if loaded.quantization != mode else mode
+        engines[name] = e
+        facts[name] = {"weights (MB)": f"{weight_bytes(e) / 1e6:,.1f}", "load cold / warm (s)": f"{cold:.1f} / {warm:.2f}"}
+    llama = _start_llama(model, peer)
+    columns = list(engines) + (["llama-server"] if llama else [])
+    rows: list[tuple[str, dict[str, float]]] = []
+    try:
+        for n in prefills:
+            runners = {name: (lambda r, e=e, n=n: engine_prefill(e, n, 10 + r)) for name, e in engines.items()}
+            if llama:
+                runners["llama-server"] = lambda r, n=n: llama.prefill_tok_s(_prompt(n, 10 + r))
+            rows.append((f"prefill {n} tokens (prompt tok/s)", _interleaved(runners, rounds)))
+        for b in batches:
+            runners = {name: (lambda r, e=e, b=b: engine_decode(e, b, 20 + r)) for name, e in engines.items()}
+            if llama:
+                runners["llama-server"] = lambda r, b=b: llama.decode_tok_s(
+                    [_prompt(DECODE_PROMPT, (20 + r) * 1000 + i) for i in range(b)], DECODE_STEPS + 8)
+            rows.append((f"decode batch {b} (output tok/s)", _interleaved(runners, rounds)))
+        if llama:
+            facts["llama-server"] = {"weights (MB)": f"{resolve_model_path(model).stat().st_size / 1e6:,.1f} (file)",
+                                     "load cold / warm (s)": "", "RSS (MB)": f"{llama.rss_bytes() / 1e6:,.0f}"}
+    finally:
+        if llama:
+            llama.stop()
+    for e in engines.values():
+        e.blocks.check_idle()
     bw = copy_bandwidth()
-    roofline = bw / weight_bytes
-    rows = []
-    for n in (128, 512, 2048):
-        rows.append((f"prefill {n} tokens", bench_prefill(engine, n), "prompt tok/s"))
-    decode = {}
-    for b in (1, 8, 32):
-        decode[b] = bench_decode(engine, b)
-        rows.append((f"decode batch {b}", decode[b], "output tok/s"))
-    engine.blocks.check_idle()
     lines = [
-        "## Engine",
+        "## Engine: weight formats",
         "",
-        f"`python -m bench.engine --model {model} --dtype {dtype}` on {platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}. "
-        "Medians after warm-up.",
+        f"`python -m bench.engine --quantization {','.join(modes)}` on {platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {dtype}; copy bandwidth "
+        f"{bw / 1e9:.1f} GB/s this run. Medians of {rounds} rounds, engines taking turns after a warm-up.",
         "",
-        "| measure | value | unit |",
-        "|---|---:|---|",
+        "| measure | " + " | ".join(columns) + " |",
+        "|---|" + "---:|" * len(columns),
     ]
-    lines += [f"| {name} | {value:,.1f} | {unit} |" for name, value, unit in rows]
-    lines += [
-        f"| KV cache per token | {engine.layout.bytes_per_token:,} | bytes ({dtype}) |",
-        f"| weight bytes read per decode step | {weight_bytes / 1e6:,.1f} | MB |",
-        f"| single-process copy bandwidth | {bw / 1e9:,.2f} | GB/s |",
-        f"| decode roofline at batch 1 (bandwidth / weight bytes) | {roofline:,.1f} | tok/s |",
-        f"| decode batch 1 as share of roofline | {100 * decode[1] / roofline:,.0f} | % |",
-        f"| model load, cold (parse + dequantize + write cache) | {cold:,.2f} | s |",
-        f"| model load, warm (weights cache memory-mapped) | {warm:,.2f} | s |",
-        "",
-        "The roofline divides the bytes one decode step must read by the bandwidth of a single-process copy; "
-        "a copy reads and writes every byte, so a pure read stream (a matrix product) can run faster than "
-        "that and land above 100%.",
-    ]
+    for label, values in rows:
+        lines.append(f"| {label} | " + " | ".join(f"{values[c]:,.1f}" for c in columns) + " |")
+    for key in ("weights (MB)", "load cold / warm (s)", "RSS (MB)"):
+        if any(key in facts.get(c, {}) for c in columns):
+            lines.append(f"| {key} | " + " | ".join(facts.get(c, {}).get(key, "") for c in columns) + " |")
+    if plot:
+        from bench.report import plot_lines
+
+        series = {c: [(b, dict(rows)[f"decode batch {b} (output tok/s)"][c]) for b in batches] for c in columns}
+        lines += ["", plot_lines("engine_decode", "Decode throughput by weight format", "batch size",
+                                 "output tok/s", series).rstrip()]
     return "\n".join(lines) + "\n"
 
 
+def _start_llama(model: str, wanted: bool):
+    from bench import llama_server
+
+    if not wanted:
+        return None
+    binary = llama_server.find()
+    path = resolve_model_path(model)
+    if binary is None or path.suffix != ".gguf":
+        print("llama-server: skipped (" + ("set TANDEM_LLAMA_SERVER or put llama-server on PATH; DESIGN §8 says "
+              "how to build it" if binary is None else "the model is not a GGUF file") + ")")
+        return None
+    server = llama_server.LlamaServer(binary, path, threads=torch.get_num_threads())
+    server.wait_ready()
+    return server
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.engine", description=__doc__)
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--write", action="store_true", help="update the Engine section of docs/benchmarks.md")
+    p = argparse.ArgumentParser(prog="bench.engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="alias, .gguf or HF directory (default: the built-in model)")
+    p.add_argument("--dtype", default="float32", help="activations and KV cache (default float32)")
+    p.add_argument("--quantization", default="none,auto", help="weight formats to compare (default none,auto)")
+    p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes (default 1,8,32,64)")
+    p.add_argument("--prefill", default="128,512,2048", help="prefill prompt lengths (default 128,512,2048)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
+    p.add_argument("--rounds", type=int, default=3, help="runs per measure and engine (default 3)")
+    p.add_argument("--no-llama-server", dest="peer", action="store_false", help="do not start llama-server")
+    p.add_argument("--write", action="store_true", help="update the section in docs/benchmarks.md")
     args = p.parse_args(argv)
-    report = run(args.model, args.dtype, args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = run(args.model, args.dtype, args.quantization.split(","), [int(b) for b in args.batches.split(",")],
+                 [int(n) for n in args.prefill.split(",")], args.rounds, args.peer, plot=args.write)
     print(report)
     if args.write:
         from bench.report import write_section
 
-        write_section(f"engine-{args.device.split(':')[0]}-{args.dtype}", report)
+        write_section("engine-formats", report)
     return 0
 
 

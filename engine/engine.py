@@ -1,7 +1,9 @@
 """LLMEngine: requests in, tokens and text out, one `step()` at a time.
 
-The engine is single-threaded by design: actors call every method from one thread (the
-model thread), so the event loop never waits on a forward pass.
+Orchestration only: the scheduler plans a step, the model runner computes it and samples, and
+each sequence's detokenizer turns its new tokens into text. The engine is single-threaded by
+design: actors call every method from one thread (the model thread), so the event loop never
+waits on a forward pass.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import LoadedModel
-from engine.model import ForwardBatch, LlamaModel, PrefillSpan
-from engine.sampling import Sampler, SamplingParams, TokenLogprob
+from engine.model import LlamaModel
+from engine.model_runner import ModelRunner
+from engine.sampling import SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
 from kv.blocks import BlockPool
-from kv.layout import KVLayout
+from kv.layout import DTYPES, KVLayout
 from kv.pool import KVPool
 
 log = logging.getLogger(__name__)
@@ -36,8 +40,6 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     max_model_len: int | None = None  # default: the model's context length
 
-
-DETOK_CONTEXT_TOKENS = 4  # tokens decoded before the new ones, for the decoder's context
 
 
 @dataclass
@@ -64,14 +66,14 @@ class LLMEngine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         mc = loaded.config
-        self.model = LlamaModel(mc, loaded.weights, self.cfg.device)
+        self.model = LlamaModel(mc, loaded.weights, self.cfg.device, DTYPES[self.cfg.dtype])
         self.layout = self.layout_for(loaded, self.cfg)
         self.pool = pool or KVPool(self.layout, self.cfg.num_blocks, self.cfg.device)
         if self.pool.layout != self.layout:
             raise ValueError(f"pool layout {self.pool.layout.describe()} differs from {self.layout.describe()}")
         self.blocks = BlockPool(self.pool.num_blocks, self.cfg.block_size, self.cfg.enable_prefix_cache)
         self.scheduler = Scheduler(self.blocks, self.cfg.max_batch, self.cfg.max_step_tokens)
-        self.sampler = Sampler()
+        self.runner = ModelRunner(self.model, self.pool, self.cfg.block_size)
         self.max_model_len = min(self.cfg.max_model_len or mc.max_position, mc.max_position)
         # The most tokens one sequence's KV can ever occupy: a sequence that reaches it ends with
         # "length" (preempting itself could never be re-admitted, and would block the queue).
@@ -86,7 +88,8 @@ class LLMEngine:
     @staticmethod
     def layout_for(loaded: LoadedModel, cfg: EngineConfig) -> KVLayout:
         mc = loaded.config
-        return KVLayout(loaded.identity, cfg.dtype, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim)
+        return KVLayout(loaded.identity, cfg.dtype, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                        weights=loaded.quantization)
 
     # ------------------------------------------------------------ requests
 
@@ -114,10 +117,15 @@ class LLMEngine:
         if request_id in self.seqs or request_id in self.held:
             raise ValueError(f"request {request_id} is already in the engine")
         self.check_request(prompt_ids, params)
-        seq = Sequence(request_id, prompt_ids, params)
+        seq = self._new_sequence(request_id, prompt_ids, params)
         seq.hold_blocks = hold_blocks
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+        return seq
+
+    def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        seq = Sequence(request_id, prompt_ids, params)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         return seq
 
     def release_held(self, request_id: str) -> None:
@@ -138,7 +146,7 @@ class LLMEngine:
         if request_id in self.seqs:
             raise ValueError(f"request {request_id} is already in the engine")
         self.check_request(prompt_ids, params)
-        seq = Sequence(request_id, prompt_ids, params)
+        seq = self._new_sequence(request_id, prompt_ids, params)
         fresh = self.scheduler.place(seq)
         if fresh is None:
             return None
@@ -207,67 +215,13 @@ class LLMEngine:
         self.last_plan_size = len(plan)
         if not plan:
             return []
-        batch, sampled = self._build_batch(plan)
-        hooks = [self.layer_hooks[s.request_id] for s in sampled if s.request_id in self.layer_hooks]
-        layer_done = (lambda li: [h(li) for h in hooks]) if hooks else None
-        logits = self.model.forward(batch, self.pool, layer_done) if batch.tokens.numel() else None
+        for seq, _ in plan:  # a seed fixes each draw by its index: same output on any worker, after preemption
+            if seq.generator is not None:
+                seq.generator.manual_seed(draw_seed(seq.params.seed, len(seq.output_ids)))
+        sampled, tokens, infos = self.runner.run(plan, self.layer_hooks)
         for seq, n in plan:
             self.scheduler.commit(seq, n)
-        outputs: list[StepOutput] = []
-        if sampled:
-            for s in sampled:  # a seed fixes each draw by its index: same output on any worker, after preemption
-                if s.generator is not None:
-                    s.generator.manual_seed(draw_seed(s.params.seed, len(s.output_ids)))
-            tokens, infos = self.sampler(
-                logits, [s.params for s in sampled], [s.output_ids for s in sampled], [s.generator for s in sampled]
-            )
-            for seq, tok, info in zip(sampled, tokens, infos):
-                outputs.append(self.append_token(seq, tok, info))
-        return outputs
-
-    def _build_batch(self, plan: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
-        bs = self.cfg.block_size
-        prefill = [(s, n) for s, n in plan if n > 1]
-        decode = [(s, n) for s, n in plan if n == 1]
-        tokens: list[int] = []
-        positions: list[int] = []
-        spans: list[PrefillSpan] = []
-        logit_rows: list[int] = []
-        sampled: list[Sequence] = []
-        dev = self.device
-        for seq, n in prefill + decode:
-            start = seq.num_computed
-            ids = seq.all_ids[start : start + n]
-            if n > 1:
-                spans.append(PrefillSpan(len(tokens), n, start + n, torch.tensor(seq.block_table, device=dev)))
-            tokens += ids
-            positions += range(start, start + n)
-            if start + n == seq.num_tokens:
-                logit_rows.append(len(tokens) - 1)
-                sampled.append(seq)
-        # Slot of every new token: (its block in the sequence's table, offset in that block).
-        slot_blocks: list[int] = []
-        for seq, n in prefill + decode:
-            table = seq.block_table
-            slot_blocks += [table[p // bs] for p in range(seq.num_computed, seq.num_computed + n)]
-        pos_t = torch.tensor(positions, device=dev)
-        tables = lens = None
-        if decode:
-            width = max(len(s.block_table) for s, _ in decode)
-            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in decode], device=dev)
-            lens = torch.tensor([s.num_computed + 1 for s, _ in decode], device=dev)
-        batch = ForwardBatch(
-            tokens=torch.tensor(tokens, device=dev),
-            positions=pos_t,
-            slot_blocks=torch.tensor(slot_blocks, device=dev),
-            slot_offsets=pos_t % bs,
-            prefills=spans,
-            decode_start=sum(n for _, n in prefill),
-            decode_tables=tables,
-            decode_lens=lens,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
-        )
-        return batch, sampled
+        return [self.append_token(seq, tok, info) for seq, tok, info in zip(sampled, tokens, infos)]
 
     def append_token(self, seq: Sequence, tok: int, info: TokenLogprob | None = None) -> StepOutput:
         """Add a sampled token, apply the finish rules and return the new safe text."""
@@ -278,15 +232,18 @@ class LLMEngine:
         new_ids: list[int] = []
         if (tok in self.tokenizer.eog_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             seq.finish_reason = "stop"
+            text = seq.detok.flush()
         else:
             seq.output_ids.append(tok)
             new_ids.append(tok)
             if info is not None:
                 seq.logprobs.append(info)
-            self._update_text(seq)
-            if seq.finish_reason is None and (
-                len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= min(self.max_model_len, self.pool_tokens)
-            ):
+            at_length = len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= min(self.max_model_len,
+                                                                                      self.pool_tokens)
+            text = seq.detok.add(seq.output_ids, final=at_length)
+            if seq.detok.stopped:
+                seq.finish_reason = "stop"
+            elif at_length:
                 seq.finish_reason = "length"
         if seq.finish_reason is not None:
             self.seqs.pop(seq.request_id, None)
@@ -296,55 +253,11 @@ class LLMEngine:
                 self.held[seq.request_id] = seq
             else:
                 self.scheduler.finish(seq)
-        return self._emit(seq, new_ids, [info] if info is not None and new_ids else [])
-
-    def _update_text(self, seq: Sequence) -> None:
-        """Extend ``seq.text`` by the new tokens' text, decoding only a short window of tokens.
-
-        Decoding ``ids[start:]`` and dropping the text of ``ids[start:read]`` keeps what a
-        decoder does at a word's start (e.g. SentencePiece's leading space) out of the new
-        text. A window ending in an incomplete UTF-8 character stays pending until the
-        next token completes it.
-        """
-        ids = seq.output_ids
-        searched_to = len(seq.detok_text)  # stop strings were looked for up to here (pending bytes may shrink)
-        start = max(0, seq.detok_read - DETOK_CONTEXT_TOKENS)
-        stable = self.tokenizer.decode(ids[start : seq.detok_read])
-        window = self.tokenizer.decode(ids[start:])
-        if window.startswith(stable):
-            text = seq.detok_text + window[len(stable) :]
-        else:  # a decoder that rewrites earlier text: decode the whole output
-            text = self.tokenizer.decode(ids)
-        if not text.endswith("\ufffd"):
-            seq.detok_text, seq.detok_read = text, len(ids)
-        stops = seq.params.stop
-        if stops:
-            longest = max(len(s) for s in stops)
-            search_from = max(0, searched_to - longest)
-            hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
-            if hits:
-                text = text[: min(hits)]
-                seq.finish_reason = "stop"
-        seq.text = text
-
-    def _emit(self, seq: Sequence, new_ids: list[int], infos: list[TokenLogprob]) -> StepOutput:
-        text = seq.text
-        end = len(text)
-        if seq.finish_reason is None:
-            while end > seq.emitted_chars and text[end - 1] == "\ufffd":  # incomplete UTF-8 so far
-                end -= 1
-            for stop in seq.params.stop:  # hold back a tail that may grow into a stop string
-                for k in range(min(len(stop) - 1, end - seq.emitted_chars), 0, -1):
-                    if text[end - k : end] == stop[:k]:
-                        end -= k
-                        break
-        delta = text[seq.emitted_chars : end] if end > seq.emitted_chars else ""
-        seq.emitted_chars = max(seq.emitted_chars, end)
         return StepOutput(
             request_id=seq.request_id,
             token_ids=new_ids,
-            text=delta,
-            logprobs=infos,
+            text=text,
+            logprobs=[info] if info is not None and new_ids else [],
             finish_reason=seq.finish_reason,
             prompt_tokens=len(seq.prompt_ids),
             cached_tokens=seq.cached_prompt_tokens or 0,

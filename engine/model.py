@@ -1,8 +1,10 @@
 """Llama-family decoder in plain PyTorch, attending through a paged, block-major KV pool.
 
 One forward pass serves a mixed batch: any number of sequences each contributing a chunk of
-new tokens. Linear layers run once over all tokens; attention runs per sequence for chunks
-longer than one token (prefill) and batched for one-token chunks (decode).
+new tokens. Linear layers run once over all tokens (their weights are dense or quantized, see
+`engine.quant`); attention runs per sequence for chunks longer than one token (prefill) and
+batched for one-token chunks (decode). Everything that does not change between layers (RoPE
+angles, the decode gather index and mask) is computed once per forward pass.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_type
+from engine.quant import KERNELS, DenseWeight, Weight, Workspace, weight_from_tensors
 from kv.pool import KVPool
 
 
@@ -36,9 +39,13 @@ class ForwardBatch:
     slot_offsets: torch.Tensor  # [N] slot within that block
     prefills: list[PrefillSpan]
     decode_start: int  # first decode row in the flat batch
-    decode_tables: torch.Tensor | None  # [B, max_blocks] padded block tables
+    decode_tables: torch.Tensor | None  # [B, max_blocks] block tables, padded (with any block) to the longest
     decode_lens: torch.Tensor | None  # [B] context length incl. the new token
     logit_rows: torch.Tensor  # rows of the flat batch whose logits are needed
+    decode_max_len: int = 0  # max(decode_lens), known to the caller without a device sync (0: compute it)
+    dequant_rows: int = 0  # leading rows (long prefill chunks) computed by dequantize + MKL (engine.quant)
+    # decode rows grouped by context length: (rows of decode_tables, longest context); None: one group of all
+    decode_groups: list[tuple[list[int] | None, int]] | None = None
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -67,56 +74,67 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return inv.float()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(x.dtype) * weight
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T, shaped for MKL on the CPU.
-
-    For up to 128 rows (decode batches, short chunks) MKL is much faster computed as (w @ x.T).T,
-    and a single row is fastest padded to two: its matrix-vector path streams the weights at less
-    than half the bandwidth of the two-column product (whole model: 45 ms vs 19 ms here).
-    """
-    n = x.shape[0]
-    if x.device.type != "cpu" or n > 128:
-        return x @ w.T
-    if n == 1:
-        return torch.mm(w, torch.cat([x, x]).T)[:, :1].T.contiguous()
-    return torch.mm(w, x.T).T.contiguous()
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split (rotate_half) RoPE on [N, heads, head_dim] with cos/sin [N, 1, head_dim/2]."""
+    """Half-split (rotate_half) RoPE on [N, heads, head_dim]; cos [N, 1, head_dim], sin with the sign of
+    rotate_half folded in ([-sin, sin]), so it is x * cos + swap_halves(x) * sin."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    wqkv: Weight
+    wo: Weight
+    ffn_norm: torch.Tensor
+    w_gate_up: Weight
+    w_down: Weight
 
 
 class LlamaModel:
-    """Weights are a dict of tensors with fused QKV and gate/up projections (see engine.weights)."""
+    """Weights: a flat dict of tensors in the loader's naming (fused QKV and gate/up; a quantized weight
+    is several tensors under one prefix, see `engine.quant.Weight.tensors`)."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu"):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
         self.cfg = cfg
         self.device = torch.device(device)
-        self.w = {k: v.to(self.device) for k, v in weights.items()}
-        self.dtype = self.w["embed"].dtype
-        self.lm_head = self.w.get("lm_head", self.w["embed"])
+        self.dtype = dtype
+        self.workspace = Workspace(self.device)
+
+        def weight(name: str) -> Weight:
+            w = weight_from_tensors(weights, name, self.workspace)
+            if self.device.type != "cpu" and not isinstance(w, DenseWeight):
+                w = DenseWeight(w.dequantize().to(dtype))  # the int4/int8 kernels here are CPU kernels
+            if isinstance(w, DenseWeight):
+                w = DenseWeight(w.w.to(self.device, dtype))
+            return w
+
+        def norm(name: str) -> torch.Tensor:
+            return weights[name].to(self.device, dtype)
+
+        self.embed = weight("embed")
+        self.lm_head = weight("lm_head") if _has(weights, "lm_head") else self.embed
+        self.norm = norm("norm")
         self.layers = [
-            {
-                name: self.w[f"layers.{i}.{name}"]
-                for name in ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
-            }
+            Layer(norm(f"layers.{i}.attn_norm"), weight(f"layers.{i}.wqkv"), weight(f"layers.{i}.wo"),
+                  norm(f"layers.{i}.ffn_norm"), weight(f"layers.{i}.w_gate_up"), weight(f"layers.{i}.w_down"))
             for i in range(cfg.num_layers)
         ]
         inv = rope_frequencies(cfg).to(self.device)
         t = torch.arange(cfg.max_position, device=self.device, dtype=torch.float32)
         freqs = torch.outer(t, inv)
-        self.cos = freqs.cos().to(self.dtype)
-        self.sin = freqs.sin().to(self.dtype)
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(dtype)
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads (every linear layer, the LM head, the norms)."""
+        linears = [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        norms = [layer.attn_norm for layer in self.layers] + [layer.ffn_norm for layer in self.layers] + [self.norm]
+        return sum(w.nbytes for w in linears) + self.lm_head.nbytes + sum(t.numel() * t.element_size() for t in norms)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool,
@@ -127,33 +145,40 @@ class LlamaModel:
         ship that layer while the next one computes (layer-wise KV streaming).
         """
         cfg = self.cfg
-        h = F.embedding(batch.tokens, self.w["embed"])
-        cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin[batch.positions].unsqueeze(1)
+        h = self.embed.rows(batch.tokens).to(self.dtype)
+        cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
+        sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
         n = h.shape[0]
+        heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk_size = self.q_size + self.kv_size
+        decode = _DecodeAttention(batch, pool.layout.block_size) if batch.decode_tables is not None else None
+        hidden, eps, dq = (cfg.hidden_size,), cfg.rms_eps, batch.dequant_rows
+        slots = (batch.slot_blocks, batch.slot_offsets)
+        # Quantized weights answer in bfloat16 (their kernel's dtype): the residual stream, RoPE and attention
+        # stay in the model dtype (the adds promote), the MLP's SiLU-gate runs in what the kernel returned.
         for li, layer in enumerate(self.layers):
-            x = rms_norm(h, layer["attn_norm"], cfg.rms_eps)
-            qkv = linear(x, layer["wqkv"])
-            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            q = apply_rope(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+            qkv = layer.wqkv(F.rms_norm(h, hidden, layer.attn_norm, eps), dq)
+            qk = apply_rope(qkv[:, :qk_size].view(n, heads + kv_heads, hd), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, qk_size:].view(n, kv_heads, hd)
             kc, vc = pool.keys(li), pool.values(li)
-            kc[batch.slot_blocks, batch.slot_offsets] = k
-            vc[batch.slot_blocks, batch.slot_offsets] = v
-            attn = self._attention(q, k, v, kc, vc, batch)
-            h = h + linear(attn.reshape(n, self.q_size), layer["wo"])
-            x = rms_norm(h, layer["ffn_norm"], cfg.rms_eps)
-            gate, up = linear(x, layer["w_gate_up"]).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer["w_down"])
+            kc.index_put_(slots, k.to(kc.dtype))
+            vc.index_put_(slots, v.to(vc.dtype))
+            attn = self._attention(q, k, v.to(q.dtype), kc, vc, batch, decode)
+            h.add_(layer.wo(attn.reshape(n, self.q_size), dq))
+            gate, up = layer.w_gate_up(F.rms_norm(h, hidden, layer.ffn_norm, eps), dq).chunk(2, dim=-1)
+            h.add_(layer.w_down(F.silu(gate).mul_(up), dq))
             if layer_done is not None:
                 layer_done(li)
         if batch.logit_rows.numel() == 0:
-            return h.new_empty((0, self.lm_head.shape[0]), dtype=torch.float32)
-        h = rms_norm(h[batch.logit_rows], self.w["norm"], cfg.rms_eps)
-        return linear(h, self.lm_head).float()
+            return h.new_empty((0, self.lm_head.out_features), dtype=torch.float32)
+        h = F.rms_norm(h.index_select(0, batch.logit_rows), hidden, self.norm, eps)
+        rows = h.shape[0]  # one per sampled sequence: the kernel, always, so a token's logits never depend on its step
+        return self.lm_head(h, rows if rows > KERNELS.lm_head_kernel_max_rows else 0).float()
 
-    def _attention(self, q, k, v, kc, vc, batch: ForwardBatch) -> torch.Tensor:
+    def _attention(self, q, k, v, kc, vc, batch: ForwardBatch, decode: _DecodeAttention | None) -> torch.Tensor:
+        if not batch.prefills and decode is not None:
+            return decode(q, kc, vc)
         out = torch.empty_like(q)
         bs = kc.shape[1]
         for span in batch.prefills:
@@ -164,8 +189,8 @@ class LlamaModel:
             else:
                 nblk = (span.context + bs - 1) // bs
                 blk = span.blocks[:nblk]
-                ks = kc[blk].flatten(0, 1)[: span.context]
-                vs = vc[blk].flatten(0, 1)[: span.context]
+                ks = kc[blk].flatten(0, 1)[: span.context].to(q.dtype)
+                vs = vc[blk].flatten(0, 1)[: span.context].to(q.dtype)
                 past = span.context - span.length
                 qi = torch.arange(span.length, device=q.device).unsqueeze(1)
                 kj = torch.arange(span.context, device=q.device).unsqueeze(0)
@@ -175,15 +200,62 @@ class LlamaModel:
                 attn_mask=mask, is_causal=causal, enable_gqa=True,
             )
             out[sl] = o.squeeze(0).transpose(0, 1)
-        if batch.decode_tables is not None:
-            d0 = batch.decode_start
-            qd = q[d0:].unsqueeze(2)  # [B, H, 1, D]
-            tables = batch.decode_tables
-            bsz, mb = tables.shape
-            ks = kc[tables].view(bsz, mb * bs, *kc.shape[2:]).transpose(1, 2)
-            vs = vc[tables].view(bsz, mb * bs, *vc.shape[2:]).transpose(1, 2)
-            pos = torch.arange(mb * bs, device=q.device)
-            mask = (pos.unsqueeze(0) < batch.decode_lens.unsqueeze(1)).view(bsz, 1, 1, mb * bs)
-            o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=mask, enable_gqa=True)
-            out[d0:] = o.squeeze(2)
+        if decode is not None:
+            out[batch.decode_start:] = decode(q[batch.decode_start:], kc, vc)
         return out
+
+
+def _has(weights: dict[str, torch.Tensor], prefix: str) -> bool:
+    return prefix in weights or any(k.startswith(prefix + ".") for k in weights)
+
+
+class _DecodeAttention:
+    """Batched attention of one new token per sequence over its paged context.
+
+    Sequences are grouped by context length (`ForwardBatch.decode_groups`), so a group's block
+    tables are padded only to its own longest context, never to the batch's. Each group's gather
+    index and length mask are built once per forward pass and serve every layer; a group of one
+    sequence needs no mask (its context is sliced).
+    """
+
+    def __init__(self, batch: ForwardBatch, block_size: int):
+        groups = batch.decode_groups or [(None, batch.decode_max_len or int(batch.decode_lens.max()))]
+        self.groups = [_DecodeGroup(batch, rows, longest, block_size) for rows, longest in groups]
+
+    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        if len(self.groups) == 1 and self.groups[0].rows is None:
+            return self.groups[0](q, kc, vc)
+        out = torch.empty_like(q)
+        for g in self.groups:
+            out.index_copy_(0, g.rows, g(q.index_select(0, g.rows), kc, vc))
+        return out
+
+
+class _DecodeGroup:
+    def __init__(self, batch: ForwardBatch, rows: list[int] | None, longest: int, block_size: int):
+        tables, lens = batch.decode_tables, batch.decode_lens
+        self.rows = None
+        if rows is not None:
+            self.rows = torch.tensor(rows, device=tables.device)
+            tables, lens = tables.index_select(0, self.rows), lens.index_select(0, self.rows)
+        nblk = (longest + block_size - 1) // block_size
+        self.bsz = tables.shape[0]
+        self.index = tables[:, :nblk].reshape(-1)
+        self.width = nblk * block_size
+        self.single = longest if self.bsz == 1 else 0
+        self.mask = None
+        if not self.single:
+            pos = torch.arange(self.width, device=lens.device)
+            self.mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(self.bsz, 1, 1, self.width)
+
+    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        shape = (self.bsz, self.width, *kc.shape[2:])
+        ks = kc.index_select(0, self.index).view(shape)  # index_select: 3-4x faster than kc[tables] here
+        vs = vc.index_select(0, self.index).view(shape)
+        if self.single:
+            ks, vs = ks[:, : self.single], vs[:, : self.single]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
+            attn_mask=self.mask, enable_gqa=True,
+        )
+        return o.squeeze(2)

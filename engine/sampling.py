@@ -1,4 +1,10 @@
-"""Sampling parameters and the sampler: penalties, temperature, top-k/top-p, seeds, logprobs."""
+"""Sampling parameters and the batched sampler: penalties, temperature, top-k/top-p, seeds, logprobs.
+
+The sampler works on the whole batch with tensor ops. Each sampled row draws one uniform number
+(from its own generator when the request has a seed) and picks its token by inverting the CDF of
+its distribution — over the vocabulary in id order, or, when top-k or top-p cut it, over the kept
+tokens from the most likely down — so a row's draw never depends on its batch neighbours.
+"""
 
 from __future__ import annotations
 
@@ -51,6 +57,9 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+NUCLEUS_CANDIDATES = 1024  # top-p first looks for its nucleus among this many most likely tokens
+
+
 class Sampler:
     """Samples one token per row. Each row has its own params, output history and generator."""
 
@@ -61,44 +70,88 @@ class Sampler:
         outputs: list[list[int]],
         generators: list[torch.Generator | None],
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        logits = logits.float().cpu()  # per-request generators live on the CPU; rows are small
-        if any(p.frequency_penalty or p.presence_penalty for p in params):
-            logits = logits.clone()
-            for i, (p, out) in enumerate(zip(params, outputs)):
-                if out and (p.frequency_penalty or p.presence_penalty):
-                    ids, counts = torch.tensor(out).unique(return_counts=True)
-                    logits[i, ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
-        logprobs_needed = any(p.logprobs for p in params)
-        logp = torch.log_softmax(logits, dim=-1) if logprobs_needed else None
-        if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1).tolist()
-        else:
-            tokens = [self._sample_row(logits[i], p, g) for i, (p, g) in enumerate(zip(params, generators))]
-        infos: list[TokenLogprob | None] = []
-        for i, (p, t) in enumerate(zip(params, tokens)):
-            if not p.logprobs:
-                infos.append(None)
-                continue
-            top: list[tuple[int, float]] = []
-            if p.top_logprobs:
-                vals, idx = logp[i].topk(p.top_logprobs)
-                top = list(zip(idx.tolist(), vals.tolist()))
-            infos.append(TokenLogprob(t, float(logp[i, t]), top))
-        return tokens, infos
+        logits = logits.float().cpu()  # per-request generators live on the CPU
+        rows = logits.shape[0]
+        penalised = [i for i, p in enumerate(params) if (p.frequency_penalty or p.presence_penalty) and outputs[i]]
+        if penalised:
+            logits = _apply_penalties(logits, penalised, params, outputs)
+        tokens = logits.argmax(dim=-1)
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if drawn:
+            tokens[drawn] = _draw(logits[drawn], [params[i] for i in drawn], [generators[i] for i in drawn])
+        token_list = tokens.tolist()
+        infos: list[TokenLogprob | None] = [None] * rows
+        wanted = [i for i, p in enumerate(params) if p.logprobs]
+        if wanted:
+            logp = torch.log_softmax(logits[wanted], dim=-1)
+            chosen = logp.gather(1, tokens[wanted].unsqueeze(1)).squeeze(1).tolist()
+            k = max(params[i].top_logprobs for i in wanted)
+            top_v, top_i = logp.topk(k) if k else (logp[:, :0], logp[:, :0].long())
+            for j, i in enumerate(wanted):
+                n = params[i].top_logprobs
+                top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
+                infos[i] = TokenLogprob(token_list[i], chosen[j], top)
+        return token_list, infos
 
-    @staticmethod
-    def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-        if p.greedy:
-            return int(row.argmax())
-        row = row / p.temperature
-        if p.top_k and p.top_k < row.numel():
-            kth = row.topk(p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            cum = sorted_p.cumsum(0)
-            drop = cum - sorted_p > p.top_p  # keep the smallest set whose mass reaches top_p
-            sorted_p[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        return int(torch.multinomial(probs, 1, generator=gen))
+
+def _apply_penalties(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+                     outputs: list[list[int]]) -> torch.Tensor:
+    """OpenAI's frequency (per occurrence) and presence (once) penalties, for all `rows` at once."""
+    row_ids = torch.tensor([i for i in rows for _ in outputs[i]])
+    token_ids = torch.tensor([t for i in rows for t in outputs[i]])
+    counts = torch.zeros_like(logits).index_put_((row_ids, token_ids), torch.ones(len(token_ids)), accumulate=True)
+    freq = torch.tensor([params[i].frequency_penalty if i in rows else 0.0 for i in range(len(params))])
+    pres = torch.tensor([params[i].presence_penalty if i in rows else 0.0 for i in range(len(params))])
+    return logits - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0)
+
+
+def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One U[0, 1) per row: from the row's generator when it has one, else one batched global draw."""
+    u = torch.rand(len(generators))
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand(1, generator=g)[0]
+    return u
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+          ) -> torch.Tensor:
+    """Sampled token ids of non-greedy rows: temperature, then top-k, then top-p over what remains."""
+    temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    probs = torch.softmax(logits / temps, dim=-1)
+    vocab = probs.shape[1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    u = _uniforms(generators)
+    if bool((top_k == vocab).all() and (top_p >= 1.0).all()):  # plain temperature: the whole distribution
+        return _invert_cdf(probs, u)
+    k = int(top_k.max())
+    if k == vocab and bool((top_p < 1.0).any()):
+        k = min(vocab, NUCLEUS_CANDIDATES)
+    for width in (k, vocab):  # the candidates usually hold the nucleus; if not, sort everything
+        vals, idx = probs.topk(width) if width < vocab else probs.sort(dim=-1, descending=True)
+        rank = torch.arange(width).unsqueeze(0)
+        vals = vals.masked_fill(rank >= top_k.unsqueeze(1), 0.0)
+        mass = vals.sum(-1, keepdim=True)  # of what top-k keeps (the whole distribution without top-k)
+        total = torch.where(top_k.unsqueeze(1) < vocab, mass, torch.ones_like(mass))
+        cum = vals.cumsum(-1) / total
+        # keep the smallest set whose mass reaches top_p; a row that needs more than `width` tokens retries
+        keep = (cum - vals / total) < top_p.unsqueeze(1)
+        untruncated = (top_k == vocab) & (top_p >= 1.0)
+        complete = (cum[:, -1] >= top_p) | (top_k < vocab) | untruncated
+        if width == vocab or bool(complete.all()):
+            break
+    vals = vals * keep
+    picked = _invert_cdf(vals, u)
+    out = idx.gather(1, picked.unsqueeze(1)).squeeze(1)
+    if bool(untruncated.any()):  # plain-temperature rows of a mixed batch draw from the whole distribution
+        out[untruncated] = _invert_cdf(probs[untruncated], u[untruncated])
+    return out
+
+
+def _invert_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative weight exceeds u * total (zero weights are never picked)."""
+    cum = weights.cumsum(-1)
+    target = (u * cum[:, -1]).unsqueeze(1)
+    picked = torch.searchsorted(cum, target, right=True).squeeze(1)
+    return picked.clamp_max(weights.shape[1] - 1)

@@ -121,9 +121,8 @@ class Scheduler:
         seq.num_computed += n
         full = seq.num_computed // self.block_size
         if len(seq.block_hashes) < full:
-            tokens = seq.all_ids
             for i in range(len(seq.block_hashes), full):
-                chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
+                chunk = seq.tokens(i * self.block_size, (i + 1) * self.block_size)
                 parent = seq.block_hashes[-1] if seq.block_hashes else None
                 h = block_hash(parent, chunk)
                 seq.block_hashes.append(h)

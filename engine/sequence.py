@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling import SamplingParams, TokenLogprob
 
 
@@ -34,11 +35,7 @@ class Sequence:
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
-        self.text = ""  # detokenized output, cut at a stop string
-        self.detok_text = ""  # the text of output_ids[:detok_read], each character complete
-        self.detok_read = 0
-        self.emitted_chars = 0
-        self.emitted_tokens = 0
+        self.detok: IncrementalDetokenizer | None = None  # set by the engine, which has the tokenizer
         self.preemptions = 0
         self.hold_blocks = False
         self.arrival = time.monotonic()
@@ -47,6 +44,24 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without joining the two whole lists."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        if start >= n:
+            return self.output_ids[start - n : stop - n]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n]
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    @property
+    def text(self) -> str:
+        """The detokenized output so far, cut before a stop string."""
+        return self.detok.text if self.detok is not None else ""
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     order: str = BLOCK_MAJOR
+    weights: str = "none"  # how the model's weights are stored (quantization): other weights give other KV
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -56,7 +57,7 @@ class KVLayout:
         return (
             f"{self.model} {self.dtype} block_size={self.block_size} layers={self.num_layers} "
             f"kv_heads={self.num_kv_heads} head_dim={self.head_dim} order={self.order} "
-            f"[{self.fingerprint()}]"
+            f"weights={self.weights} [{self.fingerprint()}]"
         )
 
     def to_dict(self) -> dict:

@@ -10,6 +10,7 @@ from typing import Any
 
 from bus.subjects import check_token
 from engine.loader import DEFAULT_MODEL
+from engine.quant import QUANTIZATIONS
 from runtime.placement import check_device, format_cpus, parse_cpus
 
 ROLES = ("prefill_and_decode", "prefill_only", "decode_only")
@@ -33,6 +34,7 @@ class Settings:
     cpus: str = ""  # pin the worker to these cores ("0", "2-3"); "" = wherever the OS puts it
     threads: int = 0  # torch threads; 0 = one per core of `cpus`, or torch's default without it
     dtype: str = "float32"
+    quantization: str = "auto"  # weights: none|fp16|int8|int4|auto (auto: a GGUF's own Q4 as int4, other quants int8)
     block_size: int = 16
     num_blocks: int = 1024
     max_batch: int = 32
@@ -74,6 +76,8 @@ class Settings:
             raise ValueError(f"unknown TANDEM_KV_TRANSFER {self.kv_transfer!r}")
         if self.layerwise_transfer not in ("auto", "on", "off"):
             raise ValueError("--layerwise-transfer must be auto, on or off")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.remote_prefill_fallback not in ("local", "error"):
             raise ValueError("--remote-prefill-fallback must be local or error")
         check_token(self.worker_id, "worker id")

@@ -9,12 +9,17 @@ import sys
 import time
 
 from engine.loader import DEFAULT_MODEL, ModelLoadError
+from engine.quant import QUANTIZATIONS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="alias, .gguf file or Hugging Face directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="activations and KV cache (default float32)")
+    p.add_argument("--quantization", default=os.environ.get("TANDEM_QUANTIZATION", "auto"),
+                   choices=QUANTIZATIONS, help="how the weights are held (TANDEM_QUANTIZATION; default auto)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -29,7 +34,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params.validate()
         if args.num_blocks < 1:
             raise ValueError("--num-blocks must be at least 1")
-        loaded = load_model(args.model, args.dtype)
+        if args.threads < 0:
+            raise ValueError("--threads must be at least 0")
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        loaded = load_model(args.model, args.dtype, args.quantization)
     except (ValueError, ModelLoadError) as e:
         print(f"error: {e.args[0] if isinstance(e, ValueError) else e}", file=sys.stderr)
         return 2
@@ -92,7 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--pipeline-role", dest="role", default=None,
                     choices=["prefill_and_decode", "prefill_only", "decode_only"])
     sv.add_argument("--model", default=None)
-    sv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    sv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="activations and KV cache (TANDEM_DTYPE; default float32)")
+    sv.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                    help="how the weights are held (TANDEM_QUANTIZATION; default auto: a GGUF's own Q4_0/Q4_1 "
+                         "as int4, its other quantized types as int8, float weights dense)")
     sv.add_argument("--device", default=None, help="cpu, cuda or cuda:N (TANDEM_DEVICE)")
     sv.add_argument("--cpus", default=None,
                     help="pin this worker to these cores, e.g. 0 or 2-3 (TANDEM_CPUS); its torch threads "
@@ -149,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_SERVE_FIELDS = ("role", "model", "dtype", "device", "cpus", "threads", "nats_url", "namespace", "worker_id",
+_SERVE_FIELDS = ("role", "model", "dtype", "quantization", "device", "cpus", "threads", "nats_url", "namespace", "worker_id",
                  "metrics_port", "advertise_host", "kv_tcp_host",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
                  "local_prefill_max_tokens", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",

@@ -64,6 +64,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port-base", type=int, default=DEFAULT_METRICS_BASE,
                    help="workers get the first free metrics ports from here (default 9400; 0 = any free)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["none", "fp16", "int8", "int4", "auto"],
+                   help="how workers hold the weights (TANDEM_QUANTIZATION; default auto: the GGUF's own)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] for the workers")
     p.add_argument("--prefill-cpus", default=None,
                    help="cores for the prefill workers, e.g. 0 or 0-3, split among them (default: see --no-pin)")
@@ -409,6 +411,8 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
     serve_args = ["--model", model, "--namespace", namespace]
     if args.dtype:
         serve_args += ["--dtype", args.dtype]
+    if args.quantization:
+        serve_args += ["--quantization", args.quantization]
     if args.device:
         serve_args += ["--device", args.device]
     serve_args += shlex.split(args.worker_args)

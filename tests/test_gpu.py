@@ -40,14 +40,26 @@ def test_cuda_capital_of_france(smollm, cuda_engine_factory):
     assert "Paris" in seq.text
 
 
-def test_cuda_logits_match_cpu(smollm, make_engine, cuda_engine_factory):
+def test_cuda_logits_match_cpu(smollm):
+    """The same float32 weights on both devices (the CPU's int4 kernel rounds activations to bfloat16)."""
+    from engine.loader import DEFAULT_MODEL, load_model
     from tests.test_model_reference import engine_logits
 
-    ids = chat_ids(smollm, QUESTIONS[1])
-    cpu = engine_logits(make_engine(num_blocks=16), ids)
-    gpu = engine_logits(cuda_engine_factory(num_blocks=16), ids).cpu()
+    dense = load_model(DEFAULT_MODEL, "float32", "none")
+    ids = chat_ids(dense, QUESTIONS[1])
+    cpu = engine_logits(LLMEngine(dense, EngineConfig(num_blocks=16)), ids)
+    gpu = engine_logits(LLMEngine(dense, EngineConfig(num_blocks=16, device="cuda")), ids).cpu()
     assert (gpu - cpu).abs().max().item() < 1e-2
     assert torch.equal(gpu.argmax(-1), cpu.argmax(-1))
+
+
+def test_cuda_quantized_weights_are_dequantized_there(smollm, cuda_engine_factory):
+    """int4/int8 kernels are CPU kernels: on CUDA the default model's weights are expanded to the dtype."""
+    from engine.quant import DenseWeight
+
+    engine = cuda_engine_factory()
+    assert all(isinstance(w, DenseWeight) for w in (engine.model.lm_head, engine.model.layers[0].wqkv))
+    assert engine.model.layers[0].wqkv.w.device.type == "cuda"
 
 
 def test_cuda_batched_chunked_preempt_equal_reference(smollm, cuda_engine_factory, cuda_reference):

@@ -255,3 +255,70 @@ def test_sampled_token_logprob_is_reported_for_the_token_drawn():
         assert info.logprob == pytest.approx(want[tok].item(), abs=1e-6)
         assert [t for t, _ in info.top] == [2, 1]
     assert len(drawn) > 1
+
+
+# ------------------------------------------------------------ the batched path against a per-row reference
+
+
+def reference_row(row: torch.Tensor, p: SamplingParams, out: list[int], gen: torch.Generator | None) -> int:
+    """One row at a time, written plainly: penalties, temperature, top-k, top-p, then the inverse CDF of
+    one uniform draw (the sampler's documented scheme: over the vocabulary in id order, or over the kept
+    tokens from the most likely down when top-k or top-p cut the distribution)."""
+    row = row.clone()
+    for t in set(out):
+        row[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+    if p.greedy:
+        return int(row.argmax())
+    u = float(torch.rand(1, generator=gen)[0]) if gen is not None else None
+    probs = torch.softmax(row / p.temperature, dim=-1)
+    truncated = 0 < p.top_k < len(probs) or p.top_p < 1.0
+    order = probs.argsort(descending=True, stable=True) if truncated else torch.arange(len(probs))
+    kept = probs[order]
+    if 0 < p.top_k < len(kept):
+        kept[p.top_k:] = 0.0
+    kept = kept / kept.sum()
+    cum = kept.cumsum(0)
+    kept[(cum - kept) >= p.top_p] = 0.0
+    cum = kept.cumsum(0)
+    pick = int(torch.searchsorted(cum, torch.tensor([u * float(cum[-1])]), right=True)[0])
+    return int(order[min(pick, len(kept) - 1)])
+
+
+def test_batched_sampler_equals_the_per_row_reference():
+    """Many rows of mixed params (greedy, seeded temperature / top-k / top-p, penalties) in one call give the
+    tokens the plain per-row reference draws with the same seeds."""
+    vocab, rows = 300, 48
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.2, top_k=7),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.9),
+        SamplingParams(temperature=1.0, frequency_penalty=0.7, presence_penalty=0.3),
+        SamplingParams(temperature=0.0, frequency_penalty=1.5),
+        SamplingParams(temperature=1.5, top_p=0.999),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(rows)]
+    outputs = [torch.randint(0, vocab, (i % 5 * 3,), generator=g).tolist() for i in range(rows)]
+    for step in range(5):
+        seeds = [1000 * step + i for i in range(rows)]
+        tokens, _ = Sampler()(logits, params, outputs, [torch.Generator().manual_seed(s) for s in seeds])
+        want = [reference_row(logits[i], params[i], outputs[i], torch.Generator().manual_seed(seeds[i]))
+                for i in range(rows)]
+        assert tokens == want, step
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    assert greedy and all(tokens[i] == want[i] for i in greedy)
+    assert len({tokens[i] for i in range(rows) if not params[i].greedy}) > 10  # real draws, not all one token
+
+
+def test_top_p_beyond_the_candidate_window_falls_back_to_the_whole_vocabulary():
+    """A flat distribution whose nucleus needs more than the first candidates is sampled over all of it."""
+    from engine import sampling
+
+    vocab = sampling.NUCLEUS_CANDIDATES * 3
+    logits = torch.zeros(1, vocab)
+    p = SamplingParams(temperature=1.0, top_p=0.95)
+    seen = {Sampler()(logits, [p], [[]], [torch.Generator().manual_seed(s)])[0][0] for s in range(300)}
+    assert max(seen) >= sampling.NUCLEUS_CANDIDATES  # tokens outside the first window are drawn

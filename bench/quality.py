@@ -1,0 +1,110 @@
+"""What a weight format costs in quality: perplexity on a fixed text and greedy agreement with float32.
+
+    python -m bench.quality [--quantization fp16,int8,int4,auto] [--write]
+
+The text is tests/data/perplexity.txt (original prose shipped with the tests), scored in windows of
+1,024 tokens; greedy agreement is the share of a fixed set of chat prompts whose first 16 greedy
+tokens equal those of `--quantization none` (float32 of the dequantized weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.loader import DEFAULT_MODEL, LoadedModel, load_model
+from engine.model import ForwardBatch, PrefillSpan
+from engine.sampling import SamplingParams
+
+TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "perplexity.txt"
+WINDOW = 1024
+GREEDY_TOKENS = 16
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
+    "List three prime numbers.", "Who wrote Hamlet?", "What is 12 times 7?", "Give me a recipe for pancakes.",
+    "Translate 'good morning' to Spanish.", "What is a black hole?", "Describe a cat.", "How do airplanes fly?",
+    "What is the boiling point of water?", "Name a famous painter.", "Why is the sky blue?", "Tell me a joke.",
+    "What does a bicycle chain do?", "Summarize the plot of Cinderella.", "What is rain made of?",
+    "How many legs does a spider have?", "What is the largest ocean?",
+]
+
+
+@dataclass
+class Quality:
+    label: str
+    perplexity: float
+    greedy: list[list[int]]
+
+
+def score(loaded: LoadedModel, text: str = "") -> Quality:
+    """Perplexity of the text (mean over its windows' next-token log-likelihoods) and greedy outputs."""
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=WINDOW // 16 + 8, max_step_tokens=WINDOW, max_batch=len(PROMPTS),
+                                            enable_prefix_cache=False))
+    ids = loaded.tokenizer.encode(text or TEXT.read_text())
+    nll, count = 0.0, 0
+    bs = engine.cfg.block_size
+    for start in range(0, len(ids) - 1, WINDOW):
+        window = ids[start:start + WINDOW]
+        if len(window) < 2:
+            break
+        blocks = engine.blocks.allocate((len(window) + bs - 1) // bs)
+        table = torch.tensor(blocks)
+        pos = torch.arange(len(window))
+        batch = ForwardBatch(torch.tensor(window), pos, table[pos // bs], pos % bs,
+                             [PrefillSpan(0, len(window), len(window), table)], len(window), None, None,
+                             torch.arange(len(window)))
+        logits = engine.model.forward(batch, engine.pool)
+        engine.blocks.release(blocks)
+        logp = torch.log_softmax(logits[:-1], dim=-1)
+        nll -= logp.gather(1, torch.tensor(window[1:]).unsqueeze(1)).sum().item()
+        count += len(window) - 1
+    prompts = [loaded.tokenizer.encode(loaded.chat_template.render([{"role": "user", "content": p}]))
+               for p in PROMPTS]
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True))
+    return Quality(loaded.quantization, math.exp(nll / count), [s.output_ids for s in greedy])
+
+
+def agreement(a: Quality, b: Quality) -> int:
+    """Prompts whose first greedy tokens are the same under both."""
+    return sum(x == y for x, y in zip(a.greedy, b.greedy))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.quality", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--quantization", default="fp16,int8,int4,auto", help="formats to compare with none")
+    p.add_argument("--write", action="store_true", help="update the section in docs/benchmarks.md")
+    args = p.parse_args(argv)
+    ref = score(load_model(args.model, "float32", "none"))
+    lines = [
+        "## Engine: quality of the weight formats",
+        "",
+        f"`python -m bench.quality` on {args.model}: perplexity of tests/data/perplexity.txt "
+        f"(windows of {WINDOW} tokens) and how many of {len(PROMPTS)} chat prompts give the same first "
+        f"{GREEDY_TOKENS} greedy tokens as `none` (float32 of the dequantized weights).",
+        "",
+        "| quantization | weights | perplexity | vs none | greedy 16 tokens equal |",
+        "|---|---|---:|---:|---:|",
+        f"| none | none | {ref.perplexity:.3f} | 1.000 | {len(PROMPTS)}/{len(PROMPTS)} |",
+    ]
+    for mode in args.quantization.split(","):
+        q = score(load_model(args.model, "float32", mode))
+        lines.append(f"| {mode} | {q.label} | {q.perplexity:.3f} | {q.perplexity / ref.perplexity:.4f} | "
+                     f"{agreement(q, ref)}/{len(PROMPTS)} |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.write:
+        from bench.report import write_section
+
+        write_section("engine-quality", report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

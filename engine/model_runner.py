@@ -1,0 +1,199 @@
+"""ModelRunner: one scheduler plan in, one forward pass, the sampled tokens out.
+
+The one place that turns sequences into tensors. Per step it touches only what changed: each
+decoding sequence owns a row of a persistent block-table tensor (rewritten when its blocks change,
+extended when it gains one), so a decode step builds O(batch) values, never whole token histories
+or block lists. Host-side staging buffers are allocated once and grow when a step is larger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from engine.model import ForwardBatch, LlamaModel, PrefillSpan
+from engine.quant import KERNELS
+from engine.sampling import Sampler, TokenLogprob
+from engine.sequence import Sequence
+from kv.pool import KVPool
+
+LayerHook = Callable[[int], None]
+
+
+class DecodeRows:
+    """Block tables of the decoding sequences, one persistent row each, kept compact (rows 0..B-1)."""
+
+    def __init__(self, device: torch.device, width: int = 64):
+        self.device = device
+        self.table = torch.zeros(0, width, dtype=torch.long, device=device)
+        self.row_of: dict[int, int] = {}  # id(sequence) -> row
+        self.seqs: list[Sequence] = []  # row -> sequence
+        # row -> (the block list written, entries written); the list itself, not its id, which a new list may reuse
+        self.synced: list[tuple[list[int] | None, int]] = []
+
+    def update(self, decoding: list[Sequence]) -> list[Sequence]:
+        """Give every decoding sequence a row with its current blocks; return them in row order."""
+        current = {id(s) for s in decoding}
+        for seq in [s for s in self.seqs if id(s) not in current]:
+            self._remove(seq)
+        for seq in decoding:
+            if id(seq) not in self.row_of:
+                self._add(seq)
+            self._sync(self.row_of[id(seq)], seq)
+        return list(self.seqs)
+
+    def _add(self, seq: Sequence) -> None:
+        row = len(self.seqs)
+        if row == self.table.shape[0]:
+            grown = torch.zeros(max(8, 2 * row), self.table.shape[1], dtype=torch.long, device=self.device)
+            grown[:row] = self.table
+            self.table = grown
+        self.row_of[id(seq)] = row
+        self.seqs.append(seq)
+        self.synced.append((None, 0))
+
+    def _remove(self, seq: Sequence) -> None:
+        """Swap-remove: the last row moves into the freed one, so rows stay 0..B-1."""
+        row = self.row_of.pop(id(seq))
+        last = len(self.seqs) - 1
+        if row != last:
+            moved = self.seqs[last]
+            self.table[row] = self.table[last]
+            self.seqs[row], self.synced[row] = moved, self.synced[last]
+            self.row_of[id(moved)] = row
+        self.seqs.pop()
+        self.synced.pop()
+
+    def _sync(self, row: int, seq: Sequence) -> None:
+        blocks = seq.block_table
+        written_list, written = self.synced[row]
+        if written_list is not blocks or written > len(blocks):  # a new placement (admission, resume): rewrite
+            written = 0
+        if written < len(blocks):
+            if len(blocks) > self.table.shape[1]:
+                wider = torch.zeros(self.table.shape[0], max(len(blocks), 2 * self.table.shape[1]),
+                                    dtype=torch.long, device=self.device)
+                wider[:, : self.table.shape[1]] = self.table
+                self.table = wider
+            self.table[row, written:len(blocks)] = torch.tensor(blocks[written:], dtype=torch.long)
+        self.synced[row] = (blocks, len(blocks))
+
+
+class StepBuffers:
+    """Grow-only host staging for one step's per-token and per-row integers."""
+
+    FIELDS = ("tokens", "positions", "slot_blocks", "decode_lens")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.host: dict[str, np.ndarray] = {f: np.zeros(256, dtype=np.int64) for f in self.FIELDS}
+
+    def put(self, name: str, values: list[int]) -> torch.Tensor:
+        buf = self.host[name]
+        if len(values) > len(buf):
+            buf = self.host[name] = np.zeros(max(len(values), 2 * len(buf)), dtype=np.int64)
+        buf[: len(values)] = values
+        t = torch.from_numpy(buf[: len(values)])
+        return t.to(self.device) if self.device.type != "cpu" else t.clone()
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: KVPool, block_size: int):
+        self.model = model
+        self.pool = pool
+        self.block_size = block_size
+        self.device = model.device
+        self.rows = DecodeRows(self.device)
+        self.buffers = StepBuffers(self.device)
+        self.sampler = Sampler()
+
+    def run(self, plan: list[tuple[Sequence, int]], hooks: dict[str, LayerHook]
+            ) -> tuple[list[Sequence], list[int], list[TokenLogprob | None]]:
+        """Compute `plan` (sequence, new tokens) and sample the sequences whose prompt is complete.
+
+        `hooks[request_id](layer)` runs after each layer of the step that completes that request's
+        prompt (layer-wise KV streaming). Returns the sampled sequences, their tokens and logprobs.
+        """
+        batch, sampled = self.prepare(plan)
+        calls = [hooks[s.request_id] for s in sampled if s.request_id in hooks]
+        layer_done = (lambda li: [h(li) for h in calls]) if calls else None
+        logits = self.model.forward(batch, self.pool, layer_done)
+        if not sampled:
+            return [], [], []
+        tokens, infos = self.sampler(
+            logits, [s.params for s in sampled], [s.output_ids for s in sampled], [s.generator for s in sampled]
+        )
+        return sampled, tokens, infos
+
+    def prepare(self, plan: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
+        """The plan as one flat batch: prefill chunks first (the long ones, computed by dequantize + MKL,
+        leading), then one row per decoding sequence."""
+        bs, dev = self.block_size, self.device
+        long_chunk = KERNELS.kernel_max_chunk
+        chunks = sorted(((s, n) for s, n in plan if n > 1), key=lambda c: c[1] <= long_chunk)
+        decoding = self.rows.update([s for s, n in plan if n == 1])
+        tokens: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        spans: list[PrefillSpan] = []
+        logit_rows: list[int] = []
+        sampled: list[Sequence] = []
+        for seq, n in chunks:
+            start = seq.num_computed
+            spans.append(PrefillSpan(len(tokens), n, start + n, torch.tensor(seq.block_table, device=dev)))
+            tokens += seq.tokens(start, start + n)
+            positions += range(start, start + n)
+            table = seq.block_table
+            slot_blocks += [table[p // bs] for p in range(start, start + n)]
+            if start + n == seq.num_tokens:
+                logit_rows.append(len(tokens) - 1)
+                sampled.append(seq)
+        decode_start = len(tokens)
+        lens: list[int] = []
+        for seq in decoding:
+            p = seq.num_computed
+            tokens.append(seq.token_at(p))
+            positions.append(p)
+            slot_blocks.append(seq.block_table[p // bs])
+            lens.append(p + 1)
+            logit_rows.append(len(tokens) - 1)
+            sampled.append(seq)
+        pos = self.buffers.put("positions", positions)
+        batch = ForwardBatch(
+            tokens=self.buffers.put("tokens", tokens),
+            positions=pos,
+            slot_blocks=self.buffers.put("slot_blocks", slot_blocks),
+            slot_offsets=pos % bs,
+            prefills=spans,
+            decode_start=decode_start,
+            decode_tables=self.rows.table[: len(decoding)] if decoding else None,
+            decode_lens=self.buffers.put("decode_lens", lens) if decoding else None,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            decode_max_len=max(lens, default=0),
+            dequant_rows=sum(n for _, n in chunks if n > long_chunk),
+            decode_groups=length_groups(lens, bs),
+        )
+        return batch, sampled
+
+
+PADDING_SLACK = 1.25  # a decode group's longest context is at most this times its shortest (plus a block)
+MAX_GROUPS = 4  # each group costs two gathers and an attention call per layer
+
+
+def length_groups(lens: list[int], block_size: int) -> list[tuple[list[int] | None, int]] | None:
+    """Decode rows grouped so that padding each group to its longest context wastes little.
+
+    None when one group does (similar lengths, the common case): no regrouping cost at all.
+    """
+    if len(lens) < 2 or max(lens) <= PADDING_SLACK * min(lens) + block_size:
+        return None
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups: list[list[int]] = [[order[0]]]
+    for i in order[1:]:
+        if lens[i] > PADDING_SLACK * lens[groups[-1][0]] + block_size and len(groups) < MAX_GROUPS:
+            groups.append([i])
+        else:
+            groups[-1].append(i)
+    return [(g, max(lens[i] for i in g)) for g in groups]

@@ -1,0 +1,317 @@
+"""Weights of the linear layers as they sit in memory, and the kernel each uses per step shape.
+
+Four kinds, all computing ``x @ w.T`` for activations ``x [M, K]``; the int kernels answer in bfloat16,
+the others in x's dtype:
+
+- ``DenseWeight``: a float tensor, multiplied with MKL (shaped for it on the CPU, see ``dense_matmul``).
+- ``Int4Weight``: group-wise int4 with a scale and an offset per 32 weights — exactly GGUF's Q4_0/Q4_1,
+  which map onto torch's int4 CPU kernel (``w = (q - 8) * scale + zero``).
+- ``Int8Weight``: int8 per output channel with one scale per row (GGUF Q8_0, K-quants, or floats).
+
+The quantized kinds are weight-only: activations stay floating point. Quantizing activations too
+(fbgemm's dynamic int8) was 2-4x faster but raised perplexity 7-170% on the default model
+(docs/benchmarks.md), so it is not offered.
+
+Two paths, chosen per row so that a token's result never depends on what else is in its step:
+
+- the weight-only kernel (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``) reads the compact
+  weights directly, with bfloat16 activations in and out; a row's result does not depend on the
+  other rows. Decode rows and short prefill chunks use it.
+- dequantize + MKL, for the rows of prefill chunks longer than ``KERNELS.kernel_max_chunk``, where
+  the kernel is compute-bound and several times slower than a float32 GEMM: the weights are expanded
+  into a shared float32 workspace (transposed, in chunks of output rows) and multiplied in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32  # weights per int4 scale/offset group (GGUF's block size)
+QUANTIZATIONS = ("none", "fp16", "int8", "int4", "auto")
+KERNEL_DTYPE = torch.bfloat16  # activation dtype of the weight-only CPU kernels (fp16/fp32 run unvectorized)
+_DEQUANT_ROWS = 4096  # output rows expanded at once on the dequantize path (bounds the workspace)
+
+
+@dataclass
+class KernelChoice:
+    """Where the dequantize + MKL path takes over from the weight-only kernel (see bench/kernels.py)."""
+
+    kernel_max_chunk: int = 64  # prefill chunks up to this many tokens use the kernel, as decode rows do
+    lm_head_kernel_max_rows: int = 256  # more logit rows than this (scoring a whole text) dequantize
+
+
+KERNELS = KernelChoice()
+
+
+class Workspace:
+    """A grow-only float32 buffer shared by every layer of one model: dequantized weights land here.
+
+    Reused rather than allocated per call: fresh pages cost 20-40x a warm copy on first touch.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buf = torch.empty(0, dtype=torch.float32, device=device)
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        n = rows * cols
+        if self.buf.numel() < n:
+            self.buf = torch.empty(n, dtype=torch.float32, device=self.device)
+        return self.buf[:n].view(rows, cols)
+
+
+def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T, shaped for MKL on the CPU.
+
+    For up to 128 rows (decode batches, short chunks) MKL is much faster computed as (w @ x.T).T,
+    and a single row is fastest padded to two: its matrix-vector path streams the weights at less
+    than half the bandwidth of the two-column product (whole model: 45 ms vs 19 ms here).
+    """
+    n = x.shape[0]
+    if x.device.type != "cpu" or n > 128:
+        return x @ w.T
+    if n == 1:
+        return torch.mm(w, torch.cat([x, x]).T)[:, :1].T.contiguous()
+    return torch.mm(w, x.T).T.contiguous()
+
+
+class DenseWeight:
+    kind = "none"
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+        self.out_features, self.in_features = w.shape
+
+    def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
+        return dense_matmul(x.to(self.w.dtype), self.w).to(x.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight as float32 (an embedding lookup)."""
+        return self.w[ids].float()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.w.float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.numel() * self.w.element_size()
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {prefix: self.w}
+
+
+class Int4Weight:
+    """int4 weights packed for torch's CPU kernel, with bfloat16 (scale, zero) per group of 32.
+
+    ``packed`` is `torch._convert_weight_to_int4pack_for_cpu`'s layout: for each block of 32 output
+    rows and each input column, 16 bytes whose low nibble is row j and high nibble row j + 16.
+    """
+
+    kind = "int4"
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, workspace: Workspace | None = None):
+        groups, n, two = scales_zeros.shape
+        if two != 2 or packed.shape != (n, groups * GROUP // 2):
+            raise ValueError(f"int4 weight: packed {tuple(packed.shape)} does not fit scales {tuple(scales_zeros.shape)}")
+        self.packed = packed
+        self.scales_zeros = scales_zeros.to(KERNEL_DTYPE)
+        self.out_features, self.in_features = n, groups * GROUP
+        self.workspace = workspace
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                   workspace: Workspace | None = None) -> Int4Weight:
+        """From codes ``q`` [N, K] in 0..15 with ``w = (q - 8) * scale + zero``, scale/zero [N, K/32]."""
+        n, k = q.shape
+        if n % 32 or k % (GROUP * 2):
+            raise ValueError(f"int4 weight needs rows divisible by 32 and columns by 64, got {n}x{k}")
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        return cls(packed, sz, workspace)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, workspace: Workspace | None = None) -> Int4Weight:
+        """Asymmetric min/max quantization of float weights, per group of 32 along each row."""
+        n, k = w.shape
+        g = w.float().reshape(n, k // GROUP, GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-10)
+        q = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).reshape(n, k)
+        return cls.from_codes(q, scale, lo + 8 * scale, workspace)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), self.packed, GROUP, self.scales_zeros)
+
+    def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
+        return _split_call(self, x, dequant_rows)
+
+    def dequantize_t(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 W.T [K, stop - start] of output rows [start, stop) (multiples of 32), from the codes.
+
+        Transposed because that is the order the packed bytes come in: one fused multiply-add per
+        nibble half writes each value once (code * scale + (zero - 8 * scale)).
+        """
+        n, k, groups = stop - start, self.in_features, self.in_features // GROUP
+        nb = n // 32
+        u = self.packed[start:stop].view(nb, groups, GROUP, 16)
+        sz = self.scales_zeros[:, start:stop].float()  # [groups, n, 2]
+        scale = sz[..., 0].reshape(groups, 1, nb, 2, 16)
+        zero = (sz[..., 1] - 8 * sz[..., 0]).reshape(groups, 1, nb, 2, 16)
+        out = torch.empty(k, n, device=u.device) if out is None else out
+        dst = out.view(groups, GROUP, nb, 2, 16)
+        for half, codes in ((0, u & 15), (1, u >> 4)):  # low nibble: row j of a block of 32; high: j + 16
+            torch.addcmul(zero[:, :, :, half], codes.permute(1, 2, 0, 3), scale[:, :, :, half],
+                          out=dst[:, :, :, half])
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return self.dequantize_t(0, self.out_features).T
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        blocks = torch.unique(ids // 32)
+        found = torch.stack([self.dequantize_t(int(b) * 32, int(b) * 32 + 32).T for b in blocks])
+        return found[torch.searchsorted(blocks, ids // 32), ids % 32]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.int4": self.packed, f"{prefix}.scales_zeros": self.scales_zeros}
+
+
+class Int8Weight:
+    """int8 weights with one bfloat16 scale per output row (``w = q * scale``)."""
+
+    kind = "int8"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, workspace: Workspace | None = None):
+        if q.dtype != torch.int8 or scales.shape != (q.shape[0],):
+            raise ValueError(f"int8 weight: codes {q.dtype} {tuple(q.shape)}, scales {tuple(scales.shape)}")
+        self.q = q
+        self.scales = scales.to(KERNEL_DTYPE)
+        self.out_features, self.in_features = q.shape
+        self.workspace = workspace
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, workspace: Workspace | None = None) -> Int8Weight:
+        """Symmetric per-row quantization; the scale is rounded to bfloat16 before the codes are chosen."""
+        w = w.float()
+        scale = (w.abs().amax(1) / 127).clamp_min(1e-10).to(KERNEL_DTYPE).float()
+        q = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
+        return cls(q, scale, workspace)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.scales)
+
+    def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
+        return _split_call(self, x, dequant_rows)
+
+    def dequantize_t(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 W.T [K, stop - start] of output rows [start, stop)."""
+        out = torch.empty(self.in_features, stop - start, device=self.q.device) if out is None else out
+        return torch.mul(self.q[start:stop].T, self.scales[start:stop].float(), out=out)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.dequantize_t(0, self.out_features).T
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.q[ids].float() * self.scales[ids].float().unsqueeze(1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * self.scales.element_size()
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.int8": self.q, f"{prefix}.scales": self.scales}
+
+
+class FP16Weight:
+    """float16 weights in fbgemm's packed layout, float32 activations and accumulation (x86 CPUs).
+
+    Half the bytes of float32 with float32 arithmetic: no activation rounding, so a row's result
+    depends on the other rows of its step only at float32 rounding, as with MKL.
+    """
+
+    kind = "fp16"
+
+    def __init__(self, w16: torch.Tensor, workspace: Workspace | None = None):
+        if w16.dtype != torch.float16:
+            raise ValueError(f"fp16 weight: got {w16.dtype}")
+        self.w16 = w16  # kept for embedding lookups and the weight cache; fbgemm holds its own packed copy
+        self.packed = torch.ops.quantized.linear_prepack_fp16(w16.float(), None)
+        self.out_features, self.in_features = w16.shape
+
+    def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w16[ids].float()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.w16.float()
+
+    @property
+    def nbytes(self) -> int:
+        """fbgemm's packed copy plus the float16 tensor it came from (shared with the loaded model)."""
+        return 2 * self.w16.numel() * 2
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.fp16": self.w16}
+
+
+def fp16_supported() -> bool:
+    """fbgemm (x86) has the packed float16 GEMM; elsewhere `fp16` weights stay dense."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+Weight = DenseWeight | Int4Weight | Int8Weight | FP16Weight
+
+
+def _split_call(weight: Int4Weight | Int8Weight, x: torch.Tensor, dequant_rows: int) -> torch.Tensor:
+    """Rows [0, dequant_rows) through dequantize + MKL, the rest through the weight-only kernel."""
+    if dequant_rows <= 0:
+        return weight.kernel(x)
+    if dequant_rows >= x.shape[0]:
+        return _dequant_matmul(weight, x)
+    return torch.cat([_dequant_matmul(weight, x[:dequant_rows]), weight.kernel(x[dequant_rows:]).to(x.dtype)])
+
+
+def _dequant_matmul(weight: Int4Weight | Int8Weight, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T in float32, the weights expanded into the workspace `_DEQUANT_ROWS` outputs at a time."""
+    xf = x.float()
+    n, k = weight.out_features, weight.in_features
+    ws = weight.workspace or Workspace(x.device)
+    if n <= _DEQUANT_ROWS:
+        return torch.mm(xf, weight.dequantize_t(0, n, ws.take(k, n))).to(x.dtype)
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    for start in range(0, n, _DEQUANT_ROWS):
+        stop = min(n, start + _DEQUANT_ROWS)
+        out[:, start:stop] = torch.mm(xf, weight.dequantize_t(start, stop, ws.take(k, stop - start)))
+    return out.to(x.dtype)
+
+
+def encode_weight(w: torch.Tensor, kind: str, prefix: str, dtype: torch.dtype = torch.float32
+                  ) -> dict[str, torch.Tensor]:
+    """Float weights stored as `kind` (none, fp16, int8, int4): the tensors `weight_from_tensors` reads."""
+    if kind == "int4":
+        return Int4Weight.quantize(w).tensors(prefix)
+    if kind == "int8":
+        return Int8Weight.quantize(w).tensors(prefix)
+    if kind == "fp16":
+        return {f"{prefix}.fp16": w.to(torch.float16).contiguous()}
+    return {prefix: w.to(dtype)}
+
+
+def weight_from_tensors(tensors: dict[str, torch.Tensor], prefix: str, workspace: Workspace | None = None) -> Weight:
+    """Rebuild the weight stored under `prefix` by `Weight.tensors` (the weight cache, a loader)."""
+    if f"{prefix}.int4" in tensors:
+        return Int4Weight(tensors[f"{prefix}.int4"], tensors[f"{prefix}.scales_zeros"], workspace)
+    if f"{prefix}.int8" in tensors:
+        return Int8Weight(tensors[f"{prefix}.int8"], tensors[f"{prefix}.scales"], workspace)
+    if f"{prefix}.fp16" in tensors:
+        w16 = tensors[f"{prefix}.fp16"]
+        return FP16Weight(w16, workspace) if fp16_supported() else DenseWeight(w16.float())
+    return DenseWeight(tensors[prefix])

@@ -1,0 +1,151 @@
+"""Quantized weights against the dequantized GGUF reference, for every GGUF type the loader takes.
+
+Tiny tensors are written with `gguf.GGUFWriter` (K-quant blocks are filled with random codes, since
+gguf-py cannot quantize to them), read back like a model file and encoded in each `--quantization`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from engine.loader import GGUFWeights
+from engine.quant import (
+    KERNELS,
+    FP16Weight,
+    Int4Weight,
+    Int8Weight,
+    Workspace,
+    fp16_supported,
+    weight_from_tensors,
+)
+
+ROWS, COLS = 96, 256
+BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}
+
+
+def k_quant_blocks(qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks with sane float16 scales (where the block keeps its d / dmin)."""
+    raw = rng.integers(0, 256, size=(ROWS, COLS // 256 * BLOCK_BYTES[qtype]), dtype=np.uint8)
+    blocks = raw.reshape(ROWS, -1, BLOCK_BYTES[qtype])
+    scales = rng.uniform(0.001, 0.01, size=blocks.shape[:2] + (2,)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q4_K:  # d, dmin first
+        blocks[..., 0:4] = scales.reshape(*blocks.shape[:2], 4)
+    else:  # Q6_K: d last
+        blocks[..., -2:] = scales.reshape(*blocks.shape[:2], 4)[..., :2]
+    return raw
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("quant") / "tiny.gguf"
+    w = GGUFWriter(str(path), "llama")
+    floats = (rng.standard_normal((ROWS, COLS)) * 0.05).astype(np.float32)
+    for qt in (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
+        if qt == Q.F32:
+            w.add_tensor(f"w.{qt.name}", floats)
+        else:
+            w.add_tensor(f"w.{qt.name}", quantize(floats, qt), raw_dtype=qt)
+    for qt in BLOCK_BYTES:
+        w.add_tensor(f"w.{qt.name}", k_quant_blocks(qt, rng), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {t.name: t for t in GGUFReader(str(path)).tensors}
+
+
+def reference(t) -> torch.Tensor:
+    return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(ROWS, COLS))
+
+
+TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"]
+# (mode, GGUF type) -> the kind the loader must choose
+EXPECTED = {"auto": {"F32": "none", "F16": "none", "BF16": "none", "Q4_0": "int4", "Q4_1": "int4"}}
+
+
+def expected_kind(mode: str, qtype: str) -> str:
+    if mode == "auto":
+        return EXPECTED["auto"].get(qtype, "int8")
+    return mode
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("mode", ["auto", "none", "fp16", "int8", "int4"])
+def test_quantized_matmul_matches_the_dequantized_gguf_tensor(gguf_tensors, qtype, mode):
+    t = gguf_tensors[f"w.{qtype}"]
+    ref = reference(t)
+    g = GGUFWeights("tiny.gguf", gguf_tensors, mode, "float32")
+    weight = weight_from_tensors(g.weight("w", [(t.name, 0)]), "w", Workspace(torch.device("cpu")))
+    kind = expected_kind(mode, qtype)
+    assert g.kinds == {kind}
+    assert weight.kind == (kind if kind != "fp16" or fp16_supported() else "none")
+    # Storage error: exact codes for the GGUF's own int4 (scales rounded to bfloat16); requantizing costs more.
+    tol = {"none": 1e-6, "fp16": 2e-3, "int8": 1e-2, "int4": 4e-3 if qtype in ("Q4_0", "Q4_1") else 0.15}[kind]
+    scale = ref.abs().max()
+    assert (weight.dequantize() - ref).abs().max() <= tol * scale
+    g2 = torch.Generator().manual_seed(1)
+    for rows, dequant_rows in ((1, 0), (5, 0), (80, 80), (80, 30)):  # kernel, kernel, dequantize path, split
+        x = torch.randn(rows, COLS, generator=g2)
+        want = x @ ref.T
+        got = weight(x, dequant_rows).float()
+        err = (got - want).abs().max() / want.abs().max()
+        assert err < tol + 1e-2, (rows, dequant_rows, err.item())
+
+
+def test_gguf_int4_codes_are_the_files_values_exactly(gguf_tensors):
+    """Q4_0/Q4_1 become int4 with the file's codes: dequantizing gives the GGUF values once the per-group
+    float16 scale and offset are rounded to bfloat16 (the kernel's dtype)."""
+    from engine.loader import _q4_codes
+
+    for qtype in ("Q4_0", "Q4_1"):
+        t = gguf_tensors[f"w.{qtype}"]
+        q, scale, zero = _q4_codes(t, 0)
+        bf = lambda a: a.to(torch.bfloat16).float()  # noqa: E731
+        want = (q.float() - 8) * bf(scale).repeat_interleave(32, 1) + bf(zero).repeat_interleave(32, 1)
+        got = Int4Weight.from_codes(q, scale, zero).dequantize()
+        assert torch.equal(got, want)
+        assert (got - reference(t)).abs().max() <= 4e-3 * reference(t).abs().max()
+
+
+@pytest.mark.parametrize("cls", [Int4Weight, Int8Weight])
+def test_kernel_rows_do_not_depend_on_the_other_rows(cls):
+    """The weight-only kernels give a row the same bits alone and inside any batch."""
+    w = cls.quantize(torch.randn(96, 128) * 0.05)
+    x = torch.randn(40, 128)
+    full = w(x)
+    for start, stop in ((0, 1), (3, 4), (5, 12), (17, 40)):
+        assert torch.equal(w(x[start:stop].clone()), full[start:stop])
+
+
+@pytest.mark.parametrize("cls", [Int4Weight, Int8Weight])
+def test_embedding_rows_are_the_dequantized_rows(cls):
+    w = cls.quantize(torch.randn(96, 128) * 0.05)
+    ids = torch.tensor([0, 95, 33, 33, 64])
+    assert torch.equal(w.rows(ids), w.dequantize()[ids])
+
+
+def test_dequantize_path_splits_large_outputs_into_chunks(monkeypatch):
+    from engine import quant
+
+    monkeypatch.setattr(quant, "_DEQUANT_ROWS", 64)  # 96 output rows: two chunks
+    w = Int4Weight.quantize(torch.randn(96, 128) * 0.05, Workspace(torch.device("cpu")))
+    x = torch.randn(7, 128)
+    assert torch.allclose(w(x, dequant_rows=7), x @ w.dequantize().T, atol=1e-4)
+
+
+@pytest.mark.skipif(not fp16_supported(), reason="fbgemm's float16 GEMM is x86 only")
+def test_fp16_weight_is_float32_arithmetic_on_half_weights():
+    w16 = (torch.randn(64, 128) * 0.05).half()
+    w = FP16Weight(w16)
+    x = torch.randn(9, 128)
+    assert torch.allclose(w(x), x @ w16.float().T, atol=1e-5)
+
+
+def test_kernel_choice_defaults_are_sane():
+    assert 1 <= KERNELS.kernel_max_chunk <= KERNELS.lm_head_kernel_max_rows
