@@ -156,8 +156,9 @@ class WorkerActor:
         await self.stop_event.wait()
         await self.drain()
 
-    async def drain(self, timeout: float = 30.0) -> None:
-        """Stop taking work, finish what we hold (bounded), then leave the bus."""
+    async def drain(self) -> None:
+        """Stop taking work, finish what we hold (within ``drain_timeout``), then leave the bus."""
+        timeout = self.s.drain_timeout
         log.info("%s %s draining", self.role, self.worker_id)
         self.draining = True
         try:  # tell routers at once rather than at the next 1 Hz tick
@@ -362,7 +363,7 @@ class WorkerActor:
             "model": self.model, "role": self.role, "worker_id": self.worker_id,
             "incarnation": self.incarnation, "layout_fingerprint": self.layout.fingerprint(),
             "layout": self.layout.describe(), "metrics_url": self.metrics_url,
-            "kv_transfer": self.transfer.name, "started": str(self.started),
+            "kv_transfer": self.transfer.name, "started": str(self.started), "restarts": str(self.s.restarts),
         }
 
     async def _register_service(self):

@@ -19,15 +19,14 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from bench.cluster import TandemUp
 
 MODEL = "smollm2-135m-instruct"
 FILLER = ("Tandem serves language models with prefill and decode on separate workers that talk over "
@@ -89,21 +88,10 @@ async def level(url: str, concurrency: int, requests: int, max_tokens: int, offs
     }
 
 
-def start_up(aggregated: bool, log_dir: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    ready = log_dir / "ready.json"
-    cmd = [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--nats-port", "0", "--metrics-port-base", "0",
-           "--ready-file", str(ready), "--quiet"]
-    if aggregated:
-        cmd += ["--aggregated", "--decode", "1"]
-    proc = subprocess.Popen(cmd, stdout=open(log_dir / "up.log", "wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + 300
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"tandem up failed; see {log_dir / 'up.log'}")
-        time.sleep(0.2)
-    return proc, json.loads(ready.read_text())["url"]
+def start_up(aggregated: bool, log_dir: Path, env: dict[str, str] | None = None) -> TandemUp:
+    """`tandem up` (disaggregated, or one aggregated worker) on free ports, ready."""
+    args = ["--quiet"] + (["--aggregated", "--decode", "1"] if aggregated else [])
+    return TandemUp(log_dir, *args, env=env).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,12 +138,11 @@ def run_levels(args: argparse.Namespace, url: str) -> list[dict]:
 
 def measure(args: argparse.Namespace, aggregated: bool, env: dict[str, str] | None = None) -> list[dict]:
     """Start `tandem up`, run every concurrency level against it, stop it."""
-    proc, url = start_up(aggregated, Path(tempfile.mkdtemp(prefix="tandem-serve-")), env)
+    up = start_up(aggregated, Path(tempfile.mkdtemp(prefix="tandem-serve-")), env)
     try:
-        return run_levels(args, url)
+        return run_levels(args, up.url)
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
+        up.stop(60)
 
 
 def compare_step_budgets(args: argparse.Namespace) -> int:

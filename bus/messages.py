@@ -68,6 +68,8 @@ class ErrorCode:
     PAYLOAD_TOO_LARGE = "payload_too_large"
     WORKER_LOST = "worker_lost"
     HANDED_BACK = "handed_back"  # a draining worker gave the request back before its first token
+    QUEUE_TIMEOUT = "queue_timeout"  # it did not start by its ``start_by`` time: dropped where it waited
+    BUS_UNAVAILABLE = "bus_unavailable"  # the worker lost NATS while it streamed: tokens may be lost
     INTERNAL = "internal"
 
 
@@ -150,7 +152,9 @@ class GenerateRequest(_Msg, tag="generate_request", kw_only=True):
     ``stream_subject`` is where every StreamTokens / StreamFinish / StreamError goes.
     ``target_endpoint`` names a prefill worker (id or subject) chosen by the client.
     ``prompt`` lets a hand-written request (``nats pub``) send text instead of ids; the
-    gateway always sends ``prompt_ids``.
+    gateway always sends ``prompt_ids``. ``start_by`` (epoch seconds, 0: none) is the gateway's
+    admission bound: a request that has not begun computing by then is dropped wherever it
+    waits, with a ``queue_timeout`` StreamError.
     """
 
     request_id: str
@@ -159,6 +163,7 @@ class GenerateRequest(_Msg, tag="generate_request", kw_only=True):
     stream_subject: str
     gateway_id: str = ""
     deadline: float = 0.0
+    start_by: float = 0.0
     target_endpoint: str | None = None
     model: str = ""
     created: float = msgspec.field(default_factory=time.time)

@@ -21,6 +21,7 @@ from bus.messages import SamplingParams as BusSampling
 from bus.streams import DEFAULT_GENERATE
 from engine.chat_template import ChatTemplateError
 from engine.sampling import SamplingParams
+from gateway.admission import Admission
 from gateway.bus_client import BUS_LOST, GatewayBus, NoResponders, Unreadable
 from gateway.errors import OpenAIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, as_stop_list
@@ -36,6 +37,11 @@ Kind = Literal["chat", "completion"]
 
 #: JetStream drops a generate request nobody pulled for this long
 POOL_MAX_AGE_S = DEFAULT_GENERATE.max_age
+#: admission counts a request's KV blocks for its prompt and this much of its answer (max_tokens is
+#: often the whole context: counting all of it would see room for a handful of requests)
+TYPICAL_ANSWER_TOKENS = 256
+#: a pool request not taken this long after its ``start_by`` fails here (the worker that pulls it drops it)
+START_GRACE_S = 2.0
 
 
 @dataclass
@@ -52,6 +58,7 @@ class Job:
     worker_incarnation: str = ""  # the process of ``worker_id`` holding the job, when known
     route_reason: str = ""
     retried: bool = False
+    queued: bool = False  # when dispatched, every place was taken: it had to wait (admission's measurements)
     next_seq: int = 0
     token_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
@@ -63,6 +70,7 @@ class Job:
     prefill: str = ""  # "remote:<prefill worker>", "local" or "aggregate"
     done: bool = False
     started: float = field(default_factory=time.monotonic)
+    start_by: float = 0.0  # epoch seconds: not begun by then, it is dropped where it waits
     first_token_s: float | None = None
     last_token_at: float | None = None
     token_gaps: list[float] = field(default_factory=list)  # seconds between token messages
@@ -113,6 +121,9 @@ class Gateway:
         self.registry = registry
         self.token_bytes = TokenBytes(text.tokenizer)
         self.inflight = 0
+        self.runs: set[Run] = set()  # the requests running now (the drain waits for them)
+        self.draining = False
+        self.admission = Admission(config.max_queue_wait)
         self.created = int(time.time())
         self.names = {n.lower() for n in (text.name, text.spec, *config.served_model_names)}
 
@@ -153,8 +164,42 @@ class Gateway:
             raise OpenAIError(400, f"{prompts} prompt(s) × n={n} is more than {limit} sequences",
                               param="prompt" if n == 1 else "n")
 
+    def check_accepting(self) -> None:
+        """503 (with Retry-After) once the gateway drains: another gateway (or this one, restarted) will serve."""
+        if self.draining:
+            raise OpenAIError(503, "the gateway is shutting down; retry", code="shutting_down", retry_after=1)
+
+    def abort_all(self, message: str) -> int:
+        """End every running request with a 503 (the drain time is over); returns how many."""
+        runs = list(self.runs)
+        for run in runs:
+            run.abort(OpenAIError(503, message, code="shutting_down", retry_after=1))
+        return len(runs)
+
+    def waiting_in_pool(self) -> int:
+        """This gateway's jobs sent to the pool that no worker has taken yet."""
+        return sum(1 for run in self.runs for j in run.jobs if not j.done and j.worker_id is None)
+
+    def admit(self, jobs: Sequence[Job]) -> None:
+        """429 (with Retry-After) when ``jobs`` would wait longer than ``max_queue_wait`` for a place;
+        marks which of them will queue."""
+        bs = self.config.block_size
+        blocks = max((len(j.prompt_ids) + min(j.sampling.max_tokens, TYPICAL_ANSWER_TOKENS) + bs - 1) // bs
+                     for j in jobs)
+        est = self.admission.estimate(self.registry.alive(), blocks, self.waiting_in_pool(), count=len(jobs))
+        if self.admission.too_long(est):
+            raise OpenAIError(
+                429,
+                f"the expected wait for a worker is {est.wait_s:.0f}s, more than --max-queue-wait "
+                f"{self.config.max_queue_wait:g}s ({est.load} requests ahead, room for {est.capacity}); retry later",
+                code="overloaded", retry_after=est.retry_after,
+            )
+        for k, job in enumerate(jobs):
+            job.queued = est.load + k >= est.capacity
+
     def check_ready(self) -> None:
         """503 (with Retry-After) when nothing could serve a request now."""
+        self.check_accepting()
         if not self.bus.connected:
             raise OpenAIError(503, "the gateway is not connected to NATS", code="bus_unavailable", retry_after=2)
         if not self.config.queue_when_no_workers and not self.registry.alive():
@@ -418,8 +463,11 @@ class Run:
                 429, f"too many requests in flight at this gateway ({gw.inflight}); retry later",
                 code="too_many_requests",
             )
+        if gw.registry.alive():
+            gw.admit(self.jobs)
         gw.inflight += need
         self._counted = need
+        gw.runs.add(self)
         # next_event enforces the deadline, but only while someone asks for events: a streaming
         # client that stops reading must not hold the jobs and the capacity past it
         self._deadline_timer = asyncio.get_running_loop().call_later(
@@ -449,6 +497,7 @@ class Run:
             stream_subject=subject,
             gateway_id=gw.config.gateway_id,
             deadline=self.deadline,
+            start_by=time.time() + gw.config.max_queue_wait if gw.config.max_queue_wait else 0.0,
             target_endpoint=self.prep.target_endpoint,
             model=gw.text.name,
         )
@@ -461,6 +510,7 @@ class Run:
         job.worker_incarnation = reg.incarnation(route.worker_id) if route.worker_id else ""
         job.route_reason = route.reason
         job.started = time.monotonic()
+        job.start_by = req.start_by
         reg.dispatched(route.worker_id, job.hashes)
         log.info("request %s -> %s (%s, %d cached blocks)", job.request_id,
                  route.worker_id or "pool", route.reason, route.matched_blocks, extra={"request_id": job.request_id})
@@ -494,6 +544,8 @@ class Run:
                 idx, msg = await asyncio.wait_for(self.queue.get(), wait)
             except asyncio.TimeoutError:
                 continue
+            if isinstance(msg, OpenAIError):  # abort(): this run ends here
+                raise msg
             job = self.jobs[idx]
             if job.done:
                 continue
@@ -532,6 +584,7 @@ class Run:
                 now = time.monotonic()
                 if job.first_token_s is None:
                     job.first_token_s = now - self.accepted_at
+                    gw.admission.started(now - job.started, job.queued)
                 elif job.last_token_at is not None:
                     job.token_gaps.append(now - job.last_token_at)
                 job.last_token_at = now
@@ -555,6 +608,8 @@ class Run:
                 )
             job.done = True
             gw.bus.close_request(job.request_id)
+            if job.last_token_at is not None and job.first_token_s is not None:
+                gw.admission.finished(job.last_token_at - (self.accepted_at + job.first_token_s))
             if msg.finish_reason == "cancelled":
                 raise OpenAIError(503, "the request was cancelled by the worker", code="cancelled", retry_after=1)
             job.finish_reason = msg.finish_reason if msg.finish_reason in ("stop", "length") else "stop"
@@ -596,7 +651,7 @@ class Run:
                 continue
             if job.worker_id is None:
                 waited = time.monotonic() - job.started
-                if waited > POOL_MAX_AGE_S + 5.0:
+                if waited > POOL_MAX_AGE_S + 5.0 or (job.start_by and time.time() > job.start_by + START_GRACE_S):
                     raise OpenAIError(503, f"no worker took the request from the queue in {waited:.0f}s; retry later",
                                       code="queue_timeout", retry_after=5)
                 continue
@@ -620,11 +675,16 @@ class Run:
         while not self.finished:
             await self.next_event()
 
+    def abort(self, error: OpenAIError) -> None:
+        """Make whoever reads this run's events get ``error`` next (never awaits)."""
+        self.queue.put_nowait((-1, error))
+
     def close(self, reason: str) -> None:
         """Cancel every job still running (never awaits: safe in a cancelled task) and release capacity."""
         if self.closed:
             return
         self.closed = True
+        self.gw.runs.discard(self)
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
         for job in self.jobs:

@@ -43,6 +43,8 @@ class Settings:
     prefill_timeout: float = 60.0  # seconds a decode worker waits for a remote prefill
     request_timeout: float = 600.0  # default deadline of a request
     stats_interval: float = 1.0
+    drain_timeout: float = 30.0  # SIGTERM: seconds to finish what this worker holds before it leaves
+    restarts: int = 0  # how often a supervisor (tandem up) restarted this worker: TANDEM_RESTARTS
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:
@@ -82,6 +84,9 @@ class Settings:
         for name in ("prefill_timeout", "request_timeout", "stats_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("drain_timeout", "restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be 0 (none) to 65535, got {self.metrics_port}")
 
@@ -161,11 +166,18 @@ class GatewayConfig:
     connect_timeout: float = 30.0
     #: create the pool streams at start (off when permissions forbid it)
     ensure_streams: bool = True
+    #: SIGTERM: seconds running requests get to finish before they end with a 503
+    drain_timeout: float = 30.0
+    #: a request whose expected wait for a worker is longer than this is refused at once (429); 0: never
+    max_queue_wait: float = 30.0
 
     def __post_init__(self) -> None:
         check_token(self.gateway_id, "gateway id")
         if self.request_timeout <= 0 or self.max_request_timeout < self.request_timeout:
             raise ValueError("request timeout must be positive and at most max_request_timeout")
+        for name in ("drain_timeout", "max_queue_wait"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> GatewayConfig:
@@ -181,6 +193,8 @@ class GatewayConfig:
             block_size=s.block_size,
             max_inflight=_env_value("TANDEM_GATEWAY_MAX_INFLIGHT", 512),
             queue_when_no_workers=_env_value("TANDEM_GATEWAY_QUEUE_WHEN_NO_WORKERS", False),
+            drain_timeout=_env_value("TANDEM_GATEWAY_DRAIN_TIMEOUT", 30.0),
+            max_queue_wait=_env_value("TANDEM_GATEWAY_MAX_QUEUE_WAIT", 30.0),
         )
         if os.environ.get("TANDEM_GATEWAY_ID"):
             cfg = replace(cfg, gateway_id=os.environ["TANDEM_GATEWAY_ID"])

@@ -45,6 +45,7 @@ class WorkerStatus:
     kv_transfer: str = ""
     layout: str = ""
     started: float | None = None
+    restarts: int = 0
     running: int | None = None
     queued: int | None = None
     max_batch: int | None = None
@@ -151,6 +152,7 @@ def _worker_from_info(info: dict[str, Any]) -> WorkerStatus:
         kv_transfer=md.get("kv_transfer", ""),
         layout=md.get("layout", ""),
         started=started,
+        restarts=int(md["restarts"]) if str(md.get("restarts", "")).isdigit() else 0,
         stats_subject=stats_subject,
     )
 
@@ -260,7 +262,7 @@ def format_table(status: Status) -> str:
     n = len(status.workers)
     lines = [f"NATS {status.nats_url}, namespace {status.namespace}: {n} worker{'s' if n != 1 else ''}"]
     if status.workers:
-        header = ("ROLE", "MODEL", "WORKER", "LOAD", "BLOCKS USED", "HIT", "UPTIME", "KV", "METRICS")
+        header = ("ROLE", "MODEL", "WORKER", "LOAD", "BLOCKS USED", "HIT", "UPTIME", "RESTARTS", "KV", "METRICS")
         rows = [header]
         for w in status.workers:
             hit = f"{100.0 * w.prefix_hit_rate:.0f}%" if w.prefix_hit_rate is not None else "-"
@@ -268,11 +270,12 @@ def format_table(status: Status) -> str:
             if w.stats_error:
                 metrics += f"  (stats: {w.stats_error})"
             rows.append((w.role, w.model, w.worker_id, _load(w), _blocks(w), hit, format_duration(w.uptime),
-                         w.kv_transfer or "-", metrics))
+                         str(w.restarts), w.kv_transfer or "-", metrics))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
         for r in rows:
             lines.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(r[:-1])) + "  " + r[-1])
-        lines.append("LOAD: running/max batch +queued; BLOCKS USED: KV blocks in use/total")
+        lines.append("LOAD: running/max batch +queued; BLOCKS USED: KV blocks in use/total; "
+                     "RESTARTS: by its supervisor (tandem up)")
     else:
         lines.append("no tandem worker answered (is one running, on this NATS and namespace?)")
     for p in status.pools:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -123,7 +124,7 @@ def test_status_json_lists_the_worker(cluster: tuple[str, int]) -> None:
     assert w["running"] == 0 and w["queued"] == 0 and w["max_batch"] > 0
     assert 0.0 <= w["prefix_hit_rate"] <= 1.0 and w["uptime"] > 0
     assert w["metrics_url"].endswith(f":{metrics_port}/metrics")
-    assert w["stats_error"] is None and w["incarnation"]
+    assert w["stats_error"] is None and w["incarnation"] and w["restarts"] == 0
     s = Subjects(MODEL)
     pools = {p["pool"]: p for p in data["pools"]}
     assert pools["generate"]["stream"] == s.generate_stream and pools["generate"]["consumer"] == s.generate_consumer
@@ -271,10 +272,11 @@ def test_status_formatting() -> None:
     assert [format_duration(x) for x in (None, 5, 65, 3725, 200000)] == ["-", "5s", "1m05s", "1h02m", "2d07h"]
     info = {"name": "tandem-decode-only", "id": "X", "version": "0.1.0",
             "metadata": {"model": MODEL, "role": "decode_only", "worker_id": "d1", "started": "bad",
-                         "metrics_url": "http://h:9100/metrics"},
+                         "metrics_url": "http://h:9100/metrics", "restarts": "3"},
             "endpoints": [{"name": "stats", "subject": "tandem.svc.d1.stats"}]}
     w = _worker_from_info(info)
     assert (w.role, w.worker_id, w.stats_subject, w.started) == ("decode_only", "d1", "tandem.svc.d1.stats", None)
+    assert w.restarts == 3
     w2 = WorkerStatus(role="prefill_only", model=MODEL, worker_id="p1", service="tandem-prefill-only", service_id="Y",
                       running=1, queued=2, max_batch=4, free_blocks=6, total_blocks=8, prefix_hit_rate=0.5, uptime=61)
     w.stats_error = "TimeoutError"
@@ -283,6 +285,7 @@ def test_status_formatting() -> None:
                                                                                     error="no stream")]))
     assert "2 workers" in text and "(stats: TimeoutError)" in text
     assert "1/4 +2" in text and "2/8 (25%)" in text and "50%" in text and "1m01s" in text
+    assert "RESTARTS" in text.splitlines()[1] and re.search(r"1m01s +0 ", text)
     assert "generate: 3 pending, 1 in flight" in text and "prefill: unavailable (no stream)" in text
     assert "no tandem worker answered" in format_table(Status("nats://x", "tandem"))
     assert Status("u", "n", [w2]).to_json()["workers"][0]["used_blocks"] == 2
