@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import IO, Protocol, TextIO
 
 PR_SET_PDEATHSIG = 1
 
@@ -74,12 +74,14 @@ def describe_exit(code: int | None) -> str:
 
 
 class ChildProcess:
-    """One child process with its stdout and stderr merged, read by a thread.
+    """One child process with its stdout and stderr merged (or apart: ``stderr_apart``), read by threads.
 
     Every line is kept in a bounded tail (for "why did it die"), optionally echoed to ``echo``
     with ``prefix`` (default ``[name] ``), appended to ``log_path``, and passed to ``on_line``.
     ``ready_marker`` (a substring or a compiled pattern) is the line that says the child is up:
-    :meth:`wait_ready` waits for it and :attr:`is_ready` tells whether it came.
+    :meth:`wait_ready` waits for it and :attr:`is_ready` tells whether it came. With
+    ``stderr_apart`` stdout lines go to :attr:`tail` and stderr lines to :attr:`err_tail`
+    (for tests of what a command prints where).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class ChildProcess:
         on_line: Callable[[str], None] | None = None,
         die_with_parent: bool = True,
         tail_lines: int = 200,
+        stderr_apart: bool = False,
     ) -> None:
         self.name = name
         self.cmd = list(cmd)
@@ -108,10 +111,11 @@ class ChildProcess:
         self.on_line = on_line
         self.die_with_parent = die_with_parent
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self.err_tail: collections.deque[str] | None = collections.deque(maxlen=tail_lines) if stderr_apart else None
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
         self._ready = threading.Event()
-        self._reader: threading.Thread | None = None
+        self._readers: list[threading.Thread] = []
         self._seen: list[tuple[str, threading.Event]] = []
         self._lock = threading.Lock()
 
@@ -124,42 +128,50 @@ class ChildProcess:
         if self.running:
             raise ChildError(f"{self.name} is already running (pid {self.pid})")
         self.tail.clear()
+        if self.err_tail is not None:
+            self.err_tail.clear()
         self._ready.clear()
         preexec = _die_with_parent if (self.die_with_parent and _LIBC is not None) else None
         try:
             self.proc = subprocess.Popen(
-                self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE if self.err_tail is not None else subprocess.STDOUT,
                 env=self.env, cwd=self.cwd, start_new_session=True, preexec_fn=preexec,
             )
         except OSError as e:
             raise ChildError(f"cannot start {self.name} ({shlex.join(self.cmd)}): {e}") from e
         self.started_at = time.monotonic()
-        self._reader = threading.Thread(target=self._read, args=(self.proc,), name=f"out-{self.name}", daemon=True)
-        self._reader.start()
+        log = open(self.log_path, "a", encoding="utf-8") if self.log_path is not None else None  # noqa: SIM115
+        pipes = [(self.proc.stdout, self.tail)]
+        if self.err_tail is not None:
+            pipes.append((self.proc.stderr, self.err_tail))
+        self._readers = [threading.Thread(target=self._read, args=(pipe, sink, log), name=f"out-{self.name}",
+                                          daemon=True) for pipe, sink in pipes]
+        for t in self._readers:
+            t.start()
         return self
 
-    def _read(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
-        log = open(self.log_path, "a", encoding="utf-8") if self.log_path is not None else None  # noqa: SIM115
+    def _read(self, pipe: IO[bytes], sink: collections.deque[str], log: TextIO | None) -> None:
         try:
-            for raw in proc.stdout:
-                self._line(raw.decode("utf-8", "replace").rstrip("\r\n"), log)
+            for raw in pipe:
+                self._line(raw.decode("utf-8", "replace").rstrip("\r\n"), sink, log)
         finally:
-            proc.stdout.close()
-            if log is not None:
-                log.close()
+            pipe.close()
+            if log is not None and sink is self.tail:
+                with self._lock:
+                    log.close()
 
-    def _line(self, line: str, log: TextIO | None) -> None:
-        self.tail.append(line)
-        if log is not None:
-            log.write(line + "\n")
-            log.flush()
+    def _line(self, line: str, sink: collections.deque[str], log: TextIO | None) -> None:
+        sink.append(line)
         if self.echo is not None:
             with contextlib.suppress(OSError, ValueError):
                 print(f"{self.prefix}{line}", file=self.echo, flush=True)
         if self.ready_marker is not None and not self._ready.is_set() and _matches(self.ready_marker, line):
             self._ready.set()
         with self._lock:
+            if log is not None and not log.closed:
+                log.write(line + "\n")
+                log.flush()
             for needle, event in self._seen:
                 if needle in line:
                     event.set()
@@ -188,9 +200,13 @@ class ChildProcess:
 
     def last_lines(self, n: int = 20) -> str:
         """The last ``n`` lines it wrote (after its output ended, if it exited)."""
-        if self._reader is not None and self.poll() is not None:
-            self._reader.join(timeout=2.0)
-        return "\n".join(list(self.tail)[-n:])
+        if self.poll() is not None:
+            self._join_readers()
+        return "\n".join(list(self.tail)[-n:]) if n else ""
+
+    def _join_readers(self) -> None:
+        for t in self._readers:
+            t.join(timeout=2.0)
 
     def why(self, n: int = 20) -> str:
         """``name (pid N) killed by SIGKILL``, then its last lines indented: what a person needs."""
@@ -207,7 +223,7 @@ class ChildProcess:
         """Until a line containing ``needle`` (also one written before this call that is still in the tail)."""
         event = threading.Event()
         with self._lock:
-            if any(needle in line for line in self.tail):
+            if any(needle in line for line in (*self.tail, *(self.err_tail or ()))):
                 return
             self._seen.append((needle, event))
         try:
@@ -220,8 +236,7 @@ class ChildProcess:
         deadline = time.monotonic() + timeout
         while not event.wait(0.05):
             if self.poll() is not None:
-                if self._reader is not None:
-                    self._reader.join(timeout=2.0)
+                self._join_readers()
                 if event.is_set():
                     return
                 raise ChildError(f"{self.name} exited before {what}: {self.why(40)}")

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ import pytest
 from bus.messages import REQUEST_ID_HEADER
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
+from runtime.processes import ChildProcess
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,50 +37,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Proc:
-    """A child process whose stdout and stderr lines are collected by reader threads."""
+class Proc(ChildProcess):
+    """A child whose stdout and stderr lines are kept apart (what the CLI prints where matters here)."""
 
     def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        self.out: list[str] = []
-        self.err: list[str] = []
-        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(target=self._read, args=(stream, sink), daemon=True).start()
+        super().__init__(cmd[3] if len(cmd) > 3 else "cli", cmd, cwd=ROOT, stderr_apart=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.start()
 
-    @staticmethod
-    def _read(stream, sink: list[str]) -> None:
-        for line in stream:
-            sink.append(line.rstrip("\n"))
+    @property
+    def out(self) -> list[str]:
+        return list(self.tail)
 
-    def wait_for(self, needle: str, where: str, timeout: float) -> None:
-        """Until a line of stdout/stderr contains ``needle``; fails at the deadline or if the process exits."""
-        sink = self.out if where == "out" else self.err
-        deadline = time.monotonic() + timeout
-        while not any(needle in line for line in sink):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"{needle!r} not seen (exit {self.proc.poll()}):\n{self.text()}")
-            time.sleep(0.05)
+    @property
+    def err(self) -> list[str]:
+        return list(self.err_tail or ())
 
-    def wait(self, timeout: float) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         """The exit code; kills the process and fails if it runs past ``timeout``."""
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise AssertionError(f"still running after {timeout}s:\n{self.text()}") from None
-        time.sleep(0.1)  # let the reader threads drain the pipes
+        rc = super().wait(timeout)
+        if rc is None:
+            self.kill()
+            raise AssertionError(f"still running after {timeout}s:\n{self.text()}")
+        self.last_lines(0)  # its output is read to the end
         return rc
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
     def text(self) -> str:
         return "\n".join(["--- stdout", *self.out[-60:], "--- stderr", *self.err[-60:]])
@@ -99,7 +79,7 @@ def cluster() -> Iterator[tuple[str, int]]:
                              "--worker-id", WORKER, "--nats-url", srv.url, "--num-blocks", str(BLOCKS),
                              "--metrics-port", str(metrics_port)), env={"UCX_NET_DEVICES": "lo"})
         try:
-            worker.wait_for("ready", "out", timeout=180)
+            worker.wait_for("ready", timeout=180)
             yield srv.url, metrics_port
         finally:
             worker.stop()
@@ -169,7 +149,7 @@ def test_tail_prints_one_request_decoded(cluster: tuple[str, int]) -> None:
     tail = Proc(tandem("tail", "--nats-url", url, "--request", client_id, "--until-done", "--timeout", "120",
                        "--width", "0"))
     try:
-        tail.wait_for("following tandem.>", "err", timeout=60)
+        tail.wait_for("following tandem.>", timeout=60)
         s = Subjects(MODEL)
         body = {"kind": "generate_request", "request_id": rid, "prompt_ids": chat_prompt_ids(
             "What is the capital of France?"), "stream_subject": s.stream("gwtest", rid),
@@ -307,10 +287,10 @@ def test_tail_runs_until_ctrl_c() -> None:
     with EmbeddedNats() as srv:
         tail = Proc(tandem("tail", "--nats-url", srv.url, "--no-decode"))
         try:
-            tail.wait_for("Ctrl-C to stop", "err", timeout=60)
+            tail.wait_for("Ctrl-C to stop", timeout=60)
             time.sleep(0.3)
             assert tail.proc.poll() is None  # no count, no timeout: it keeps following
-            tail.proc.send_signal(signal.SIGINT)
+            tail.signal(signal.SIGINT)
             assert tail.wait(15) == 0
         finally:
             tail.stop()
