@@ -287,6 +287,18 @@ class Cancel(_Msg, tag="cancel", kw_only=True):
     reason: str = ""
 
 
+class Claim(_Msg, tag="claim", kw_only=True):
+    """Worker → ``tandem.<model>.claim`` (JetStream, ``Nats-Msg-Id`` = ``key``): "I serve this".
+
+    The claims stream stores the first claim of a key; a later one within its duplicate
+    window is acknowledged as a duplicate, and that worker drops its copy of the work.
+    """
+
+    key: str
+    request_id: str = ""
+    worker_id: str = ""
+
+
 class KVMetaRequest(_Msg, tag="kv_meta_request", kw_only=True):
     """Ask a worker (``tandem.kv.meta.<worker>``) for its transfer-engine metadata."""
 
@@ -336,6 +348,7 @@ AnyMessage = Union[  # noqa: UP007 - a runtime union object msgspec decodes into
     StreamFinish,
     StreamError,
     Cancel,
+    Claim,
     KVMetaRequest,
     KVMetaReply,
     WorkerStats,

@@ -37,6 +37,11 @@ Kind = Literal["chat", "completion"]
 
 #: JetStream drops a generate request nobody pulled for this long
 POOL_MAX_AGE_S = DEFAULT_GENERATE.max_age
+#: worker errors that mean "the request is fine, this worker is not": re-sent elsewhere before any token
+_GIVEN_BACK = {
+    ErrorCode.HANDED_BACK: "is draining and handed the request back",
+    ErrorCode.BUS_UNAVAILABLE: "lost its NATS connection",
+}
 #: admission counts a request's KV blocks for its prompt and this much of its answer (max_tokens is
 #: often the whole context: counting all of it would see room for a handful of requests)
 TYPICAL_ANSWER_TOKENS = 256
@@ -553,9 +558,9 @@ class Run:
                 if job.worker_id is not None and msg.request_id == job.request_id:
                     await self._lost(job, job.worker_id, "is not listening (stopped or draining)")
                 continue
-            if (isinstance(msg, StreamError) and msg.code == ErrorCode.HANDED_BACK
+            if (isinstance(msg, StreamError) and msg.code in _GIVEN_BACK
                     and msg.request_id == job.request_id):
-                await self._lost(job, job.worker_id or "?", "is draining and handed the request back")
+                await self._lost(job, job.worker_id or "?", _GIVEN_BACK[msg.code])
                 continue
             event = self._apply(job, msg)
             if event is not None:
@@ -655,7 +660,10 @@ class Run:
                     raise OpenAIError(503, f"no worker took the request from the queue in {waited:.0f}s; retry later",
                                       code="queue_timeout", retry_after=5)
                 continue
-            if not reg.is_alive(job.worker_id, within=self.gw.config.worker_lost_after):
+            # a worker that never said it took the job is given up on as soon as it looks dead
+            # (not only when NATS says nobody listens: another subscriber, e.g. `tandem tail`, hides that)
+            silent = self.gw.config.alive_after if job.next_seq == 0 else self.gw.config.worker_lost_after
+            if not reg.is_alive(job.worker_id, within=silent):
                 await self._lost(job, job.worker_id, "stopped reporting")
             elif job.worker_incarnation and reg.incarnation(job.worker_id) not in ("", job.worker_incarnation):
                 await self._lost(job, job.worker_id, "restarted")

@@ -154,8 +154,9 @@ class GatewayConfig:
     queue_when_no_workers: bool = False
     #: a worker counts as alive this long after its last stats report (/ready, routing)
     alive_after: float = 3.0
-    #: a request targeted at a worker silent this long is retried on the pool (or fails)
-    worker_lost_after: float = 10.0
+    #: a request held by a worker silent this long is re-sent elsewhere (or fails); one the worker never
+    #: acknowledged, after ``alive_after``
+    worker_lost_after: float = 5.0
     #: SSE comment sent after this many idle seconds (keeps proxies and disconnect detection going)
     sse_keepalive: float = 15.0
     #: prompts longer than this many characters are tokenized in a thread
