@@ -428,7 +428,7 @@ class DecodeActor(WorkerActor):
         try:
             done = decode(msg.data, PrefillAccepted | PrefillDone)
         except MessageError as e:
-            log.warning("bad prefill reply: %s", e)
+            bad_messages.warning("prefill reply", "bad prefill reply on %s: %s", msg.subject, e)
             return
         tag = f"{done.request_id}:{done.attempt}"
         if isinstance(done, PrefillAccepted):
@@ -603,6 +603,9 @@ class DecodeActor(WorkerActor):
         held = list(self.requests)
         if held:
             log.warning("lost NATS: stopping the %d request(s) held here", len(held))
-            await asyncio.gather(*(self._expire(rid, ErrorCode.BUS_UNAVAILABLE,
-                                                f"worker {self.worker_id} lost its NATS connection; retry", 503)
-                                   for rid in held))
+            results = await asyncio.gather(*(self._expire(rid, ErrorCode.BUS_UNAVAILABLE,
+                                                          f"worker {self.worker_id} lost its NATS connection; retry",
+                                                          503) for rid in held), return_exceptions=True)
+            for e in results:
+                if isinstance(e, Exception):  # its error message could not be queued; it is stopped anyway
+                    log.warning("while stopping a request after losing NATS: %r", e)
