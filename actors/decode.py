@@ -82,6 +82,7 @@ class Request:
     attempt_deadline: float = 0.0
     cancelled: bool = False
     done: bool = False
+    begun: bool = False  # computing started once (a prefill worker took a job, or the engine placed it)
 
     @property
     def attempt_tag(self) -> str:
@@ -213,6 +214,8 @@ class DecodeActor(WorkerActor):
     def _choose_prefill(self, r: Request) -> tuple[str, str, str | None]:
         """(local|remote, reason, target worker or None for the pool)."""
         target = r.req.target_endpoint
+        if r.req.resume_ids:  # a migrated stream: its sampling state (draw index, penalties) lives here
+            return "local", "migrated", None
         if self.role != "decode_only":
             if target:
                 raise RequestFailed(ErrorCode.UNKNOWN_TARGET,
@@ -238,7 +241,9 @@ class DecodeActor(WorkerActor):
         r.in_engine = True
         try:
             await self.runner.call(lambda e: e.add_request(r.req.request_id, r.prompt_ids,
-                                                           to_engine_params(r.req.sampling)))
+                                                           to_engine_params(r.req.sampling),
+                                                           resume_ids=list(r.req.resume_ids),
+                                                           shown_chars=r.req.shown_chars))
         except ValueError as e:
             r.in_engine = False
             await self._fail(r, ErrorCode.BAD_REQUEST, str(e.args[0]), 400)
@@ -434,6 +439,9 @@ class DecodeActor(WorkerActor):
         if isinstance(done, PrefillAccepted):
             if tag in self.prefill_waits:
                 self.prefill_takers[tag] = done.prefill_worker_id
+                r = self.requests.get(done.request_id)
+                if r is not None:
+                    r.begun = True
             return
         fut = self.prefill_waits.get(tag)
         if fut is not None and not fut.done():
@@ -579,13 +587,12 @@ class DecodeActor(WorkerActor):
                 await asyncio.gather(*(self._expire(*item) for item in late))
 
     def _begun(self, r: Request) -> bool:
-        """Whether ``r`` has begun computing: a token, a prefill worker took its job, or the engine placed it."""
-        if r.first_token_at is not None or self.prefill_takers.get(r.attempt_tag):
-            return True
-        if r.mode == "remote" and not r.in_engine:
-            return False
-        seq = self.engine.seqs.get(r.req.request_id)  # read from this thread: one dict lookup, two fields
-        return seq is not None and (seq.status is not SeqStatus.WAITING or seq.num_computed > 0)
+        """Whether ``r`` has begun computing (ever): a token, a prefill worker took a job of it, or the
+        engine placed it. A request that began is never dropped for its ``start_by``."""
+        if not r.begun and r.first_token_at is None and not (r.mode == "remote" and not r.in_engine):
+            seq = self.engine.seqs.get(r.req.request_id)  # read from this thread: one dict lookup, two fields
+            r.begun = seq is not None and (seq.status is not SeqStatus.WAITING or seq.num_computed > 0)
+        return r.begun or r.first_token_at is not None
 
     async def _expire(self, rid: str, code: str, message: str, status: int) -> None:
         """Stop ``rid`` here, tell its prefill worker (if a job went out) and its gateway."""

@@ -154,7 +154,10 @@ class GenerateRequest(_Msg, tag="generate_request", kw_only=True):
     ``prompt`` lets a hand-written request (``nats pub``) send text instead of ids; the
     gateway always sends ``prompt_ids``. ``start_by`` (epoch seconds, 0: none) is the gateway's
     admission bound: a request that has not begun computing by then is dropped wherever it
-    waits, with a ``queue_timeout`` StreamError.
+    waits, with a ``queue_timeout`` StreamError. ``resume_ids`` are the tokens an earlier decode
+    worker generated before it died (a migrated stream): they are output, not prompt (``max_tokens``,
+    penalties and the seed's draw index count them), and ``shown_chars`` characters of their
+    text have reached the client already.
     """
 
     request_id: str
@@ -164,6 +167,8 @@ class GenerateRequest(_Msg, tag="generate_request", kw_only=True):
     gateway_id: str = ""
     deadline: float = 0.0
     start_by: float = 0.0
+    resume_ids: list[TokenId] = []
+    shown_chars: NonNegInt = 0
     target_endpoint: str | None = None
     model: str = ""
     created: float = msgspec.field(default_factory=time.time)

@@ -91,7 +91,8 @@ class EmbeddedNats:
     4222). ``store_dir`` defaults to a temporary directory removed on stop.
     ``max_payload`` (bytes) writes a small config that includes ``config`` if given.
     ``die_with_parent`` (Linux) asks the kernel to SIGTERM the server when the thread
-    that started it exits, so a killed ``tandem up`` leaves no orphan.
+    that started it exits, so a killed ``tandem up`` leaves no orphan. ``env`` is the server's
+    environment (default: this process's), e.g. the variables a config refers to.
     """
 
     def __init__(
@@ -109,6 +110,7 @@ class EmbeddedNats:
         stop_timeout: float = 10.0,
         echo: bool = False,
         die_with_parent: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.requested_port = port
         self.host = host
@@ -121,6 +123,7 @@ class EmbeddedNats:
         self.stop_timeout = stop_timeout
         self.echo = echo
         self.die_with_parent = die_with_parent
+        self.env = env
         self._store_dir_arg = str(store_dir) if store_dir is not None else None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._store_dir: str | None = None
@@ -217,7 +220,7 @@ class EmbeddedNats:
         if self._finalizer is not None:
             self._finalizer.detach()
         self._child = ChildProcess(
-            self.name, cmd, echo=sys.stderr if self.echo else None, prefix="", on_line=self._on_line,
+            self.name, cmd, env=self.env, echo=sys.stderr if self.echo else None, prefix="", on_line=self._on_line,
             die_with_parent=self.die_with_parent,
         )
         try:

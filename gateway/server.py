@@ -47,6 +47,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-queue-wait", type=float, default=None,
                    help="refuse a request at once (429, Retry-After) when its expected wait for a worker is "
                         "longer than this many seconds; 0: never (TANDEM_GATEWAY_MAX_QUEUE_WAIT, default 30)")
+    p.add_argument("--migration-limit", type=int, default=None,
+                   help="times a request may move to another decode worker when its worker dies after tokens "
+                        "were sent (TANDEM_GATEWAY_MIGRATION_LIMIT, default 1; 0: never, it fails with 503)")
     p.set_defaults(func=main)
     return p
 
@@ -124,6 +127,7 @@ def main(args: argparse.Namespace) -> int:
             queue_when_no_workers=args.queue_when_no_workers,
             drain_timeout=args.drain_timeout,
             max_queue_wait=args.max_queue_wait,
+            migration_limit=args.migration_limit,
         )
         text = load_text_model(config.model)
     except (ValueError, ModelLoadError) as e:

@@ -63,6 +63,7 @@ class Job:
     worker_incarnation: str = ""  # the process of ``worker_id`` holding the job, when known
     route_reason: str = ""
     retried: bool = False
+    migrations: int = 0  # times it moved to another decode worker mid-stream
     queued: bool = False  # when dispatched, every place was taken: it had to wait (admission's measurements)
     next_seq: int = 0
     token_ids: list[int] = field(default_factory=list)
@@ -485,8 +486,10 @@ class Run:
         if self.closed:  # the deadline timer closed this run while it was sending
             raise self._deadline_passed()
         reg = gw.registry
-        # "<client id>-<choice>", and "-r1" for a re-send: `tandem tail --request <client id>` finds them
-        job.request_id = f"{self.client_id}-{job.index}" + ("-r1" if job.retried else "")
+        # "<client id>-<choice>", "-r1" for a re-send, "-m<k>" for a migration: `tandem tail --request
+        # <client id>` finds them all
+        job.request_id = (f"{self.client_id}-{job.index}" + ("-r1" if job.retried else "")
+                          + (f"-m{job.migrations}" if job.migrations else ""))
         bs = gw.config.block_size
         route = reg.choose(job.hashes, (len(job.prompt_ids) + bs - 1) // bs, exclude)
         live = [w for w in reg.alive() if w.worker_id not in exclude]
@@ -505,6 +508,8 @@ class Run:
             start_by=time.time() + gw.config.max_queue_wait if gw.config.max_queue_wait else 0.0,
             target_endpoint=self.prep.target_endpoint,
             model=gw.text.name,
+            resume_ids=list(job.token_ids) if job.migrations else [],
+            shown_chars=len(job.text) if job.migrations else 0,
         )
         try:
             await gw.bus.submit(req, route.worker_id)
@@ -669,11 +674,20 @@ class Run:
                 await self._lost(job, job.worker_id, "restarted")
 
     async def _lost(self, job: Job, worker: str, why: str) -> None:
-        """The worker holding ``job`` is gone: before any token, re-send the job once elsewhere; else fail."""
-        if not job.token_ids and not job.text_parts and not job.retried:
+        """The worker holding ``job`` is gone: before any token, re-send the job once elsewhere; after
+        tokens, move it to another worker with the tokens so far (up to ``migration_limit`` times); else fail."""
+        started = bool(job.token_ids or job.text_parts)
+        if not started and not job.retried:
             log.warning("request %s: worker %s %s; re-sending the request", job.request_id, worker, why)
             self.gw.bus.cancel_soon(job.request_id, f"worker {worker} {why}")
             job.retried = True
+            await self._dispatch(job, exclude=frozenset({worker}))
+            return
+        if started and job.migrations < self.gw.config.migration_limit:
+            log.warning("request %s: worker %s %s after %d tokens; moving the stream to another worker",
+                        job.request_id, worker, why, len(job.token_ids))
+            self.gw.bus.cancel_soon(job.request_id, f"worker {worker} {why}")
+            job.migrations += 1
             await self._dispatch(job, exclude=frozenset({worker}))
             return
         raise OpenAIError(503, f"decode worker {worker} {why}", code="worker_lost", retry_after=1)

@@ -171,12 +171,14 @@ class GatewayConfig:
     drain_timeout: float = 30.0
     #: a request whose expected wait for a worker is longer than this is refused at once (429); 0: never
     max_queue_wait: float = 30.0
+    #: times a request may move to another decode worker when its worker dies after tokens were sent
+    migration_limit: int = 1
 
     def __post_init__(self) -> None:
         check_token(self.gateway_id, "gateway id")
         if self.request_timeout <= 0 or self.max_request_timeout < self.request_timeout:
             raise ValueError("request timeout must be positive and at most max_request_timeout")
-        for name in ("drain_timeout", "max_queue_wait"):
+        for name in ("drain_timeout", "max_queue_wait", "migration_limit"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
 
@@ -196,6 +198,7 @@ class GatewayConfig:
             queue_when_no_workers=_env_value("TANDEM_GATEWAY_QUEUE_WHEN_NO_WORKERS", False),
             drain_timeout=_env_value("TANDEM_GATEWAY_DRAIN_TIMEOUT", 30.0),
             max_queue_wait=_env_value("TANDEM_GATEWAY_MAX_QUEUE_WAIT", 30.0),
+            migration_limit=_env_value("TANDEM_GATEWAY_MIGRATION_LIMIT", 1),
         )
         if os.environ.get("TANDEM_GATEWAY_ID"):
             cfg = replace(cfg, gateway_id=os.environ["TANDEM_GATEWAY_ID"])

@@ -232,3 +232,53 @@ def test_a_dead_worker_is_noticed_while_another_client_listens_to_everything(
         loop_thread.run(spy_nc.close())
         for w in (zombie, healthy):
             loop_thread.run(w.stop())
+
+
+# ============================================================================ migration
+
+
+def sse_text(lines: list[str]) -> tuple[str, list[dict[str, Any]]]:
+    """The streamed text and the parsed events of an SSE body."""
+    events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+    return text, events
+
+
+@pytest.mark.parametrize("limit", [1, 0])
+def test_a_stream_moves_off_a_worker_that_dies_mid_stream(nats_srv: EmbeddedNats, text_model: TextModel,
+                                                         loop_thread: LoopThread, limit: int) -> None:
+    """The decode worker of a stream dies after some tokens: with --migration-limit 1 the gateway
+    re-sends it to another worker with the tokens so far and the client's stream goes on with no
+    duplicate and no missing token; with 0 the stream ends with an SSE error event and [DONE]."""
+    ns = f"migrate{limit}"
+    dying = fake_worker(nats_srv.url, ns, text_model, "dying", loop_thread, pull_pool=False, admit=True)
+    heir = fake_worker(nats_srv.url, ns, text_model, "heir", loop_thread, pull_pool=False, admit=True,
+                       fake_running=3)  # busier: the stream starts on the one that dies
+    srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, alive_after=2.0, worker_lost_after=2.0,
+                                              migration_limit=limit), text_model)).start()
+    try:
+        wait_for(lambda: len(httpx.get(f"{srv.url}/ready").json()["workers"]) == 2, 15, "both workers")
+        result = stream_in_background(srv.url, "[slow] tell me everything", max_tokens=40)
+        wait_for(lambda: len(dying.requests) == 1, 15, "the stream to start")
+        time.sleep(1.0)  # about ten tokens out
+        dying.dead, dying.report = True, False
+        status, lines = result()
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        text, events = sse_text(lines)
+        if limit == 0:
+            assert events[-1]["error"]["code"] == "worker_lost", events[-1]
+            assert heir.requests == []
+            return
+        [(_, moved)] = heir.requests
+        first = dying.requests[0][1]
+        assert moved.request_id == first.request_id + "-m1" and list(moved.prompt_ids) == list(first.prompt_ids)
+        assert 0 < len(moved.resume_ids) < 40 and moved.shown_chars > 0
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        unmoved = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60,  # only the heir is alive now
+                             json=chat_body("[slow] tell me everything", max_tokens=40, temperature=0))
+        assert unmoved.status_code == 200, unmoved.text
+        assert text == unmoved.json()["choices"][0]["message"]["content"]  # nothing lost, nothing twice
+    finally:
+        srv.stop()
+        for w in (dying, heir):
+            loop_thread.run(w.stop())
