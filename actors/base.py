@@ -174,7 +174,9 @@ class WorkerActor:
         while self.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.busy():
-            log.warning("%s %s: drain deadline passed with work in flight", self.role, self.worker_id)
+            log.warning("%s %s: drain deadline passed with work in flight; handing it back", self.role,
+                        self.worker_id)
+            await self.hand_back(everything=True)
         for t in list(self.tasks):
             t.cancel()
         try:
@@ -311,8 +313,9 @@ class WorkerActor:
     def busy(self) -> bool:
         raise NotImplementedError
 
-    async def hand_back(self) -> None:
-        """Draining: give back work that is cheaper to redo elsewhere than to finish here."""
+    async def hand_back(self, everything: bool = False) -> None:
+        """Draining: give back work that is cheaper to redo elsewhere than to finish here (``everything``:
+        the drain time is over, all that is left goes back)."""
 
     async def answer_bad_work(self, body: dict, error: str) -> None:
         """Answer a work message that did not decode (``body`` is its JSON), where it names a subject."""

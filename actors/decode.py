@@ -541,9 +541,10 @@ class DecodeActor(WorkerActor):
                       StreamFinish(request_id=request_id, seq=r.seq, finish_reason="cancelled",
                                    decode_worker_id=self.worker_id))
 
-    async def hand_back(self) -> None:
-        """Requests that have not streamed a token go back to their gateway, which re-sends them."""
-        for rid in [rid for rid, r in self.requests.items() if r.first_token_at is None]:
+    async def hand_back(self, everything: bool = False) -> None:
+        """Requests that have not streamed a token go back to their gateway, which re-sends them; at the end
+        of the drain time (``everything``) the streaming ones too, which it moves to another worker."""
+        for rid in [rid for rid, r in self.requests.items() if everything or r.first_token_at is None]:
             r = await self._drop(rid)
             if r is not None:
                 await self._hand_back_one(r)

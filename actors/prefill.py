@@ -76,8 +76,9 @@ class PrefillActor(WorkerActor):
             self.jobs[job_key(job)] = job
             self.spawn(self._run_job(job))
 
-    async def hand_back(self) -> None:
-        """Draining: jobs still waiting for a place go back to their decode workers, which retry elsewhere."""
+    async def hand_back(self, everything: bool = False) -> None:
+        """Draining: jobs still waiting for a place go back to their decode workers, which retry elsewhere
+        (running jobs finish, or end with the process)."""
         while self.backlog:
             job = self.backlog.popleft()
             await self._refuse(job, ErrorCode.HANDED_BACK, f"prefill worker {self.worker_id} is draining")

@@ -33,7 +33,7 @@ def rid() -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """NATS + two decode_only (d1, d2) + two prefill_only (p1, p2) workers."""
+    """NATS + two decode_only (d1, d2) + two prefill_only (p1, p2) workers, and d3 (drain time 2 s) to stop."""
     logs = tmp_path_factory.mktemp("probes")
     srv = EmbeddedNats(store_dir=logs / "nats")  # a store of our own: the NATS restart keeps it
     srv.start()
@@ -43,6 +43,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
             ("decode_only", "d2", "--num-blocks", "400"),
             ("prefill_only", "p1", "--num-blocks", "400"),
             ("prefill_only", "p2", "--num-blocks", "400"),
+            ("decode_only", "d3", "--num-blocks", "200", "--drain-timeout", "2"),
         ], srv.url, logs)
         try:
             yield srv, {w.worker_id: w for w in workers}
@@ -248,6 +249,28 @@ def test_a_burst_of_cancels_stops_every_request_within_a_step_or_two(cluster: An
 
     more = run(go())
     assert max(more) - min(more) <= 3, more
+
+
+def test_a_drain_that_runs_out_of_time_hands_the_streams_back(cluster: Any, smollm: Any) -> None:
+    """SIGTERM to a decode worker with a long stream: after its drain time it hands the stream back
+    (503 handed_back, which a gateway moves to another worker) instead of leaving it cut; it exits 0."""
+    srv, workers = cluster
+    d3 = workers.pop("d3")  # gone after this test
+
+    async def go() -> list[dict[str, Any]]:
+        async with Client(srv.url) as c:
+            sub = await c.start(rid(), chat_ids(smollm, "Tell a very long story."), worker="d3", max_tokens=3000,
+                                ignore_eos=True)
+            first = [json.loads((await sub.next_msg(timeout=120)).data) for _ in range(3)]
+            d3.child.terminate()
+            return first + await read_stream(sub)
+
+    msgs = run(go())
+    assert d3.child.wait(60) == 0
+    assert [m["seq"] for m in msgs] == list(range(len(msgs)))
+    tokens = [m for m in msgs if m["kind"] == "stream_tokens" and m["token_ids"]]
+    assert len(tokens) > 3 and msgs[-1]["kind"] == "stream_error", msgs[-1]
+    assert msgs[-1]["code"] == "handed_back" and msgs[-1]["status"] == 503
 
 
 def test_zz_nats_restart_stops_the_streams_it_cut_and_everyone_comes_back(cluster: Any, smollm: Any) -> None:
