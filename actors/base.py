@@ -33,17 +33,20 @@ from bus.messages import (
     encode,
 )
 from bus.publish import publish, request, respond
-from bus.streams import ensure_streams, fetch_one, pull_subscription
+from bus.streams import claim, ensure_streams, fetch_one, pull_subscription
 from bus.subjects import Subjects, check_subject
 from engine.engine import EngineConfig, LLMEngine, StepOutput
 from engine.loader import LoadedModel, model_name
 from kv.transfer.auto import create_engine
 from kv.transfer.base import new_incarnation
 from runtime import metrics
+from runtime.logs import Throttled
 from runtime.placement import available_cpus, format_cpus
 from runtime.settings import Settings
 
 log = logging.getLogger(__name__)
+#: bad messages can come at the rate of a flood: one log line per kind per minute
+bad_messages = Throttled(log)
 T = TypeVar("T")
 VERSION = "0.1.0"
 
@@ -144,7 +147,7 @@ class WorkerActor:
 
     async def run(self) -> None:
         opts = BusOptions.from_env(servers=[u.strip() for u in self.s.nats_url.split(",")])
-        self.nc = await connect(opts, name=f"tandem-{self.role}-{self.worker_id}")
+        self.nc = await connect(opts, name=f"tandem-{self.role}-{self.worker_id}", on_disconnect=self.on_bus_lost)
         await ensure_streams(self.nc, self.subjects)
         await self.nc.subscribe(self.subjects.kv_meta(self.worker_id), cb=self._on_kv_meta)
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel_msg)
@@ -157,8 +160,9 @@ class WorkerActor:
         await self.stop_event.wait()
         await self.drain()
 
-    async def drain(self, timeout: float = 30.0) -> None:
-        """Stop taking work, finish what we hold (bounded), then leave the bus."""
+    async def drain(self) -> None:
+        """Stop taking work, finish what we hold (within ``drain_timeout``), then leave the bus."""
+        timeout = self.s.drain_timeout
         log.info("%s %s draining", self.role, self.worker_id)
         self.draining = True
         try:  # tell routers at once rather than at the next 1 Hz tick
@@ -171,7 +175,9 @@ class WorkerActor:
         while self.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.busy():
-            log.warning("%s %s: drain deadline passed with work in flight", self.role, self.worker_id)
+            log.warning("%s %s: drain deadline passed with work in flight; handing it back", self.role,
+                        self.worker_id)
+            await self.hand_back(everything=True)
         for t in list(self.tasks):
             t.cancel()
         try:
@@ -241,25 +247,52 @@ class WorkerActor:
         await self.accept(msg, from_pool=False)
 
     async def receive(self, msg: Msg, from_pool: bool, type_: type[T], key: Callable[[T], str]) -> T | None:
-        """Decode and acknowledge a work message; None if it is bad or a redelivery handled before.
+        """Decode, acknowledge and claim a work message; None if it is bad or a copy served elsewhere.
 
         A pool message is acked once decoded (this worker owns it now); an undecodable one is
-        terminated so JetStream does not redeliver it.
+        terminated so JetStream does not redeliver it, and answered where it names a subject to
+        answer on. A copy of work this worker, or another, already took is dropped: the claims
+        stream's duplicate window (:func:`bus.streams.claim`) grants each key once.
         """
         try:
             item = decode(msg.data, type_)
         except MessageError as e:
-            log.warning("dropping undecodable %s: %s", type_.__name__, e)
+            bad_messages.warning(f"bad {msg.subject}", "dropping an undecodable %s on %s: %s", type_.__name__,
+                                 msg.subject, e)
             if from_pool:
                 await msg.term()
+            await self.answer_malformed(msg.data, str(e))
             return None
         if from_pool:
             await msg.ack()
-        if not self.seen.add(key(item)):
-            log.info("%s %s already handled here; ignoring redelivery", type_.__name__, key(item),
+        k = key(item)
+        if not self.seen.add(k):
+            log.info("%s %s already handled here; ignoring redelivery", type_.__name__, k,
+                     extra={"request_id": item.request_id})
+            return None
+        try:
+            first = await claim(self.nc, self.subjects, f"{type_.__name__}:{k}", self.worker_id, item.request_id)
+        except Exception as e:  # NATS or JetStream trouble: serving a rare copy twice beats serving nothing
+            bad_messages.warning("claim", "cannot claim %s %s (%r); serving it unclaimed", type_.__name__, k, e)
+            first = True
+        if not first:
+            log.info("%s %s was claimed by another worker first; dropping this copy", type_.__name__, k,
                      extra={"request_id": item.request_id})
             return None
         return item
+
+    async def answer_malformed(self, data: bytes, error: str) -> None:
+        """A work message that did not decode but names where to answer (JSON ``stream_subject`` /
+        ``reply_subject``) gets an error there; the role knows which message to send."""
+        try:
+            body = json.loads(data)
+        except ValueError:
+            return
+        if isinstance(body, dict):
+            try:
+                await self.answer_bad_work(body, error)
+            except (ValueError, PayloadTooLarge) as e:  # e.g. the subject it names is not a subject
+                bad_messages.warning("answer", "cannot answer a malformed message: %s", e)
 
     def check_runner(self) -> None:
         if self.runner.failure is not None:
@@ -281,8 +314,16 @@ class WorkerActor:
     def busy(self) -> bool:
         raise NotImplementedError
 
-    async def hand_back(self) -> None:
-        """Draining: give back work that is cheaper to redo elsewhere than to finish here."""
+    async def hand_back(self, everything: bool = False) -> None:
+        """Draining: give back work that is cheaper to redo elsewhere than to finish here (``everything``:
+        the drain time is over, all that is left goes back)."""
+
+    async def answer_bad_work(self, body: dict, error: str) -> None:
+        """Answer a work message that did not decode (``body`` is its JSON), where it names a subject."""
+
+    async def on_bus_lost(self) -> None:
+        """NATS went away: what was published since may be lost."""
+
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         raise NotImplementedError
@@ -320,13 +361,16 @@ class WorkerActor:
             self.on_outputs(outputs)
 
     async def _on_cancel_msg(self, msg: Msg) -> None:
+        """Remember the cancel and start acting on it, without waiting for the model thread: cancels
+        that arrive together all reach it before its next step."""
         try:
             c = decode(msg.data, Cancel)
         except ValueError as e:
-            log.warning("ignoring bad cancel on %s: %s", msg.subject, e)
+            bad_messages.warning("cancel", "ignoring a bad cancel on %s: %s", msg.subject, e)
             return
         self.cancelled_ids.add(c.request_id)
-        await self.on_cancel(c.request_id, c.reason)
+        self.spawn(self.on_cancel(c.request_id, c.reason))
+
 
     async def _on_kv_meta(self, msg: Msg) -> None:
         reply = KVMetaReply(worker_id=self.worker_id, incarnation=self.incarnation, engine=self.transfer.name,
@@ -363,7 +407,7 @@ class WorkerActor:
             "model": self.model, "role": self.role, "worker_id": self.worker_id,
             "incarnation": self.incarnation, "layout_fingerprint": self.layout.fingerprint(),
             "layout": self.layout.describe(), "metrics_url": self.metrics_url,
-            "kv_transfer": self.transfer.name, "started": str(self.started),
+            "kv_transfer": self.transfer.name, "started": str(self.started), "restarts": str(self.s.restarts),
             "device": self.s.device, "cpus": format_cpus(available_cpus()), "threads": str(self.s.threads),
         }
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
-from actors.base import SeenIds, WorkerActor
+from actors.base import SeenIds, WorkerActor, bad_messages
 from bus.messages import (
+    Cancel,
     ErrorCode,
     GenerateRequest,
     KVDestination,
@@ -38,6 +39,7 @@ from bus.publish import js_publish, publish
 from bus.subjects import check_subject, check_token
 from engine.engine import LLMEngine, StepOutput
 from engine.sampling import SamplingParams, TokenLogprob
+from engine.sequence import SeqStatus
 from kv.blocks import prefix_hashes
 from runtime import metrics
 
@@ -80,6 +82,7 @@ class Request:
     attempt_deadline: float = 0.0
     cancelled: bool = False
     done: bool = False
+    begun: bool = False  # computing started once (a prefill worker took a job, or the engine placed it)
 
     @property
     def attempt_tag(self) -> str:
@@ -134,7 +137,7 @@ class DecodeActor(WorkerActor):
         try:
             check_subject(req.stream_subject, "stream_subject")
         except ValueError as e:  # nowhere to answer: say so here and drop it
-            log.warning("dropping request %r: %s", req.request_id, e, extra={"request_id": req.request_id})
+            bad_messages.warning("stream_subject", "dropping request %r: %s", req.request_id, e)
             return
         if req.request_id in self.cancelled_ids:  # its client left while it sat in the pool
             log.info("request %s was cancelled before it got here; dropping it", req.request_id,
@@ -166,6 +169,16 @@ class DecodeActor(WorkerActor):
             self.spawn(self._remote_prefill_or_fail(r, target))
         else:
             await self._start_local(r)
+
+    async def answer_bad_work(self, body: dict, error: str) -> None:
+        """A generate request that did not decode gets a 400 on the stream subject it names."""
+        subject = body.get("stream_subject")
+        if not isinstance(subject, str):
+            return
+        rid = body.get("request_id")
+        await publish(self.nc, check_subject(subject, "stream_subject"), StreamError(
+            request_id=rid if isinstance(rid, str) else "", seq=0, code=ErrorCode.BAD_REQUEST, status=400,
+            message=f"malformed generate request: {error}"))
 
     def count_decision(self, mode: str, reason: str) -> None:
         self.decisions[(mode, reason)] += 1
@@ -201,6 +214,8 @@ class DecodeActor(WorkerActor):
     def _choose_prefill(self, r: Request) -> tuple[str, str, str | None]:
         """(local|remote, reason, target worker or None for the pool)."""
         target = r.req.target_endpoint
+        if r.req.resume_ids:  # a migrated stream: its sampling state (draw index, penalties) lives here
+            return "local", "migrated", None
         if self.role != "decode_only":
             if target:
                 raise RequestFailed(ErrorCode.UNKNOWN_TARGET,
@@ -226,7 +241,9 @@ class DecodeActor(WorkerActor):
         r.in_engine = True
         try:
             await self.runner.call(lambda e: e.add_request(r.req.request_id, r.prompt_ids,
-                                                           to_engine_params(r.req.sampling)))
+                                                           to_engine_params(r.req.sampling),
+                                                           resume_ids=list(r.req.resume_ids),
+                                                           shown_chars=r.req.shown_chars))
         except ValueError as e:
             r.in_engine = False
             await self._fail(r, ErrorCode.BAD_REQUEST, str(e.args[0]), 400)
@@ -416,12 +433,15 @@ class DecodeActor(WorkerActor):
         try:
             done = decode(msg.data, PrefillAccepted | PrefillDone)
         except MessageError as e:
-            log.warning("bad prefill reply: %s", e)
+            bad_messages.warning("prefill reply", "bad prefill reply on %s: %s", msg.subject, e)
             return
         tag = f"{done.request_id}:{done.attempt}"
         if isinstance(done, PrefillAccepted):
             if tag in self.prefill_waits:
                 self.prefill_takers[tag] = done.prefill_worker_id
+                r = self.requests.get(done.request_id)
+                if r is not None:
+                    r.begun = True
             return
         fut = self.prefill_waits.get(tag)
         if fut is not None and not fut.done():
@@ -521,9 +541,10 @@ class DecodeActor(WorkerActor):
                       StreamFinish(request_id=request_id, seq=r.seq, finish_reason="cancelled",
                                    decode_worker_id=self.worker_id))
 
-    async def hand_back(self) -> None:
-        """Requests that have not streamed a token go back to their gateway, which re-sends them."""
-        for rid in [rid for rid, r in self.requests.items() if r.first_token_at is None]:
+    async def hand_back(self, everything: bool = False) -> None:
+        """Requests that have not streamed a token go back to their gateway, which re-sends them; at the end
+        of the drain time (``everything``) the streaming ones too, which it moves to another worker."""
+        for rid in [rid for rid, r in self.requests.items() if everything or r.first_token_at is None]:
             r = await self._drop(rid)
             if r is not None:
                 await self._hand_back_one(r)
@@ -548,11 +569,51 @@ class DecodeActor(WorkerActor):
         return r
 
     async def _deadline_watch(self) -> None:
-        """A request past its deadline stops here and its client gets a 504, not a late answer."""
+        """A request past its deadline stops here and its client gets a 504, not a late answer; one that
+        has not begun by its ``start_by`` (the gateway's admission bound) is dropped with a 503.
+
+        All of them are dropped together, so their aborts reach the model thread before its next step.
+        """
         while True:
             await asyncio.sleep(0.25)
             now = time.time()
-            for rid in [rid for rid, r in self.requests.items() if r.req.deadline and now > r.req.deadline]:
-                r = await self._drop(rid)
-                if r is not None:
-                    await self._fail(r, ErrorCode.DEADLINE_EXCEEDED, "request deadline passed", 504)
+            late = [(rid, ErrorCode.DEADLINE_EXCEEDED, "request deadline passed", 504)
+                    for rid, r in self.requests.items() if r.req.deadline and now > r.req.deadline]
+            late += [(rid, ErrorCode.QUEUE_TIMEOUT, f"the request did not start within its queue time on worker "
+                      f"{self.worker_id}; retry", 503)
+                     for rid, r in self.requests.items()
+                     if r.req.start_by and now > r.req.start_by and not self._begun(r)
+                     and not (r.req.deadline and now > r.req.deadline)]
+            if late:
+                await asyncio.gather(*(self._expire(*item) for item in late))
+
+    def _begun(self, r: Request) -> bool:
+        """Whether ``r`` has begun computing (ever): a token, a prefill worker took a job of it, or the
+        engine placed it. A request that began is never dropped for its ``start_by``."""
+        if not r.begun and r.first_token_at is None and not (r.mode == "remote" and not r.in_engine):
+            seq = self.engine.seqs.get(r.req.request_id)  # read from this thread: one dict lookup, two fields
+            r.begun = seq is not None and (seq.status is not SeqStatus.WAITING or seq.num_computed > 0)
+        return r.begun or r.first_token_at is not None
+
+    async def _expire(self, rid: str, code: str, message: str, status: int) -> None:
+        """Stop ``rid`` here, tell its prefill worker (if a job went out) and its gateway."""
+        r = await self._drop(rid)
+        if r is None:
+            return
+        if r.mode == "remote" and r.job_sent and not r.in_engine:
+            await publish(self.nc, self.subjects.cancel(rid), Cancel(request_id=rid, reason=code))
+        await self._fail(r, code, message, status)
+
+    async def on_bus_lost(self) -> None:
+        """NATS is gone: tokens published from now on may be lost, and a gateway that lost NATS too has
+        failed its requests already. Stop them all now (no compute for nobody); each gets a
+        ``bus_unavailable`` error, delivered when NATS is back, for a gateway still waiting."""
+        held = list(self.requests)
+        if held:
+            log.warning("lost NATS: stopping the %d request(s) held here", len(held))
+            results = await asyncio.gather(*(self._expire(rid, ErrorCode.BUS_UNAVAILABLE,
+                                                          f"worker {self.worker_id} lost its NATS connection; retry",
+                                                          503) for rid in held), return_exceptions=True)
+            for e in results:
+                if isinstance(e, Exception):  # its error message could not be queued; it is stopped anyway
+                    log.warning("while stopping a request after losing NATS: %r", e)

@@ -8,15 +8,18 @@ answers with the first token and timings.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import threading
 import time
 
 from nats.aio.msg import Msg
 
-from actors.base import WorkerActor
+from actors.base import WorkerActor, bad_messages
 from actors.decode import to_engine_params
 from bus.messages import ErrorCode, PrefillAccepted, PrefillDone, PrefillJob
 from bus.publish import publish
+from bus.subjects import check_subject
 from engine.engine import StepOutput
 from kv.layout import KVLayout, LayoutMismatch
 from kv.transfer.base import TransferError
@@ -37,27 +40,64 @@ class PrefillActor(WorkerActor):
         # request can reach this worker while its first attempt is still winding down here
         self.jobs: dict[str, PrefillJob] = {}
         self.first_tokens: dict[str, asyncio.Future] = {}
+        # targeted jobs (a retry after another prefill worker died, a client's target_endpoint) that
+        # came while both places were taken: they wait here, so the cap holds for them too
+        self.backlog: collections.deque[PrefillJob] = collections.deque()
 
     async def start(self) -> None:
         await self.take_work("prefill", self.subjects.prefill_worker(self.worker_id))
 
     def has_capacity(self) -> bool:
-        return len(self.jobs) < MAX_CONCURRENT_JOBS
+        return len(self.jobs) < MAX_CONCURRENT_JOBS and not self.backlog
 
     def busy(self) -> bool:
-        return bool(self.jobs)
+        return bool(self.jobs) or bool(self.backlog)
 
     def stats(self):
         st = super().stats()
         st.running = len(self.jobs)
+        st.queued = len(self.backlog)
         return st
 
     async def accept(self, msg: Msg, from_pool: bool) -> None:
         job = await self.receive(msg, from_pool, PrefillJob, job_key)
         if job is None:
             return
-        self.jobs[job_key(job)] = job
-        self.spawn(self._run_job(job))
+        if self.draining:  # a targeted job on its way when the drain began: the decode worker retries elsewhere
+            await self._refuse(job, ErrorCode.HANDED_BACK, f"prefill worker {self.worker_id} is draining")
+            return
+        self.backlog.append(job)
+        self._start_next()
+
+    def _start_next(self) -> None:
+        """Start waiting jobs while there is a place (at most MAX_CONCURRENT_JOBS run)."""
+        while self.backlog and len(self.jobs) < MAX_CONCURRENT_JOBS:
+            job = self.backlog.popleft()
+            self.jobs[job_key(job)] = job
+            self.spawn(self._run_job(job))
+
+    async def hand_back(self, everything: bool = False) -> None:
+        """Draining: jobs still waiting for a place go back to their decode workers, which retry elsewhere
+        (running jobs finish, or end with the process)."""
+        while self.backlog:
+            job = self.backlog.popleft()
+            await self._refuse(job, ErrorCode.HANDED_BACK, f"prefill worker {self.worker_id} is draining")
+
+    async def _refuse(self, job: PrefillJob, code: str, message: str) -> None:
+        await publish(self.nc, job.reply_subject, PrefillDone(
+            request_id=job.request_id, ok=False, prefill_worker_id=self.worker_id, attempt=job.attempt,
+            layout_fingerprint=self.layout.fingerprint(), error=message, error_code=code, wrote=False))
+
+    async def answer_bad_work(self, body: dict, error: str) -> None:
+        """A prefill job that did not decode gets a failed PrefillDone on the reply subject it names."""
+        subject = body.get("reply_subject")
+        if not isinstance(subject, str):
+            return
+        rid, attempt = body.get("request_id"), body.get("attempt")
+        await publish(self.nc, check_subject(subject, "reply_subject"), PrefillDone(
+            request_id=rid if isinstance(rid, str) else "", ok=False, prefill_worker_id=self.worker_id,
+            attempt=attempt if isinstance(attempt, int) and attempt >= 0 else 0,
+            error=f"malformed prefill job: {error}", error_code=ErrorCode.BAD_REQUEST, wrote=False))
 
     async def _run_job(self, job: PrefillJob) -> None:
         rid, key = job.request_id, job_key(job)
@@ -131,15 +171,22 @@ class PrefillActor(WorkerActor):
             done.error, done.error_code = f"{type(e).__name__}: {e}", ErrorCode.INTERNAL
         finally:
             self.first_tokens.pop(key, None)
-            if held:  # on the model thread, after its current step: no layer write starts after this
-                await self.runner.call(self._let_go, key, stream if not done.ok else None)
-            self.jobs.pop(key, None)
+            if stream is not None and not done.ok:
+                stream.cancel()  # from this thread, at once: no layer write starts after this
+        # The answer leaves now, not after the model thread's current step: its blocks are let go below.
         done.wrote = whole_write or bool(stream and stream.handles)
         metrics.PREFILL_JOBS.labels("ok" if done.ok else done.error_code or "error").inc()
         if not done.ok:
-            log.warning("prefill %s failed (%s): %s", rid, done.error_code, done.error, extra={"request_id": rid})
+            bad_messages.warning(f"prefill failed {done.error_code}", "prefill %s failed (%s): %s", rid,
+                                 done.error_code, done.error)
         done.timings = timings
-        await publish(self.nc, job.reply_subject, done)
+        try:
+            await publish(self.nc, job.reply_subject, done)
+        finally:
+            self.jobs.pop(key, None)
+            self._start_next()
+            if held:
+                await self.runner.call(self._let_go, key)
 
     def _layerwise(self, peer: str) -> bool:
         mode = self.s.layerwise_transfer
@@ -161,12 +208,10 @@ class PrefillActor(WorkerActor):
             engine.layer_hooks[job_key(job)] = stream.on_layer
 
     @staticmethod
-    def _let_go(engine, key: str, failed_stream: LayerStream | None) -> None:
-        """On the model thread: stop the job's layer hooks (and a failed job's writes), free its blocks."""
+    def _let_go(engine, key: str) -> None:
+        """On the model thread: drop the job's layer hooks, stop it if it still computes, free its blocks."""
         engine.layer_hooks.pop(key, None)
         engine.abort(key)
-        if failed_stream is not None:
-            failed_stream.cancel()
         engine.release_held(key)
 
     def _check_cancel(self, rid: str) -> None:
@@ -193,7 +238,8 @@ def job_key(job: PrefillJob) -> str:
 
 
 class LayerStream:
-    """Ships each layer's KV as soon as the model has written it (runs on the model thread)."""
+    """Ships each layer's KV as soon as the model has written it (``on_layer`` runs on the model thread;
+    ``cancel`` may come from the event loop at any time: the lock makes "no write starts after it" hold)."""
 
     def __init__(self, actor: PrefillActor, job: PrefillJob, deadline: float):
         self.actor, self.job, self.deadline = actor, job, deadline
@@ -202,20 +248,23 @@ class LayerStream:
         self.local: list[int] | None = None
         self.started = 0.0
         self.seconds = 0.0
+        self.cancelled = False
+        self._lock = threading.Lock()
 
     def on_layer(self, layer: int) -> None:
-        if self.error is not None:
-            return
-        try:
-            if self.local is None:
-                self.started = time.time()
-                table = self.actor.engine.seqs[job_key(self.job)].block_table
-                self.local = PrefillActor._local_blocks(table, self.job)
-            self.handles.append(self.actor.transfer.write(
-                self.job.dst.worker_id, self.local, list(self.job.dst.block_ids), notify="",
-                layers=(layer, layer + 1), deadline=self.deadline, incarnation=self.job.dst.incarnation))
-        except Exception as e:  # reported by finish(); the model thread must keep running
-            self.error = e
+        with self._lock:
+            if self.error is not None or self.cancelled:
+                return
+            try:
+                if self.local is None:
+                    self.started = time.time()
+                    table = self.actor.engine.seqs[job_key(self.job)].block_table
+                    self.local = PrefillActor._local_blocks(table, self.job)
+                self.handles.append(self.actor.transfer.write(
+                    self.job.dst.worker_id, self.local, list(self.job.dst.block_ids), notify="",
+                    layers=(layer, layer + 1), deadline=self.deadline, incarnation=self.job.dst.incarnation))
+            except Exception as e:  # reported by finish(); the model thread must keep running
+                self.error = e
 
     def finish(self) -> None:
         """Wait for every layer's write; on the first failure cancel the rest (so none lands later) and raise it."""
@@ -230,8 +279,11 @@ class LayerStream:
         self.seconds = time.time() - self.started if self.started else 0.0
 
     def cancel(self) -> None:
-        """Stop every layer write still in flight: the job failed, none of its bytes may land later."""
-        for h in self.handles:
+        """Stop every layer write still in flight and start none: the job failed, none of its bytes may land later."""
+        with self._lock:
+            self.cancelled = True
+            handles = list(self.handles)
+        for h in handles:
             h.cancel()
 
 

@@ -6,58 +6,62 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import nats
 import nats.errors
 
 from bus.subjects import Subjects
+from runtime.processes import ChildProcess
 
 MODEL = "smollm2-135m-instruct"
 
 
+def tandem_cmd(*args: str) -> list[str]:
+    """The command line of ``tandem ARGS`` run from this checkout's Python."""
+    return [sys.executable, "-m", "tandem.cli", *args]
+
+
 class Worker:
-    def __init__(self, role: str, worker_id: str, nats_url: str, log_dir: Path, *extra: str):
+    """One `tandem serve` process; its output goes to ``<log_dir>/<worker id>.log``."""
+
+    def __init__(self, role: str, worker_id: str, nats_url: str, log_dir: Path, *extra: str,
+                 env: dict[str, str] | None = None):
         self.role, self.worker_id = role, worker_id
         self.log_path = log_dir / f"{worker_id}.log"
-        env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "tandem.cli", "--log-level", "INFO", "serve", "--pipeline-role", role,
-               "--worker-id", worker_id, "--nats-url", nats_url, *extra]
+        self.env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1", **(env or {})}
+        cmd = tandem_cmd("--log-level", "INFO", "serve", "--pipeline-role", role, "--worker-id", worker_id,
+                         "--nats-url", nats_url, *extra)
         if "--num-blocks" not in extra:
             cmd += ["--num-blocks", "160"]
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True)
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.child = ChildProcess(worker_id, cmd, env=self.env, log_path=self.log_path,
+                                  ready_marker=f" {worker_id} ready")
+        self.child.start()
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.log.write(line)
-            self.log.flush()
-            if "ready" in line:
-                self.ready.set()
+    @property
+    def proc(self) -> Any:
+        """The running process (``pid``, ``poll()``)."""
+        return self.child.proc
 
     def wait_ready(self, timeout: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.ready.wait(0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"worker {self.worker_id} not ready (exit {self.proc.poll()}):\n{self.tail()}")
+        self.child.wait_ready(timeout)
 
     def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        return self.child.last_lines(n)
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        stop_process(self.proc, signal.SIGTERM, timeout)
-        self.log.close()
-        return self.proc.returncode
+        return self.child.stop(timeout)
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(5)
+        self.child.kill()
+
+    def restart(self, timeout: float = 240.0) -> None:
+        """Start it again (same id, new incarnation) and wait until it is ready."""
+        self.child.start()
+        self.wait_ready(timeout)
 
 
 def start_workers(specs: list[tuple], nats_url: str, log_dir: Path) -> list[Worker]:
@@ -70,6 +74,62 @@ def start_workers(specs: list[tuple], nats_url: str, log_dir: Path) -> list[Work
             w.stop(5)
         raise
     return workers
+
+
+class TandemUp:
+    """`tandem up` as a child process on free ports, with a ready file (rewritten after each restart)."""
+
+    def __init__(self, log_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.ready_file = log_dir / "ready.json"
+        self.log_path = log_dir / "up.log"
+        cmd = tandem_cmd("up", "--port", "0", "--nats-port", "0", "--metrics-port-base", "0",
+                         "--ready-file", str(self.ready_file), *args)
+        self.child = ChildProcess("tandem-up", cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                  log_path=self.log_path, tail_lines=2000)
+
+    def start(self, timeout: float = 300.0) -> TandemUp:
+        """Start it and wait for its ready file (RuntimeError with its output if it exits first)."""
+        self.child.start()
+        deadline = time.monotonic() + timeout
+        while not self.ready_file.exists():
+            if self.child.poll() is not None or time.monotonic() > deadline:
+                self.child.kill()
+                raise RuntimeError(f"tandem up did not become ready ({self.child!r}):\n{self.output()[-4000:]}")
+            time.sleep(0.2)
+        return self
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The ready file now: url, base_url, nats_url, pid, nats_pid, children (name, role, pid, restarts)."""
+        return json.loads(self.ready_file.read_text())
+
+    @property
+    def url(self) -> str:
+        return self.info["url"]
+
+    @property
+    def base_url(self) -> str:
+        return self.info["base_url"]
+
+    def child_info(self, name: str) -> dict[str, Any]:
+        """One child's entry of the ready file."""
+        return next(c for c in self.info["children"] if c["name"] == name)
+
+    def output(self) -> str:
+        """Everything it and its children wrote so far."""
+        return self.child.last_lines(2000)
+
+    def interrupt(self) -> None:
+        """Ctrl-C."""
+        self.child.signal(signal.SIGINT)
+
+    def stop(self, timeout: float = 90.0) -> int | None:
+        """Ctrl-C and wait (SIGKILL after ``timeout``); its exit status."""
+        if self.child.running:
+            self.interrupt()
+            if self.child.wait(timeout) is None:
+                self.child.kill()
+        return self.child.poll()
 
 
 class Client:
@@ -165,52 +225,6 @@ class Client:
             await asyncio.sleep(0.3)
         held = {k: (v["free_blocks"], v["total_blocks"], v["running"]) if v else "no report" for k, v in last.items()}
         raise AssertionError(f"blocks still held after {timeout:g}s: {held}")
-
-
-class Up:
-    """A `tandem up` child process started on free ports, known by its ready file."""
-
-    def __init__(self, log_dir: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0):
-        self.log_path = log_dir / "up.log"
-        ready = log_dir / "ready.json"
-        cmd = [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--nats-port", "0", "--metrics-port-base",
-               "0", "--ready-file", str(ready), "--quiet", *args]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"tandem up {' '.join(args)} did not become ready:\n{self.log_tail()}")
-            time.sleep(0.2)
-        self.info = json.loads(ready.read_text())
-
-    @property
-    def url(self) -> str:
-        return self.info["url"]
-
-    def child(self, name: str) -> dict:
-        """The ready file's entry of child ``name`` (pid, role, placement)."""
-        return next(c for c in self.info["children"] if c["name"] == name)
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self, timeout: float = 60.0) -> None:
-        """Ctrl-C, then SIGKILL after ``timeout``."""
-        stop_process(self.proc, signal.SIGINT, timeout)
-
-
-def stop_process(proc: subprocess.Popen, sig: int, timeout: float) -> None:
-    """Send ``sig`` to a child still running; SIGKILL it if it has not exited within ``timeout``."""
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def cpus_allowed(pid: int) -> set[str]:

@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         cells, wins = [], None
         for m in ROWS:
             x = torch.randn(m, w.in_features)
-            k = best_of(lambda: w(x, 0))
-            d = best_of(lambda: w(x, m))
-            f = best_of(lambda: dense_matmul(x, dense))
+            k = best_of(lambda w=w, x=x: w(x, 0))
+            d = best_of(lambda w=w, x=x, m=m: w(x, m))
+            f = best_of(lambda x=x, dense=dense: dense_matmul(x, dense))
             cells.append(f"{k * 1e6:,.0f} / {d * 1e6:,.0f} / {f * 1e6:,.0f}")
             if wins is None and d < k:
                 wins = m

@@ -11,14 +11,12 @@ import concurrent.futures
 import os
 import shutil
 import socket
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.cluster import stop_process
+from runtime.processes import ChildProcess
 
 
 def find() -> str | None:
@@ -37,28 +35,24 @@ class LlamaServer:
 
     def __init__(self, binary: str, gguf: Path, threads: int, slots: int = 64, ctx: int = 32768):
         self.port = _free_port()
-        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
                "-np", str(slots), "-c", str(ctx), "--kv-unified", "--no-webui"]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.child = ChildProcess("llama-server", cmd, tail_lines=100).start()
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(base_url=self.url, timeout=600)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.tail()}")
+            if self.child.poll() is not None:
+                raise RuntimeError(f"llama-server stopped: {self.child.why()}")
             try:
                 if self.http.get("/health").status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise RuntimeError(f"llama-server not ready after {timeout:.0f}s: {self.tail()}")
-
-    def tail(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"llama-server not ready after {timeout:.0f}s: {self.child.last_lines()}")
 
     def complete(self, prompt_ids: list[int], n_predict: int) -> dict:
         """One /completion of exactly `n_predict` tokens; returns llama.cpp's `timings` for it."""
@@ -78,12 +72,11 @@ class LlamaServer:
         return self.complete(prompt, 1)["prompt_per_second"]
 
     def rss_bytes(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{self.child.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         return 0
 
     def stop(self) -> None:
-        stop_process(self.proc, 15, 10)
+        self.child.stop(10)
         self.http.close()
-        Path(self.log.name).unlink(missing_ok=True)

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.cluster import Up
+from bench.cluster import TandemUp
 from runtime.placement import available_cpus
 
 
@@ -52,7 +52,7 @@ def measure(name: str, up_args: list[str], args: argparse.Namespace, out_dir: Pa
     log_dir = out_dir / name
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"== {name}: tandem up {' '.join(up_args)}", flush=True)
-    up = Up(log_dir, *up_args)
+    up = TandemUp(log_dir, "--quiet", *up_args).start()
     result_path = log_dir / "bench.json"
     cmd = [sys.executable, "-m", "tandem.cli", "bench", "--base-url", up.url, "--dataset", "mixed",
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),

@@ -68,6 +68,8 @@ class ErrorCode:
     PAYLOAD_TOO_LARGE = "payload_too_large"
     WORKER_LOST = "worker_lost"
     HANDED_BACK = "handed_back"  # a draining worker gave the request back before its first token
+    QUEUE_TIMEOUT = "queue_timeout"  # it did not start by its ``start_by`` time: dropped where it waited
+    BUS_UNAVAILABLE = "bus_unavailable"  # the worker lost NATS while it streamed: tokens may be lost
     INTERNAL = "internal"
 
 
@@ -150,7 +152,12 @@ class GenerateRequest(_Msg, tag="generate_request", kw_only=True):
     ``stream_subject`` is where every StreamTokens / StreamFinish / StreamError goes.
     ``target_endpoint`` names a prefill worker (id or subject) chosen by the client.
     ``prompt`` lets a hand-written request (``nats pub``) send text instead of ids; the
-    gateway always sends ``prompt_ids``.
+    gateway always sends ``prompt_ids``. ``start_by`` (epoch seconds, 0: none) is the gateway's
+    admission bound: a request that has not begun computing by then is dropped wherever it
+    waits, with a ``queue_timeout`` StreamError. ``resume_ids`` are the tokens an earlier decode
+    worker generated before it died (a migrated stream): they are output, not prompt (``max_tokens``,
+    penalties and the seed's draw index count them), and ``shown_chars`` characters of their
+    text have reached the client already.
     """
 
     request_id: str
@@ -159,6 +166,9 @@ class GenerateRequest(_Msg, tag="generate_request", kw_only=True):
     stream_subject: str
     gateway_id: str = ""
     deadline: float = 0.0
+    start_by: float = 0.0
+    resume_ids: list[TokenId] = []
+    shown_chars: NonNegInt = 0
     target_endpoint: str | None = None
     model: str = ""
     created: float = msgspec.field(default_factory=time.time)
@@ -282,6 +292,18 @@ class Cancel(_Msg, tag="cancel", kw_only=True):
     reason: str = ""
 
 
+class Claim(_Msg, tag="claim", kw_only=True):
+    """Worker → ``tandem.<model>.claim`` (JetStream, ``Nats-Msg-Id`` = ``key``): "I serve this".
+
+    The claims stream stores the first claim of a key; a later one within its duplicate
+    window is acknowledged as a duplicate, and that worker drops its copy of the work.
+    """
+
+    key: str
+    request_id: str = ""
+    worker_id: str = ""
+
+
 class KVMetaRequest(_Msg, tag="kv_meta_request", kw_only=True):
     """Ask a worker (``tandem.kv.meta.<worker>``) for its transfer-engine metadata."""
 
@@ -331,6 +353,7 @@ AnyMessage = Union[  # noqa: UP007 - a runtime union object msgspec decodes into
     StreamFinish,
     StreamError,
     Cancel,
+    Claim,
     KVMetaRequest,
     KVMetaReply,
     WorkerStats,

@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
-import contextlib
-import ctypes
 import logging
 import os
 import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -34,6 +30,8 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+
+from runtime.processes import ChildError, ChildProcess, describe_exit
 
 log = logging.getLogger("tandem.bus.server")
 
@@ -80,21 +78,9 @@ def find_nats_server() -> str:
     )
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: SIGTERM the server if the process that started it dies (no orphans)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-
-
-def _kill_quietly(proc: subprocess.Popen[bytes]) -> None:
+def _kill_quietly(child: ChildProcess) -> None:
     """Finalizer: never leave a server running when its owner is garbage collected."""
-    if proc.poll() is None:
-        proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
+    child.kill()
 
 
 class EmbeddedNats:
@@ -105,7 +91,8 @@ class EmbeddedNats:
     4222). ``store_dir`` defaults to a temporary directory removed on stop.
     ``max_payload`` (bytes) writes a small config that includes ``config`` if given.
     ``die_with_parent`` (Linux) asks the kernel to SIGTERM the server when the thread
-    that started it exits, so a killed ``tandem up`` leaves no orphan.
+    that started it exits, so a killed ``tandem up`` leaves no orphan. ``env`` is the server's
+    environment (default: this process's), e.g. the variables a config refers to.
     """
 
     def __init__(
@@ -123,6 +110,7 @@ class EmbeddedNats:
         stop_timeout: float = 10.0,
         echo: bool = False,
         die_with_parent: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.requested_port = port
         self.host = host
@@ -135,15 +123,15 @@ class EmbeddedNats:
         self.stop_timeout = stop_timeout
         self.echo = echo
         self.die_with_parent = die_with_parent
+        self.env = env
         self._store_dir_arg = str(store_dir) if store_dir is not None else None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._store_dir: str | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._reader: threading.Thread | None = None
-        self._log: collections.deque[str] = collections.deque(maxlen=200)
+        self._child: ChildProcess | None = None
         self._port: int | None = None
         self._ready = threading.Event()
         self._finalizer: weakref.finalize | None = None
+        self.name = server_name or "nats-server"
 
     # ---- properties --------------------------------------------------------------------
     @property
@@ -167,16 +155,25 @@ class EmbeddedNats:
     @property
     def pid(self) -> int | None:
         """The server's process id while it runs."""
-        return self._proc.pid if self._proc is not None else None
+        return self._child.pid if self._child is not None else None
 
     @property
     def running(self) -> bool:
         """Whether the server process is alive."""
-        return self._proc is not None and self._proc.poll() is None
+        return self._child is not None and self._child.running
 
-    def log_tail(self, lines: int = 30) -> str:
+    @property
+    def is_ready(self) -> bool:
+        """Started, accepting connections, and still running (what a supervisor asks)."""
+        return self.running and self._ready.is_set()
+
+    def poll(self) -> int | None:
+        """Its exit status once it exited, None while it runs (or before it was started)."""
+        return self._child.poll() if self._child is not None else None
+
+    def last_lines(self, n: int = 30) -> str:
         """The last lines the server wrote (for error messages)."""
-        return "\n".join(list(self._log)[-lines:])
+        return self._child.last_lines(n) if self._child is not None else ""
 
     # ---- start -------------------------------------------------------------------------
     def _command(self) -> list[str]:
@@ -219,51 +216,36 @@ class EmbeddedNats:
             raise NatsServerError(f"nats-server already running (pid {self.pid}) at {self.url}")
         cmd = self._command()
         self._ready.clear()
-        self._log.clear()
         log.debug("starting %s", " ".join(cmd))
-        preexec = _die_with_parent if (self.die_with_parent and sys.platform.startswith("linux")) else None
-        try:
-            self._proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C reaches the owner, who stops us in order
-                preexec_fn=preexec,
-            )
-        except OSError as e:
-            raise NatsServerError(f"cannot start {cmd[0]}: {e}") from e
-        self._finalizer = weakref.finalize(self, _kill_quietly, self._proc)
-        self._reader = threading.Thread(
-            target=self._read_output, args=(self._proc,), name="nats-server-log", daemon=True
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._child = ChildProcess(
+            self.name, cmd, env=self.env, echo=sys.stderr if self.echo else None, prefix="", on_line=self._on_line,
+            die_with_parent=self.die_with_parent,
         )
-        self._reader.start()
+        try:
+            self._child.start()
+        except ChildError as e:
+            raise NatsServerError(str(e)) from e
+        self._finalizer = weakref.finalize(self, _kill_quietly, self._child)
 
-    def _read_output(self, proc: subprocess.Popen[bytes]) -> None:
-        """Drain the server's log (so the pipe never fills) and watch for port/ready lines."""
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip()
-            self._log.append(line)
-            if self.echo:
-                print(line, file=sys.stderr, flush=True)
-            else:
-                log.debug("nats-server: %s", line)
-            m = _LISTEN_RE.search(line)
-            if m:
-                self._port = int(m.group(2))
-            elif _READY_RE.search(line):
-                self._ready.set()
+    def _on_line(self, line: str) -> None:
+        """Watch the server's log for the port it bound and its ready line."""
+        if not self.echo:
+            log.debug("nats-server: %s", line)
+        m = _LISTEN_RE.search(line)
+        if m:
+            self._port = int(m.group(2))
+        elif _READY_RE.search(line):
+            self._ready.set()
 
     def _check_ready(self) -> bool:
         """True once the server logged 'ready' and answers a TCP connect with INFO."""
-        assert self._proc is not None
-        rc = self._proc.poll()
+        assert self._child is not None
+        rc = self._child.poll()
         if rc is not None:
-            if self._reader is not None:
-                self._reader.join(timeout=2)
             raise NatsServerError(
-                f"nats-server exited with code {rc} during start-up; last log lines:\n{self.log_tail()}"
+                f"nats-server exited with code {rc} during start-up; last log lines:\n{self.last_lines()}"
             )
         if not self._ready.is_set() or self._port is None:
             return False
@@ -276,7 +258,7 @@ class EmbeddedNats:
             return False
 
     def _start_failed(self, why: str) -> NatsServerError:
-        tail = self.log_tail()
+        tail = self.last_lines()
         self._terminate_now()
         return NatsServerError(f"{why}; last log lines:\n{tail}")
 
@@ -304,38 +286,30 @@ class EmbeddedNats:
 
     # ---- stop --------------------------------------------------------------------------
     def _terminate_now(self) -> None:
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
+        if self._child is not None:
+            self._child.kill()
 
-    def _begin_stop(self) -> subprocess.Popen[bytes] | None:
-        proc = self._proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-        return proc
+    def _begin_stop(self) -> ChildProcess | None:
+        child = self._child
+        if child is not None:
+            child.terminate()
+        return child
 
-    def _finish_stop(self, proc: subprocess.Popen[bytes], graceful: bool, cleanup: bool) -> int | None:
+    def _finish_stop(self, child: ChildProcess, graceful: bool, cleanup: bool) -> int | None:
         if not graceful:
             log.warning(
-                "nats-server pid %s ignored SIGTERM for %.1fs; killing it", proc.pid, self.stop_timeout
+                "nats-server pid %s ignored SIGTERM for %.1fs; killing it", child.pid, self.stop_timeout
             )
-            self._terminate_now()
-        if self._reader is not None:
-            self._reader.join(timeout=2)
-        if proc.stdout is not None:
-            proc.stdout.close()
+            child.kill()
+        child.last_lines(0)  # its output is read to the end
         if self._finalizer is not None:
             self._finalizer.detach()
-        rc = proc.returncode
-        self._proc = None
+        rc = child.poll()
+        self._ready.clear()
         if cleanup:
+            self._child = None
             self._cleanup_store()
-        log.info("nats-server stopped (exit code %s)", rc)
+        log.info("nats-server stopped (%s)", describe_exit(rc))
         return rc
 
     def _cleanup_store(self) -> None:
@@ -349,29 +323,25 @@ class EmbeddedNats:
 
         ``keep_store`` keeps a temporary store directory (for :meth:`restart`).
         """
-        proc = self._begin_stop()
-        if proc is None:
+        child = self._begin_stop()
+        if child is None:
             if not keep_store:
                 self._cleanup_store()
             return None
-        try:
-            proc.wait(timeout=self.stop_timeout)
-            graceful = True
-        except subprocess.TimeoutExpired:
-            graceful = False
-        return self._finish_stop(proc, graceful, cleanup=not keep_store)
+        graceful = child.wait(timeout=self.stop_timeout) is not None
+        return self._finish_stop(child, graceful, cleanup=not keep_store)
 
     async def astop(self, *, keep_store: bool = False) -> int | None:
         """:meth:`stop` without blocking the event loop."""
-        proc = self._begin_stop()
-        if proc is None:
+        child = self._begin_stop()
+        if child is None:
             if not keep_store:
                 self._cleanup_store()
             return None
         deadline = time.monotonic() + self.stop_timeout
-        while proc.poll() is None and time.monotonic() < deadline:
+        while child.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        return self._finish_stop(proc, proc.poll() is not None, cleanup=not keep_store)
+        return self._finish_stop(child, child.poll() is not None, cleanup=not keep_store)
 
     def restart(self) -> EmbeddedNats:
         """Stop and start again on the same port and store (JetStream state survives)."""
@@ -385,12 +355,7 @@ class EmbeddedNats:
 
     def wait(self, timeout: float | None = None) -> int | None:
         """Wait for the server to exit on its own; returns its code or None on timeout."""
-        if self._proc is None:
-            return None
-        try:
-            return self._proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
+        return self._child.wait(timeout) if self._child is not None else None
 
     # ---- context managers --------------------------------------------------------------
     def __enter__(self) -> EmbeddedNats:

@@ -30,6 +30,7 @@ from nats.js import api
 from nats.js.client import JetStreamContext
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
+from bus.messages import Claim, encode, headers
 from bus.subjects import Subjects
 
 log = logging.getLogger("tandem.bus.streams")
@@ -226,6 +227,41 @@ class EnsureResult:
     generate_consumer: str
     prefill_stream: str
     prefill_consumer: str
+    claims_stream: str
+
+
+#: how long a claim on a request (or prefill job) is remembered: a copy delivered later is served again
+CLAIM_WINDOW_S = 600.0
+
+
+def claims_config(subjects: Subjects, replicas: int = 1) -> api.StreamConfig:
+    """The claims stream: its duplicate window (``Nats-Msg-Id`` = the work's key) answers "who was first"."""
+    return api.StreamConfig(
+        name=subjects.claims_stream,
+        description=f"tandem claims for model {subjects.model}: each request is served by one worker",
+        subjects=[subjects.claims],
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        num_replicas=replicas,
+        max_age=CLAIM_WINDOW_S,
+        discard=api.DiscardPolicy.OLD,
+        duplicate_window=CLAIM_WINDOW_S,
+    )
+
+
+async def claim(nc_or_js: Client | JetStreamContext, subjects: Subjects, key: str, owner: str,
+                request_id: str = "", timeout: float = 5.0) -> bool:
+    """True when ``owner`` is the first to claim ``key`` (within :data:`CLAIM_WINDOW_S`), False for a copy.
+
+    Why here: copies of one request (``nats pub`` twice, a publisher's retry without ``Nats-Msg-Id``)
+    can reach different workers, whose own memories of what they served never meet. The stream's
+    duplicate window is the one place they do. Raises on a NATS or JetStream failure (the caller
+    decides whether to serve unclaimed).
+    """
+    body = encode(Claim(key=key, request_id=request_id, worker_id=owner))
+    ack = await _js(nc_or_js, timeout).publish(subjects.claims, body, timeout=timeout,
+                                              headers=headers(request_id or None, key))
+    return not ack.duplicate
 
 
 def _js(nc_or_js: Client | JetStreamContext, timeout: float) -> JetStreamContext:
@@ -260,7 +296,8 @@ async def ensure_streams(
         _, s_state = await ensure_stream(js, stream_config(stream, subject, cfg, desc))
         _, c_state = await ensure_consumer(js, stream, consumer_config(consumer, subject, cfg, desc))
         results += [s_state, c_state]
-    return EnsureResult(*results)
+    _, claims_state = await ensure_stream(js, claims_config(subjects, generate.replicas))
+    return EnsureResult(*results, claims_state)
 
 
 def pool_names(subjects: Subjects, pool: Pool) -> tuple[str, str, str]:

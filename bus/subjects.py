@@ -15,11 +15,13 @@ Subject map (namespace ``tandem``, model token ``<model>``)::
     tandem.cancel.<request>                  cancel a request wherever it is held
     tandem.kv.meta.<worker>                  core request: a worker's transfer-engine metadata
     tandem.stats.<role>.<worker>             1 Hz load report
+    tandem.<model>.claim                     JetStream: a worker claims a request before serving it
 
 Stream and durable consumer names (what KEDA's ``nats-jetstream`` trigger names)::
 
     stream   TANDEM_<MODEL>_GENERATE   subjects [tandem.<model>.generate]   consumer  generate-pool
     stream   TANDEM_<MODEL>_PREFILL    subjects [tandem.<model>.prefill]    consumer  prefill-pool
+    stream   TANDEM_<MODEL>_CLAIMS     subjects [tandem.<model>.claim]      (no consumer: its duplicate window is the claim)
 
 ``<MODEL>`` is the model token upper-cased with ``-`` turned into ``_``; a namespace
 other than ``tandem`` replaces the ``TANDEM`` prefix the same way. Each pool stream
@@ -152,6 +154,16 @@ class Subjects:
         """JetStream stream holding the prefill pool, e.g. ``TANDEM_SMOLLM2_PREFILL``."""
         return f"{stream_name_token(self.namespace)}_{stream_name_token(self.model_token)}_PREFILL"
 
+    @property
+    def claims_stream(self) -> str:
+        """JetStream stream whose duplicate window grants each request to one worker, e.g. ``TANDEM_SMOLLM2_CLAIMS``."""
+        return f"{stream_name_token(self.namespace)}_{stream_name_token(self.model_token)}_CLAIMS"
+
+    @property
+    def claims(self) -> str:
+        """``tandem.<model>.claim``: a worker publishes here (``Nats-Msg-Id`` = the work's key) before serving."""
+        return f"{self.namespace}.{self.model_token}.claim"
+
     # ---- pools (JetStream work queues) ---------------------------------------------
     @property
     def generate_pool(self) -> str:
@@ -251,6 +263,7 @@ class Subjects:
                 f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}.>",
                 f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
             ]
+        out += [f"$JS.API.STREAM.{op}.{self.claims_stream}" for op in ("INFO", "CREATE", "UPDATE")]
         return out
 
     def _pull_subjects(self, stream: str, consumer: str) -> list[str]:
@@ -286,6 +299,7 @@ class Subjects:
                     *self._pull_subjects(self.prefill_stream, self.prefill_consumer),
                     f"{ns}.prefill.done.*.*",  # the PrefillDone for the decode worker that asked
                     f"{ns}.stats.{role}.{me}",
+                    self.claims,  # a job delivered twice is served once
                     self.kv_meta_all,  # asks the decode worker for its transfer metadata
                     *common,
                 ],
@@ -299,6 +313,7 @@ class Subjects:
                 *self._pull_subjects(self.generate_stream, self.generate_consumer),
                 f"{ns}.stream.*.*",
                 f"{ns}.stats.{role}.{me}",
+                self.claims,  # a request delivered twice is served once
                 *common,
             ]
             sub = [f"{self.generate_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *micro, *common]

@@ -50,6 +50,15 @@ class IncrementalDetokenizer:
             self.read, self.committed = len(ids), self.committed + len(new)
         return self._show(final)
 
+    def resume(self, ids: list[int], shown: int) -> None:
+        """Continue an output generated elsewhere (a migrated request) whose first `shown` characters
+        were handed out there: the rest comes out with the next token."""
+        self.add(ids)
+        full = self.text
+        self.parts, self.buffer, self.base = [], full, 0
+        self.shown = min(shown, len(full))
+        self._trim()
+
     def flush(self) -> str:
         """The output ended (no new token): everything not shown yet."""
         return "" if self.stopped else self._show(final=True)

@@ -111,14 +111,19 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary", "prompt")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    hold_blocks: bool = False) -> Sequence:
+                    hold_blocks: bool = False, resume_ids: list[int] | None = None, shown_chars: int = 0) -> Sequence:
         """Queue a request. With `hold_blocks` its KV stays allocated after it finishes, until
-        `release_held` — a prefill worker keeps the blocks while it transfers them."""
+        `release_held` — a prefill worker keeps the blocks while it transfers them. `resume_ids`:
+        output another engine generated already (a migrated request), resumed as after a preemption;
+        `shown_chars` of its text were emitted there."""
         if request_id in self.seqs or request_id in self.held:
             raise ValueError(f"request {request_id} is already in the engine")
         self.check_request(prompt_ids, params)
         seq = self._new_sequence(request_id, prompt_ids, params)
         seq.hold_blocks = hold_blocks
+        if resume_ids:
+            seq.output_ids = list(resume_ids)
+            seq.detok.resume(seq.output_ids, shown_chars)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq

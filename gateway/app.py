@@ -170,13 +170,15 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
         live = gw.registry.alive()
         metrics.live_workers.set(len(live))
         body = {
-            "status": "ready" if live and gw.bus.connected else "not_ready",
+            "status": "draining" if gw.draining else "ready" if live and gw.bus.connected else "not_ready",
             "model": gw.text.name,
             "gateway_id": config.gateway_id,
             "nats_connected": gw.bus.connected,
             "workers": gw.registry.summary(),
         }
-        if not gw.bus.connected:
+        if gw.draining:
+            body["reason"] = "the gateway is shutting down"
+        elif not gw.bus.connected:
             body["reason"] = "not connected to NATS"
         elif not live:
             body["reason"] = f"no decode-capable worker of {gw.text.name} reported in the last {config.alive_after:g}s"
@@ -214,6 +216,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
     @app.post("/v1/chat/completions", summary="chat completion")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gw = gateway()
+        gw.check_accepting()
         prep = await gw.prepare_chat(body, _target(body.target_endpoint, request), gw.timeout_of(
             request.headers.get("x-request-timeout")))
         return await _serve(gw, prep, request, f"chatcmpl-{uuid.uuid4().hex}")
@@ -221,6 +224,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
     @app.post("/v1/completions", summary="text completion")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gw = gateway()
+        gw.check_accepting()
         prep = await gw.prepare_completion(body, _target(body.target_endpoint, request), gw.timeout_of(
             request.headers.get("x-request-timeout")))
         return await _serve(gw, prep, request, f"cmpl-{uuid.uuid4().hex}")

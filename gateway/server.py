@@ -1,17 +1,30 @@
-"""``tandem gateway``: run the OpenAI-compatible HTTP gateway with uvicorn.
+"""``tandem gateway``: run the OpenAI-compatible HTTP gateway with uvicorn, and drain it on SIGTERM.
 
 Flags override ``TANDEM_*`` variables (see :class:`runtime.settings.GatewayConfig`). The
 heavy imports (FastAPI, uvicorn, the tokenizer) happen only when the command runs, so
 ``tandem --help`` stays fast.
+
+Shutdown (:func:`drain_then_exit`): the first SIGTERM/SIGINT makes the gateway refuse new
+requests (503 with ``Retry-After``; ``/ready`` turns 503 so balancers move away) while the
+listening socket stays open, lets running requests finish for up to ``--drain-timeout``
+seconds, ends what is left with an OpenAI error (JSON, or an SSE error event and ``[DONE]``),
+and only then lets uvicorn close the connections. A second signal ends the drain at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
+import time
+from types import FrameType
+from typing import Any
 
 log = logging.getLogger("tandem.gateway")
+
+#: after the drain, how long the handlers get to write the errors of the requests it ended
+ABORT_GRACE_S = 5.0
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -28,14 +41,76 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="another name the model answers to (repeatable)")
     p.add_argument("--queue-when-no-workers", action="store_true", default=None,
                    help="queue requests on the pool even when no worker is alive (scale from zero)")
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="SIGTERM: seconds running requests get to finish before they end with an error "
+                        "(TANDEM_GATEWAY_DRAIN_TIMEOUT, default 30)")
+    p.add_argument("--max-queue-wait", type=float, default=None,
+                   help="refuse a request at once (429, Retry-After) when its expected wait for a worker is "
+                        "longer than this many seconds; 0: never (TANDEM_GATEWAY_MAX_QUEUE_WAIT, default 30)")
+    p.add_argument("--migration-limit", type=int, default=None,
+                   help="times a request may move to another decode worker when its worker dies after tokens "
+                        "were sent (TANDEM_GATEWAY_MIGRATION_LIMIT, default 1; 0: never, it fails with 503)")
     p.set_defaults(func=main)
     return p
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run the gateway until SIGINT/SIGTERM; 2 on a configuration error, 3 when start-up fails."""
+def gateway_server(app: Any, config: Any, **uvicorn_kw: Any) -> Any:
+    """A uvicorn server for ``app`` whose first SIGTERM/SIGINT drains the gateway instead of cutting it off."""
     import uvicorn
 
+    class DrainingServer(uvicorn.Server):
+        def __init__(self) -> None:
+            super().__init__(uvicorn.Config(app, **uvicorn_kw))
+            self.loop: asyncio.AbstractEventLoop | None = None
+            self.drain_task: asyncio.Task[None] | None = None
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            self.loop = asyncio.get_running_loop()
+            if self.started:
+                print(f"tandem gateway ready: {config.gateway_id}", file=sys.stderr, flush=True)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self.loop is None or self.should_exit:
+                self.should_exit = True
+                return
+            if self.drain_task is not None:  # a second signal: stop waiting
+                self.loop.call_soon_threadsafe(self.drain_task.cancel)
+                return
+            self.loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self) -> None:
+            self.drain_task = asyncio.ensure_future(drain_then_exit(app, config.drain_timeout, self))
+
+    return DrainingServer()
+
+
+async def drain_then_exit(app: Any, timeout: float, server: Any) -> None:
+    """Refuse new requests, wait up to ``timeout`` for running ones, end the rest with 503, then stop ``server``."""
+    gw = getattr(app.state, "gateway", None)
+    try:
+        if gw is not None:
+            gw.draining = True
+            running = len(gw.runs)
+            print(f"tandem gateway: draining ({running} request{'s' if running != 1 else ''} running; "
+                  f"up to {timeout:g}s)", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + timeout
+            while gw.runs and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+    except asyncio.CancelledError:
+        log.warning("second signal: ending the drain now")
+    finally:
+        if gw is not None and gw.runs:
+            left = gw.abort_all(f"the gateway is shutting down (its drain time of {timeout:g}s passed); retry")
+            log.warning("drain time over: ended %d running request(s) with 503", left)
+            deadline = time.monotonic() + ABORT_GRACE_S
+            while gw.runs and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        server.should_exit = True
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the gateway until SIGINT/SIGTERM; 2 on a configuration error, 3 when start-up fails."""
     from engine.loader import ModelLoadError
     from gateway.app import create_app
     from gateway.textmodel import load_text_model
@@ -50,6 +125,9 @@ def main(args: argparse.Namespace) -> int:
             request_timeout=args.request_timeout,
             served_model_names=tuple(args.served_model_name) if args.served_model_name else None,
             queue_when_no_workers=args.queue_when_no_workers,
+            drain_timeout=args.drain_timeout,
+            max_queue_wait=args.max_queue_wait,
+            migration_limit=args.migration_limit,
         )
         text = load_text_model(config.model)
     except (ValueError, ModelLoadError) as e:
@@ -57,14 +135,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     app = create_app(config, text)
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-    server = uvicorn.Server(uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
+    server = gateway_server(
+        app, config, host=args.host, port=args.port,
         log_level=level if level in ("critical", "error", "warning", "info", "debug") else "warning",
-        timeout_graceful_shutdown=5,
-        access_log=False,
-    ))
+        timeout_graceful_shutdown=5, access_log=False,
+    )
     print(f"tandem gateway {config.gateway_id}: http://{args.host}:{args.port}/v1 (model {text.name}, "
           f"NATS {config.nats_url})", file=sys.stderr, flush=True)
     server.run()

@@ -21,6 +21,7 @@ from bus.messages import SamplingParams as BusSampling
 from bus.streams import DEFAULT_GENERATE
 from engine.chat_template import ChatTemplateError
 from engine.sampling import SamplingParams
+from gateway.admission import Admission
 from gateway.bus_client import BUS_LOST, GatewayBus, NoResponders, Unreadable
 from gateway.errors import OpenAIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, as_stop_list
@@ -36,6 +37,16 @@ Kind = Literal["chat", "completion"]
 
 #: JetStream drops a generate request nobody pulled for this long
 POOL_MAX_AGE_S = DEFAULT_GENERATE.max_age
+#: worker errors that mean "the request is fine, this worker is not": re-sent elsewhere before any token
+_GIVEN_BACK = {
+    ErrorCode.HANDED_BACK: "is draining and handed the request back",
+    ErrorCode.BUS_UNAVAILABLE: "lost its NATS connection",
+}
+#: admission counts a request's KV blocks for its prompt and this much of its answer (max_tokens is
+#: often the whole context: counting all of it would see room for a handful of requests)
+TYPICAL_ANSWER_TOKENS = 256
+#: a pool request not taken this long after its ``start_by`` fails here (the worker that pulls it drops it)
+START_GRACE_S = 2.0
 
 
 @dataclass
@@ -52,6 +63,8 @@ class Job:
     worker_incarnation: str = ""  # the process of ``worker_id`` holding the job, when known
     route_reason: str = ""
     retried: bool = False
+    migrations: int = 0  # times it moved to another decode worker mid-stream
+    queued: bool = False  # when dispatched, every place was taken: it had to wait (admission's measurements)
     next_seq: int = 0
     token_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
@@ -63,6 +76,7 @@ class Job:
     prefill: str = ""  # "remote:<prefill worker>", "local" or "aggregate"
     done: bool = False
     started: float = field(default_factory=time.monotonic)
+    start_by: float = 0.0  # epoch seconds: not begun by then, it is dropped where it waits
     first_token_s: float | None = None
     last_token_at: float | None = None
     token_gaps: list[float] = field(default_factory=list)  # seconds between token messages
@@ -113,6 +127,9 @@ class Gateway:
         self.registry = registry
         self.token_bytes = TokenBytes(text.tokenizer)
         self.inflight = 0
+        self.runs: set[Run] = set()  # the requests running now (the drain waits for them)
+        self.draining = False
+        self.admission = Admission(config.max_queue_wait)
         self.created = int(time.time())
         self.names = {n.lower() for n in (text.name, text.spec, *config.served_model_names)}
 
@@ -153,8 +170,42 @@ class Gateway:
             raise OpenAIError(400, f"{prompts} prompt(s) × n={n} is more than {limit} sequences",
                               param="prompt" if n == 1 else "n")
 
+    def check_accepting(self) -> None:
+        """503 (with Retry-After) once the gateway drains: another gateway (or this one, restarted) will serve."""
+        if self.draining:
+            raise OpenAIError(503, "the gateway is shutting down; retry", code="shutting_down", retry_after=1)
+
+    def abort_all(self, message: str) -> int:
+        """End every running request with a 503 (the drain time is over); returns how many."""
+        runs = list(self.runs)
+        for run in runs:
+            run.abort(OpenAIError(503, message, code="shutting_down", retry_after=1))
+        return len(runs)
+
+    def waiting_in_pool(self) -> int:
+        """This gateway's jobs sent to the pool that no worker has taken yet."""
+        return sum(1 for run in self.runs for j in run.jobs if not j.done and j.worker_id is None)
+
+    def admit(self, jobs: Sequence[Job]) -> None:
+        """429 (with Retry-After) when ``jobs`` would wait longer than ``max_queue_wait`` for a place;
+        marks which of them will queue."""
+        bs = self.config.block_size
+        blocks = max((len(j.prompt_ids) + min(j.sampling.max_tokens, TYPICAL_ANSWER_TOKENS) + bs - 1) // bs
+                     for j in jobs)
+        est = self.admission.estimate(self.registry.alive(), blocks, self.waiting_in_pool(), count=len(jobs))
+        if self.admission.too_long(est):
+            raise OpenAIError(
+                429,
+                f"the expected wait for a worker is {est.wait_s:.0f}s, more than --max-queue-wait "
+                f"{self.config.max_queue_wait:g}s ({est.load} requests ahead, room for {est.capacity}); retry later",
+                code="overloaded", retry_after=est.retry_after,
+            )
+        for k, job in enumerate(jobs):
+            job.queued = est.load + k >= est.capacity
+
     def check_ready(self) -> None:
         """503 (with Retry-After) when nothing could serve a request now."""
+        self.check_accepting()
         if not self.bus.connected:
             raise OpenAIError(503, "the gateway is not connected to NATS", code="bus_unavailable", retry_after=2)
         if not self.config.queue_when_no_workers and not self.registry.alive():
@@ -418,8 +469,11 @@ class Run:
                 429, f"too many requests in flight at this gateway ({gw.inflight}); retry later",
                 code="too_many_requests",
             )
+        if gw.registry.alive():
+            gw.admit(self.jobs)
         gw.inflight += need
         self._counted = need
+        gw.runs.add(self)
         # next_event enforces the deadline, but only while someone asks for events: a streaming
         # client that stops reading must not hold the jobs and the capacity past it
         self._deadline_timer = asyncio.get_running_loop().call_later(
@@ -432,8 +486,10 @@ class Run:
         if self.closed:  # the deadline timer closed this run while it was sending
             raise self._deadline_passed()
         reg = gw.registry
-        # "<client id>-<choice>", and "-r1" for a re-send: `tandem tail --request <client id>` finds them
-        job.request_id = f"{self.client_id}-{job.index}" + ("-r1" if job.retried else "")
+        # "<client id>-<choice>", "-r1" for a re-send, "-m<k>" for a migration: `tandem tail --request
+        # <client id>` finds them all
+        job.request_id = (f"{self.client_id}-{job.index}" + ("-r1" if job.retried else "")
+                          + (f"-m{job.migrations}" if job.migrations else ""))
         bs = gw.config.block_size
         blocks = (len(job.prompt_ids) + bs - 1) // bs
         route = reg.choose(job.hashes, blocks, exclude)
@@ -450,8 +506,11 @@ class Run:
             stream_subject=subject,
             gateway_id=gw.config.gateway_id,
             deadline=self.deadline,
+            start_by=time.time() + gw.config.max_queue_wait if gw.config.max_queue_wait else 0.0,
             target_endpoint=self.prep.target_endpoint,
             model=gw.text.name,
+            resume_ids=list(job.token_ids) if job.migrations else [],
+            shown_chars=len(job.text) if job.migrations else 0,
         )
         try:
             await gw.bus.submit(req, route.worker_id)
@@ -462,6 +521,7 @@ class Run:
         job.worker_incarnation = reg.incarnation(route.worker_id) if route.worker_id else ""
         job.route_reason = route.reason
         job.started = time.monotonic()
+        job.start_by = req.start_by
         reg.dispatched(route.worker_id, job.hashes, blocks, job.request_id)
         log.info("request %s -> %s (%s, %d cached blocks)", job.request_id,
                  route.worker_id or "pool", route.reason, route.matched_blocks, extra={"request_id": job.request_id})
@@ -495,6 +555,8 @@ class Run:
                 idx, msg = await asyncio.wait_for(self.queue.get(), wait)
             except asyncio.TimeoutError:
                 continue
+            if isinstance(msg, OpenAIError):  # abort(): this run ends here
+                raise msg
             job = self.jobs[idx]
             if job.done:
                 continue
@@ -502,9 +564,9 @@ class Run:
                 if job.worker_id is not None and msg.request_id == job.request_id:
                     await self._lost(job, job.worker_id, "is not listening (stopped or draining)")
                 continue
-            if (isinstance(msg, StreamError) and msg.code == ErrorCode.HANDED_BACK
+            if (isinstance(msg, StreamError) and msg.code in _GIVEN_BACK
                     and msg.request_id == job.request_id):
-                await self._lost(job, job.worker_id or "?", "is draining and handed the request back")
+                await self._lost(job, job.worker_id or "?", _GIVEN_BACK[msg.code])
                 continue
             event = self._apply(job, msg)
             if event is not None:
@@ -533,6 +595,7 @@ class Run:
                 now = time.monotonic()
                 if job.first_token_s is None:
                     job.first_token_s = now - self.accepted_at
+                    gw.admission.started(now - job.started, job.queued)
                 elif job.last_token_at is not None:
                     job.token_gaps.append(now - job.last_token_at)
                 job.last_token_at = now
@@ -557,6 +620,8 @@ class Run:
             job.done = True
             gw.bus.close_request(job.request_id)
             gw.registry.finished(job.request_id)
+            if job.last_token_at is not None and job.first_token_s is not None:
+                gw.admission.finished(job.last_token_at - (self.accepted_at + job.first_token_s))
             if msg.finish_reason == "cancelled":
                 raise OpenAIError(503, "the request was cancelled by the worker", code="cancelled", retry_after=1)
             job.finish_reason = msg.finish_reason if msg.finish_reason in ("stop", "length") else "stop"
@@ -599,22 +664,34 @@ class Run:
                 continue
             if job.worker_id is None:
                 waited = time.monotonic() - job.started
-                if waited > POOL_MAX_AGE_S + 5.0:
+                if waited > POOL_MAX_AGE_S + 5.0 or (job.start_by and time.time() > job.start_by + START_GRACE_S):
                     raise OpenAIError(503, f"no worker took the request from the queue in {waited:.0f}s; retry later",
                                       code="queue_timeout", retry_after=5)
                 continue
-            if not reg.is_alive(job.worker_id, within=self.gw.config.worker_lost_after):
+            # a worker that never said it took the job is given up on as soon as it looks dead
+            # (not only when NATS says nobody listens: another subscriber, e.g. `tandem tail`, hides that)
+            silent = self.gw.config.alive_after if job.next_seq == 0 else self.gw.config.worker_lost_after
+            if not reg.is_alive(job.worker_id, within=silent):
                 await self._lost(job, job.worker_id, "stopped reporting")
             elif job.worker_incarnation and reg.incarnation(job.worker_id) not in ("", job.worker_incarnation):
                 await self._lost(job, job.worker_id, "restarted")
 
     async def _lost(self, job: Job, worker: str, why: str) -> None:
-        """The worker holding ``job`` is gone: before any token, re-send the job once elsewhere; else fail."""
-        if not job.token_ids and not job.text_parts and not job.retried:
+        """The worker holding ``job`` is gone: before any token, re-send the job once elsewhere; after
+        tokens, move it to another worker with the tokens so far (up to ``migration_limit`` times); else fail."""
+        started = bool(job.token_ids or job.text_parts)
+        if not started and not job.retried:
             log.warning("request %s: worker %s %s; re-sending the request", job.request_id, worker, why)
             self.gw.bus.cancel_soon(job.request_id, f"worker {worker} {why}")
             self.gw.registry.finished(job.request_id)
             job.retried = True
+            await self._dispatch(job, exclude=frozenset({worker}))
+            return
+        if started and job.migrations < self.gw.config.migration_limit:
+            log.warning("request %s: worker %s %s after %d tokens; moving the stream to another worker",
+                        job.request_id, worker, why, len(job.token_ids))
+            self.gw.bus.cancel_soon(job.request_id, f"worker {worker} {why}")
+            job.migrations += 1
             await self._dispatch(job, exclude=frozenset({worker}))
             return
         raise OpenAIError(503, f"decode worker {worker} {why}", code="worker_lost", retry_after=1)
@@ -624,11 +701,16 @@ class Run:
         while not self.finished:
             await self.next_event()
 
+    def abort(self, error: OpenAIError) -> None:
+        """Make whoever reads this run's events get ``error`` next (never awaits)."""
+        self.queue.put_nowait((-1, error))
+
     def close(self, reason: str) -> None:
         """Cancel every job still running (never awaits: safe in a cancelled task) and release capacity."""
         if self.closed:
             return
         self.closed = True
+        self.gw.runs.discard(self)
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
         for job in self.jobs:

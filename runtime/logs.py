@@ -45,3 +45,28 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+class Throttled:
+    """A warning that may repeat at the rate of a flood (bad messages): at most one line per key per
+    ``interval`` seconds, the next one saying how many were left out."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 60.0) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
+
+    def warning(self, key: str, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` unless ``key`` was logged within ``interval``; True when it was logged."""
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval:
+            self._left_out[key] = self._left_out.get(key, 0) + 1
+            return False
+        self._last[key] = now
+        left_out = self._left_out.pop(key, 0)
+        if left_out:
+            msg += f" ({left_out} more like it in the last {self.interval:g}s not logged)"
+        self.logger.warning(msg, *args)
+        return True

@@ -48,6 +48,8 @@ class Settings:
     prefill_timeout: float = 60.0  # seconds a decode worker waits for a remote prefill
     request_timeout: float = 600.0  # default deadline of a request
     stats_interval: float = 1.0
+    drain_timeout: float = 30.0  # SIGTERM: seconds to finish what this worker holds before it leaves
+    restarts: int = 0  # how often a supervisor (tandem up) restarted this worker: TANDEM_RESTARTS
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:
@@ -92,6 +94,9 @@ class Settings:
         for name in ("prefill_timeout", "request_timeout", "stats_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("drain_timeout", "restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be 0 (none) to 65535, got {self.metrics_port}")
 
@@ -161,8 +166,9 @@ class GatewayConfig:
     alive_after: float = 3.0
     #: routing cost = uncached prompt blocks + this × the KV blocks the worker holds for running requests
     route_load_weight: float = 1.0
-    #: a request targeted at a worker silent this long is retried on the pool (or fails)
-    worker_lost_after: float = 10.0
+    #: a request held by a worker silent this long is re-sent elsewhere (or fails); one the worker never
+    #: acknowledged, after ``alive_after``
+    worker_lost_after: float = 5.0
     #: SSE comment sent after this many idle seconds (keeps proxies and disconnect detection going)
     sse_keepalive: float = 15.0
     #: prompts longer than this many characters are tokenized in a thread
@@ -173,6 +179,12 @@ class GatewayConfig:
     connect_timeout: float = 30.0
     #: create the pool streams at start (off when permissions forbid it)
     ensure_streams: bool = True
+    #: SIGTERM: seconds running requests get to finish before they end with a 503
+    drain_timeout: float = 30.0
+    #: a request whose expected wait for a worker is longer than this is refused at once (429); 0: never
+    max_queue_wait: float = 30.0
+    #: times a request may move to another decode worker when its worker dies after tokens were sent
+    migration_limit: int = 1
 
     def __post_init__(self) -> None:
         check_token(self.gateway_id, "gateway id")
@@ -180,6 +192,9 @@ class GatewayConfig:
             raise ValueError("request timeout must be positive and at most max_request_timeout")
         if not 0 <= self.route_load_weight < float("inf"):
             raise ValueError(f"TANDEM_GATEWAY_ROUTE_LOAD_WEIGHT must be a number ≥ 0, got {self.route_load_weight}")
+        for name in ("drain_timeout", "max_queue_wait", "migration_limit"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> GatewayConfig:
@@ -196,6 +211,9 @@ class GatewayConfig:
             max_inflight=_env_value("TANDEM_GATEWAY_MAX_INFLIGHT", 512),
             queue_when_no_workers=_env_value("TANDEM_GATEWAY_QUEUE_WHEN_NO_WORKERS", False),
             route_load_weight=_env_value("TANDEM_GATEWAY_ROUTE_LOAD_WEIGHT", 1.0),
+            drain_timeout=_env_value("TANDEM_GATEWAY_DRAIN_TIMEOUT", 30.0),
+            max_queue_wait=_env_value("TANDEM_GATEWAY_MAX_QUEUE_WAIT", 30.0),
+            migration_limit=_env_value("TANDEM_GATEWAY_MIGRATION_LIMIT", 1),
         )
         if os.environ.get("TANDEM_GATEWAY_ID"):
             cfg = replace(cfg, gateway_id=os.environ["TANDEM_GATEWAY_ID"])

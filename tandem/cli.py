@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--local-prefill-max-tokens", type=int, default=None)
     sv.add_argument("--remote-prefill-fallback", default=None, choices=["local", "error"])
     sv.add_argument("--prefill-timeout", type=float, default=None)
+    sv.add_argument("--drain-timeout", type=float, default=None,
+                    help="SIGTERM: seconds to finish in-flight requests before leaving (default 30)")
     sv.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false", default=None)
     sv.add_argument("--layerwise-transfer", default=None, choices=["auto", "on", "off"],
                     help="prefill: send each layer's KV while the next computes (auto: unless the peer is "
@@ -168,7 +170,7 @@ _SERVE_FIELDS = ("role", "model", "dtype", "quantization", "device", "cpus", "th
                  "metrics_port", "advertise_host", "kv_tcp_host",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
                  "local_prefill_max_tokens", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",
-                 "layerwise_transfer")
+                 "layerwise_transfer", "drain_timeout")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

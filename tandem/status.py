@@ -48,6 +48,7 @@ class WorkerStatus:
     cpus: str = ""
     threads: int | None = None
     started: float | None = None
+    restarts: int = 0
     running: int | None = None
     queued: int | None = None
     max_batch: int | None = None
@@ -157,6 +158,7 @@ def _worker_from_info(info: dict[str, Any]) -> WorkerStatus:
         cpus=md.get("cpus", ""),
         threads=int(md["threads"]) if str(md.get("threads", "")).isdigit() else None,
         started=started,
+        restarts=int(md["restarts"]) if str(md.get("restarts", "")).isdigit() else 0,
         stats_subject=stats_subject,
     )
 
@@ -275,7 +277,8 @@ def format_table(status: Status) -> str:
     n = len(status.workers)
     lines = [f"NATS {status.nats_url}, namespace {status.namespace}: {n} worker{'s' if n != 1 else ''}"]
     if status.workers:
-        header = ("ROLE", "MODEL", "WORKER", "LOAD", "BLOCKS USED", "HIT", "UPTIME", "KV", "PLACEMENT", "METRICS")
+        header = ("ROLE", "MODEL", "WORKER", "LOAD", "BLOCKS USED", "HIT", "UPTIME", "RESTARTS", "KV", "PLACEMENT",
+                  "METRICS")
         rows = [header]
         for w in status.workers:
             hit = f"{100.0 * w.prefix_hit_rate:.0f}%" if w.prefix_hit_rate is not None else "-"
@@ -283,12 +286,12 @@ def format_table(status: Status) -> str:
             if w.stats_error:
                 metrics += f"  (stats: {w.stats_error})"
             rows.append((w.role, w.model, w.worker_id, _load(w), _blocks(w), hit, format_duration(w.uptime),
-                         w.kv_transfer or "-", _placement(w), metrics))
+                         str(w.restarts), w.kv_transfer or "-", _placement(w), metrics))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
         for r in rows:
             lines.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(r[:-1])) + "  " + r[-1])
         lines.append("LOAD: running/max batch +queued; BLOCKS USED: KV blocks in use/total; "
-                     "PLACEMENT: device, cores ×torch threads")
+                     "RESTARTS: by its supervisor (tandem up); PLACEMENT: device, cores ×torch threads")
     else:
         lines.append("no tandem worker answered (is one running, on this NATS and namespace?)")
     for p in status.pools:

@@ -99,6 +99,8 @@ class Printer:
             return f"seq {msg.seq} {msg.status} {msg.code}: {msg.message}"
         if k == "cancel":
             return f"cancel ({msg.reason or 'no reason'})"
+        if k == "claim":
+            return f"{msg.key} claimed by {msg.worker_id or '?'}"
         if k == "kv_meta_request":
             return f"from {msg.worker_id or '?'}"
         if k == "kv_meta_reply":

@@ -1,42 +1,43 @@
-"""``tandem up``: a whole local cluster in one command.
+"""``tandem up``: a whole local cluster in one command, supervised.
 
 It starts the embedded ``nats-server -js`` (unless ``--nats-url`` names one), creates the
 work-queue streams, starts the workers (by default one ``prefill_only`` and one
 ``decode_only``; ``--aggregated`` runs ``prefill_and_decode`` workers instead) and the
 gateway, each a ``tandem`` child process with its own metrics port, waits until the
 gateway's ``/ready`` lists every worker (with a deadline), prints the URL and a curl line,
-and then watches: Ctrl-C / SIGTERM, or any child dying (named, with its exit status and
-last log lines), stops every child by PID — SIGTERM, then SIGKILL after a deadline.
+and then supervises: a child that dies (a worker, the gateway, the embedded NATS) is named in
+one line and started again after a backoff (``--restart on-failure``, the default; 1 s, doubling,
+at most ``--restart-max-delay``), while the rest keep serving. It stops everything only on
+Ctrl-C / SIGTERM, when a child keeps dying at start-up (three times in a row, or once refusing
+its configuration), or with ``--restart never`` when any child dies.
 
-Children are started in their own sessions (a terminal's Ctrl-C reaches only ``tandem up``,
-which stops them in order: gateway, decode, prefill, NATS) and, on Linux, with a parent-death
-signal, so killing ``tandem up`` itself leaves no orphans.
+Stopping goes in order: gateway (it drains: ``--drain-timeout``), decode workers, prefill workers,
+NATS; each child gets its drain time plus ``--stop-timeout`` after SIGTERM before SIGKILL.
+Children run through :mod:`runtime.processes` (own session, parent-death signal), so killing
+``tandem up`` itself leaves no orphans.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
-import ctypes
 import json
 import os
 import shlex
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
 from runtime.placement import WorkerPlacement, available_cpus, format_cpus, plan_layout
+from runtime.processes import ChildError, ChildProcess, GiveUp, RestartPolicy, Supervisor, stop_all
 
 DEFAULT_PORT = 8000
 DEFAULT_NATS_PORT = 4222
@@ -77,130 +78,23 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="do not give workers their own cores (default on a CPU host: prefill and decode "
                         "workers on disjoint cores when there are enough, one torch thread per core)")
     p.add_argument("--worker-args", default="", help="extra flags for every `tandem serve`, e.g. '--max-batch 8'")
+    p.add_argument("--gateway-args", default="", help="extra flags for `tandem gateway`, e.g. '--max-queue-wait 10'")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /ready (default 300)")
-    p.add_argument("--stop-timeout", type=float, default=15.0,
-                   help="seconds a child gets after SIGTERM before SIGKILL (default 15)")
+    p.add_argument("--restart", default="on-failure", choices=["on-failure", "never"],
+                   help="restart a child that dies (default on-failure); never: any death stops everything")
+    p.add_argument("--restart-delay", type=float, default=1.0,
+                   help="seconds before the first restart of a child; doubles with each failure (default 1)")
+    p.add_argument("--restart-max-delay", type=float, default=30.0,
+                   help="the most seconds between restarts of a child (default 30)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds the gateway and each worker get to finish in-flight requests on Ctrl-C (default 30)")
+    p.add_argument("--stop-timeout", type=float, default=10.0,
+                   help="seconds a child gets beyond its drain time after SIGTERM before SIGKILL (default 10)")
     p.add_argument("--ready-file", default=None,
-                   help="write the cluster's URLs and PIDs here as JSON once ready (for scripts)")
+                   help="write the cluster's URLs and PIDs here as JSON once ready, again after each restart")
     p.add_argument("--quiet", action="store_true", help="do not echo the children's output")
     p.set_defaults(func=main)
     return p
-
-
-# ---- children ----------------------------------------------------------------------------
-
-
-_LIBC: ctypes.CDLL | None = None
-
-
-def _load_libc() -> None:
-    """Load libc in the parent, so the forked child only makes one system call (no dlopen after fork)."""
-    global _LIBC
-    if _LIBC is None and sys.platform.startswith("linux"):
-        try:
-            _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
-        except OSError:
-            _LIBC = None
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the kernel SIGTERMs this child when ``tandem up`` dies, so none is orphaned."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def describe_exit(code: int | None) -> str:
-    """``exit code 1`` / ``killed by SIGKILL`` / ``still running``."""
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-@dataclass
-class Child:
-    """One child process, its output (echoed with a name prefix and kept as a tail)."""
-
-    name: str
-    cmd: list[str]
-    role: str
-    metrics_port: int | None = None
-    env: dict[str, str] | None = None
-    echo: TextIO | None = None
-    proc: subprocess.Popen[bytes] | None = None
-    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=200))
-    reader: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Spawn it in its own session, with output piped to a reader thread."""
-        _load_libc()
-        preexec = _die_with_parent if _LIBC is not None else None
-        try:
-            self.proc = subprocess.Popen(
-                self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                env=self.env, start_new_session=True, preexec_fn=preexec,
-            )
-        except OSError as e:
-            raise UpError(f"cannot start {self.name} ({shlex.join(self.cmd)}): {e}") from e
-        self.reader = threading.Thread(target=self._read, name=f"log-{self.name}", daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip()
-            self.tail.append(line)
-            if self.echo is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    print(f"[{self.name}] {line}", file=self.echo, flush=True)
-
-    @property
-    def pid(self) -> int | None:
-        """Its process id once started."""
-        return self.proc.pid if self.proc is not None else None
-
-    def poll(self) -> int | None:
-        """Its exit status, or None while it runs."""
-        return self.proc.poll() if self.proc is not None else None
-
-    def last_lines(self, n: int = 20) -> str:
-        """The last lines it wrote (for 'why did it die')."""
-        if self.reader is not None:
-            self.reader.join(timeout=1.0)
-        return "\n".join(list(self.tail)[-n:])
-
-    def terminate(self) -> None:
-        """SIGTERM by PID (no-op when it already exited)."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGTERM)
-
-    def kill(self) -> None:
-        """SIGKILL by PID and reap it."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=5)
-
-
-def stop_children(children: Sequence[Child], timeout: float, force: Callable[[], bool] = lambda: False,
-                  log: Callable[[str], None] = print) -> None:
-    """SIGTERM all of ``children``, wait up to ``timeout`` (or until ``force()``), SIGKILL the rest."""
-    alive = [c for c in children if c.poll() is None]
-    for c in alive:
-        c.terminate()
-    deadline = time.monotonic() + timeout
-    while any(c.poll() is None for c in alive) and time.monotonic() < deadline and not force():
-        time.sleep(0.05)
-    for c in alive:
-        if c.poll() is None:
-            log(f"{c.name} (pid {c.pid}) did not stop within {timeout:g}s of SIGTERM; killing it")
-            c.kill()
 
 
 # ---- ports -------------------------------------------------------------------------------
@@ -295,15 +189,30 @@ def _ready(url: str, expected: set[str], client: Any) -> tuple[bool, str]:
     return False, f"waiting for {', '.join(missing) or 'a decode worker'}"
 
 
-class Cluster:
-    """The running children of one ``tandem up`` and the rules for stopping them."""
+@dataclass
+class Member:
+    """One child of the cluster: its process and what it is."""
 
-    def __init__(self, out: TextIO, err: TextIO, stop_timeout: float) -> None:
+    child: ChildProcess
+    role: str  # a pipeline role, or "gateway"
+    metrics_port: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.child.name
+
+
+class Cluster:
+    """The children of one ``tandem up``, their supervisor, and the rules for stopping them."""
+
+    def __init__(self, out: TextIO, err: TextIO, drain_timeout: float, stop_timeout: float) -> None:
         self.out = out
         self.err = err
+        self.drain_timeout = drain_timeout
         self.stop_timeout = stop_timeout
-        self.children: list[Child] = []
+        self.members: list[Member] = []
         self.nats: Any = None
+        self.supervisor: Supervisor | None = None
         self.stop_reason: str | None = None
         self.force = False
 
@@ -323,33 +232,51 @@ class Cluster:
         else:
             self.force = True
 
-    def something_died(self) -> bool:
-        """Whether a child or the embedded nats-server has exited; says which, why, and its last lines."""
-        dead = next((c for c in self.children if c.poll() is not None), None)
-        if dead is not None:
-            self.warn(f"tandem up: {dead.name} (pid {dead.pid}) {describe_exit(dead.poll())}; stopping everything. "
-                      f"Its last output:")
-            for line in dead.last_lines().splitlines() or ["(no output)"]:
+    def supervise(self, policy: RestartPolicy) -> None:
+        """Watch every child (and the embedded NATS): NATS and the gateway are essential."""
+        sup = Supervisor(policy, say=lambda line: self.warn(f"tandem up: {line}"), before_restart=_count_restart)
+        if self.nats is not None:
+            sup.add(self.nats, essential=True)
+        for m in self.members:
+            sup.add(m.child, essential=m.role == "gateway")
+        self.supervisor = sup
+
+    def check(self) -> bool:
+        """One supervision step: restarts what died; False (having said why) when it gives up."""
+        assert self.supervisor is not None
+        try:
+            self.supervisor.check()
+        except GiveUp as e:
+            self.warn(f"tandem up: {e}; stopping everything. Its last output:")
+            for line in e.output.splitlines() or ["(no output)"]:
                 self.warn(f"  | {line}")
-            return True
-        if self.nats is not None and not self.nats.running:
-            self.warn(f"tandem up: the embedded nats-server died; last log lines:\n{self.nats.log_tail(20)}")
-            return True
-        return False
+            return False
+        return True
+
+    def restarts(self, name: str) -> int:
+        """How many times ``name`` was restarted."""
+        return self.supervisor.restarts(name) if self.supervisor is not None else 0
 
     def stop(self) -> None:
-        """Gateway first (no new requests), then decode, then prefill workers, then NATS."""
+        """Gateway first (it drains), then decode, then prefill workers, then NATS."""
         order = [
-            [c for c in self.children if c.role == "gateway"],
-            [c for c in self.children if c.role in ("decode_only", "prefill_and_decode")],
-            [c for c in self.children if c.role == "prefill_only"],
+            [m.child for m in self.members if m.role == "gateway"],
+            [m.child for m in self.members if m.role in ("decode_only", "prefill_and_decode")],
+            [m.child for m in self.members if m.role == "prefill_only"],
         ]
         for group in order:
             if group:
-                stop_children(group, self.stop_timeout, lambda: self.force, self.warn)
+                stop_all(group, self.drain_timeout + self.stop_timeout, lambda: self.force, self.warn)
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+
+
+def _count_restart(unit: Any, restarts: int) -> None:
+    """A restarted worker says in its service metadata how often it was restarted (``tandem status``)."""
+    env = getattr(unit, "env", None)
+    if env is not None:
+        env["TANDEM_RESTARTS"] = str(restarts)
 
 
 def _check_port(flag: str, port: int | None, count: int = 1) -> None:
@@ -389,6 +316,9 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
     _check_port("--port", args.port)
     _check_port("--nats-port", args.nats_port)
     _check_port("--metrics-port-base", args.metrics_port_base, args.decode + prefill)
+    for flag, value in (("--drain-timeout", args.drain_timeout), ("--stop-timeout", args.stop_timeout)):
+        if not value >= 0:
+            raise UpError(f"{flag} must not be negative, got {value:g}")
     if args.ready_file:
         folder = Path(args.ready_file).resolve().parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
@@ -415,7 +345,7 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         serve_args += ["--quantization", args.quantization]
     if args.device:
         serve_args += ["--device", args.device]
-    serve_args += shlex.split(args.worker_args)
+    serve_args += ["--drain-timeout", f"{args.drain_timeout:g}", *shlex.split(args.worker_args)]
     return Plan(
         model=model,
         model_name=model_name(model),
@@ -424,28 +354,47 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         port=port,
         workers=[(wid, role, p) for (wid, role), p in zip(specs, ports)],
         serve_args=serve_args,
-        gateway_args=["--model", model, "--namespace", namespace, "--host", args.host, "--port", str(port)],
+        gateway_args=["--model", model, "--namespace", namespace, "--host", args.host, "--port", str(port),
+                      "--drain-timeout", f"{args.drain_timeout:g}", *shlex.split(args.gateway_args)],
         placements=placements,
         placement_note=layout.note,
     )
 
 
+def worker_child(plan: Plan, worker_id: str, role: str, metrics_port: int, nats_url: str,
+                 logging_args: tuple[str, ...], env: dict[str, str], echo: TextIO | None) -> ChildProcess:
+    """The one place a worker process is described: its command line and environment."""
+    placement = plan.placements[worker_id].serve_args() if worker_id in plan.placements else []
+    cmd = _tandem(*logging_args, "serve", "--pipeline-role", role, "--worker-id", worker_id,
+                  "--nats-url", nats_url, "--metrics-port", str(metrics_port), *placement, *plan.serve_args)
+    return ChildProcess(worker_id, cmd, env=dict(env), echo=echo, ready_marker=f" {worker_id} ready")
+
+
+def gateway_child(plan: Plan, nats_url: str, logging_args: tuple[str, ...], env: dict[str, str],
+                  echo: TextIO | None) -> ChildProcess:
+    """The gateway process: its command line and environment."""
+    cmd = _tandem(*logging_args, "gateway", "--nats-url", nats_url, *plan.gateway_args)
+    return ChildProcess("gateway", cmd, env=dict(env), echo=echo, ready_marker="tandem gateway ready")
+
+
 def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Start the cluster, wait for /ready, supervise; returns 0 after Ctrl-C, 1 when something died."""
+    """Start the cluster, wait for /ready, supervise; 0 after Ctrl-C, 1 when it had to give up."""
     import httpx
 
     from bus.connection import BusConnectError
     from bus.server import EmbeddedNats, NatsServerError
     from bus.streams import StreamConfigError
 
-    cluster = Cluster(out, err, args.stop_timeout)
+    cluster = Cluster(out, err, args.drain_timeout, args.stop_timeout)
     previous = {s: signal.signal(s, cluster.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     echo = None if args.quiet else err
     log_level = getattr(args, "log_level", None) or "WARNING"
     logging_args = ("--log-level", log_level, "--log-format", getattr(args, "log_format", None) or "text")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("UCX_NET_DEVICES", "lo")  # every process is on this machine
+    env.pop("TANDEM_RESTARTS", None)
     try:
+        policy = RestartPolicy(mode=args.restart, delay=args.restart_delay, max_delay=args.restart_max_delay)
         own_nats = not args.nats_url
         plan = _plan(args, own_nats, cluster.warn)
         # 1. NATS
@@ -454,7 +403,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
             if nport and not port_free(nport):
                 cluster.warn(f"tandem up: port {nport} is busy; the embedded NATS takes a free port instead")
                 nport = 0
-            cluster.nats = EmbeddedNats(port=nport, die_with_parent=True)
+            cluster.nats = EmbeddedNats(port=nport, die_with_parent=True, server_name="nats")
             cluster.nats.start()
             nats_url = cluster.nats.url
         else:
@@ -466,20 +415,12 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
             return 0
         # 2. workers, 3. gateway
         for wid, role, mport in plan.workers:
-            cluster.children.append(Child(
-                wid,
-                _tandem(*logging_args, "serve", "--pipeline-role", role, "--worker-id", wid,
-                        "--nats-url", nats_url, "--metrics-port", str(mport),
-                        *plan.placements[wid].serve_args(), *plan.serve_args),
-                role, mport, env, echo,
-            ))
-        cluster.children.append(Child(
-            "gateway",
-            _tandem(*logging_args, "gateway", "--nats-url", nats_url, *plan.gateway_args),
-            "gateway", None, env, echo,
-        ))
-        for c in cluster.children:
-            c.start()
+            cluster.members.append(Member(worker_child(plan, wid, role, mport, nats_url, logging_args, env, echo),
+                                          role, mport))
+        cluster.members.append(Member(gateway_child(plan, nats_url, logging_args, env, echo), "gateway"))
+        for m in cluster.members:
+            m.child.start()
+        cluster.supervise(policy)
         host = "127.0.0.1" if plan.host in ("0.0.0.0", "::", "") else plan.host
         url = f"http://{host}:{plan.port}"
         expected = {wid for wid, _, _ in plan.workers}
@@ -492,7 +433,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
                 if cluster.stop_reason:
                     cluster.say(f"tandem up: {cluster.stop_reason} during start-up; stopping")
                     return 0
-                if cluster.something_died():
+                if not cluster.check():
                     return 1
                 ok, why = _ready(url, expected, client)
                 if ok:
@@ -508,18 +449,23 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
                 time.sleep(0.25)
         # 5. tell the person
         _announce(cluster, plan, url, nats_url)
-        if args.ready_file:
-            _write_ready_file(Path(args.ready_file), cluster, plan, url, nats_url)
+        ready_file = Path(args.ready_file) if args.ready_file else None
+        if ready_file is not None:
+            _write_ready_file(ready_file, cluster, plan, url, nats_url)
         # 6. supervise
+        pids = _pids(cluster)
         while not cluster.stop_reason:
-            if cluster.something_died():
+            if not cluster.check():
                 return 1
+            if ready_file is not None and _pids(cluster) != pids:
+                pids = _pids(cluster)
+                _write_ready_file(ready_file, cluster, plan, url, nats_url)
             time.sleep(0.2)
         cluster.say(f"tandem up: {cluster.stop_reason}; stopping")
         return 0
-    except (UpError, NatsServerError, ValueError, OverflowError) as e:
+    except (UpError, NatsServerError, ChildError, ValueError, OverflowError) as e:
         cluster.warn(f"tandem up: {e}")
-        return 1 if isinstance(e, (UpError, NatsServerError)) else 2
+        return 2 if isinstance(e, (ValueError, OverflowError)) else 1
     except OSError as e:  # e.g. a --host that does not resolve, or a port that cannot be bound
         cluster.warn(f"tandem up: {e}")
         return 1
@@ -533,6 +479,10 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
         if args.ready_file:
             with contextlib.suppress(OSError):
                 Path(args.ready_file).unlink()
+
+
+def _pids(cluster: Cluster) -> list[int | None]:
+    return [m.child.pid for m in cluster.members] + [cluster.nats.pid if cluster.nats is not None else None]
 
 
 async def _unless_stopped(cluster: Cluster, work: Coroutine[Any, Any, Any], timeout: float) -> bool:
@@ -559,10 +509,10 @@ def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
     cluster.say(f"tandem is up: model {plan.model_name}")
     cluster.say(f"  OpenAI API  {url}/v1")
     cluster.say(f"  NATS        {nats_url}   (watch: nats sub '{plan.namespace}.>' -s {nats_url})")
-    for c in cluster.children:
-        where = f"metrics :{c.metrics_port}" if c.metrics_port else f"metrics {url}/metrics"
-        place = plan.placements[c.name].describe() if c.name in plan.placements else "any core"
-        cluster.say(f"  {c.name:<14} {c.role:<19} pid {c.pid:<8} {where:<14} {place}")
+    for m in cluster.members:
+        where = f"metrics :{m.metrics_port}" if m.metrics_port else f"metrics {url}/metrics"
+        place = plan.placements[m.name].describe() if m.name in plan.placements else "any core"
+        cluster.say(f"  {m.name:<14} {m.role:<19} pid {m.child.pid:<8} {where:<14} {place}")
     cluster.say(f"  placement   {plan.placement_note}; NATS and the gateway are light and run on any core "
                 f"({format_cpus(available_cpus())})")
     cluster.say("Try:")
@@ -570,7 +520,7 @@ def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
     cluster.say(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
     if auth:
         cluster.say("  (API keys are on: set TANDEM_API_KEY to one of TANDEM_API_KEYS)")
-    cluster.say("Ctrl-C stops everything.")
+    cluster.say("A child that dies is restarted; Ctrl-C stops everything.")
 
 
 def _write_ready_file(path: Path, cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
@@ -581,9 +531,12 @@ def _write_ready_file(path: Path, cluster: Cluster, plan: Plan, url: str, nats_u
         "model": plan.model_name,
         "namespace": plan.namespace,
         "pid": os.getpid(),
-        "children": [{"name": c.name, "role": c.role, "pid": c.pid, "metrics_port": c.metrics_port,
-                      "placement": plan.placements[c.name].describe() if c.name in plan.placements else ""}
-                     for c in cluster.children],
+        "nats_pid": cluster.nats.pid if cluster.nats is not None else None,
+        "nats_store": cluster.nats.store_dir if cluster.nats is not None else None,
+        "children": [{"name": m.name, "role": m.role, "pid": m.child.pid, "metrics_port": m.metrics_port,
+                      "restarts": cluster.restarts(m.name),
+                      "placement": plan.placements[m.name].describe() if m.name in plan.placements else ""}
+                     for m in cluster.members],
     }
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(info, indent=2))

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.cluster import Up, cpus_allowed
+from bench.cluster import TandemUp, cpus_allowed
 from bench.datasets import FileDataset, PromptBuilder, SyntheticDataset, is_long
 from bench.loadgen import Load, Options, RequestRecord, Stop, arrival_gaps, chunk_gaps, run_level, send
 from bench.results import SCHEMA, latency_stats, meets, parse_slo, summarize
@@ -250,31 +250,32 @@ def test_levels_send_what_they_say(builder: PromptBuilder) -> None:
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
     """The default `tandem up`: one prefill_only and one decode_only worker, placed by default."""
-    cluster = Up(tmp_path_factory.mktemp("bench-up"), "--stop-timeout", "10", "--worker-args", "--num-blocks 256")
+    cluster = TandemUp(tmp_path_factory.mktemp("bench-up"), "--quiet", "--stop-timeout", "10",
+                       "--worker-args", "--num-blocks 256").start()
     try:
         yield cluster
     finally:
         cluster.stop()
 
 
-def test_up_places_prefill_and_decode_on_their_own_cores(up: Up) -> None:
+def test_up_places_prefill_and_decode_on_their_own_cores(up: TandemUp) -> None:
     avail = available_cpus()
     if len(avail) < 2:
         pytest.skip("needs two cores")
     layout = plan_layout(1, 1, available=avail)
     pinned = {}
     for name, place in (("prefill-1", layout.prefill[0]), ("decode-1", layout.decode[0])):
-        pinned[name] = cpus_allowed(up.child(name)["pid"])
-        assert pinned[name] == {format_cpus(place.cpus)} and up.child(name)["placement"] == place.describe()
+        pinned[name] = cpus_allowed(up.child_info(name)["pid"])
+        assert pinned[name] == {format_cpus(place.cpus)} and up.child_info(name)["placement"] == place.describe()
     if avail == [0, 1]:
         assert (pinned["prefill-1"], pinned["decode-1"]) == ({"0"}, {"1"})
         assert layout.prefill[0].threads == layout.decode[0].threads == 1
-    text = up.log_path.read_text()
+    text = up.output()
     assert f"placement   each worker on its own cores; NATS and the gateway are light and run on any core " \
            f"({format_cpus(avail)})" in text
-    assert cpus_allowed(up.child("gateway")["pid"]) == {format_cpus(avail)}
+    assert cpus_allowed(up.child_info("gateway")["pid"]) == {format_cpus(avail)}
 
 
 RUN_KEYS = {"load", "duration_s", "requests", "tokens", "throughput", "latency_ms", "errors", "goodput", "by_kind",
@@ -283,12 +284,12 @@ RECORD_KEYS = {"index", "kind", "start_s", "ttft_s", "e2e_s", "prompt_tokens", "
                "chunks", "error_kind", "error"}
 
 
-def run_bench(up: Up, tmp_path: Path, *args: str) -> tuple[dict, str]:
+def run_bench(up: TandemUp, tmp_path: Path, *args: str) -> tuple[dict, str]:
     out = tmp_path / "out.json"
     res = subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "--base-url", up.url, "--json", str(out),
                           "--plot", str(tmp_path / "out.png"), *args],
                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stdout + res.stderr + up.log_tail()
+    assert res.returncode == 0, res.stdout + res.stderr + up.output()[-4000:]
     return json.loads(out.read_text()), res.stdout
 
 
@@ -297,7 +298,7 @@ def check_stats(st: dict) -> None:
     assert 0 < st["p50"] <= st["p90"] <= st["p99"] <= st["max"] and 0 < st["mean"] <= st["max"]
 
 
-def test_bench_mixed_against_tandem_up(up: Up, tmp_path: Path) -> None:
+def test_bench_mixed_against_tandem_up(up: TandemUp, tmp_path: Path) -> None:
     slo = {"ttft": 4000.0, "itl": 400.0}
     data, stdout = run_bench(up, tmp_path, "--dataset", "mixed", "--long-share", "0.25", "--long-tokens", "300",
                              "--long-output-len", "6", "--input-len", "40", "--output-len", "8", "--requests", "8",
@@ -337,7 +338,7 @@ def test_bench_mixed_against_tandem_up(up: Up, tmp_path: Path) -> None:
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
 
-def test_bench_rate_sweep(up: Up, tmp_path: Path) -> None:
+def test_bench_rate_sweep(up: TandemUp, tmp_path: Path) -> None:
     data, _ = run_bench(up, tmp_path, "--dataset", "random", "--input-len", "30", "--output-len", "4",
                         "--rate", "2,8", "--burstiness", "0.5", "--requests", "3", "--warmup", "0",
                         "--goodput", "tpot:100000")

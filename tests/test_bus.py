@@ -558,6 +558,7 @@ def sample_messages() -> list[msgspec.Struct]:
             request_id="r1", seq=2, code=m.ErrorCode.DEADLINE_EXCEEDED, message="too slow", status=504
         ),
         m.Cancel(request_id="r1", reason="client disconnected"),
+        m.Claim(key="GenerateRequest:r1", request_id="r1", worker_id="d1"),
         m.KVMetaRequest(worker_id="d1", engine="nixl"),
         m.KVMetaReply(
             worker_id="p1",

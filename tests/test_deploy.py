@@ -761,8 +761,8 @@ def test_metrics_doc_documents_every_metric() -> None:
 
 
 def monitor_port(srv: EmbeddedNats) -> int:
-    m = re.search(r"Starting http monitor on [^\s]*:(\d+)", srv.log_tail(200))
-    assert m, srv.log_tail(200)
+    m = re.search(r"Starting http monitor on [^\s]*:(\d+)", srv.last_lines(200))
+    assert m, srv.last_lines(200)
     return int(m.group(1))
 
 

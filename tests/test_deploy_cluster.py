@@ -45,11 +45,11 @@ def secured() -> Iterator[tuple[str, dict[str, Proc]]]:
                 return p
 
             try:
-                start("p1", "prefill_only", "prefill").wait_for("ready", "out", timeout=180)
+                start("p1", "prefill_only", "prefill").wait_for("ready", timeout=180)
                 start("d1", "decode_only", "decode", "--local-prefill-max-tokens", "0")
                 start("a1", "prefill_and_decode", "aggregate")
                 for w in ("d1", "a1"):
-                    workers[w].wait_for("ready", "out", timeout=180)
+                    workers[w].wait_for("ready", timeout=180)
                 yield srv.url, workers
             finally:
                 for p in workers.values():

@@ -11,6 +11,8 @@ tokenized by the real tokenizer. Behaviours are selected by words in the prompt:
     [badmsg]     a stream message from a newer schema version (unreadable here)
     [flood]      8 KiB of text per message, 16 MiB in all, then waits to be cancelled
 
+A request with ``resume_ids`` (a migrated stream) continues the canned reply after those tokens.
+
 A worker made with ``admit=True`` first sends the admission notice real decode workers send
 (message 0: no tokens, its worker id and incarnation).
 
@@ -94,6 +96,7 @@ class FakeWorker:
         self.listen_direct = True  # subscribe to its own generate subject
         self.fake_running: int | None = None  # report this many running instead of the truth
         self.incarnation = "inc-1"  # its process; a new value reads as a restart under the same id
+        self.dead = False  # stops mid-stream without a word (and without reports, with report=False)
         self.nc: Any = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._cancelled: set[str] = set()
@@ -225,10 +228,15 @@ class FakeWorker:
         s = req.sampling
         ids = tok.encode(self._reply(req, prompt))
         delay = 0.1 if "[slow]" in prompt else 0.0
-        emitted = 0
-        out: list[int] = []
+        # a migrated stream goes on where the dead worker stopped (its reply is deterministic)
+        emitted = req.shown_chars
+        out: list[int] = list(req.resume_ids)
         finish = "stop"
         for i, tid in enumerate(ids):
+            if i < len(out):
+                continue
+            if self.dead:  # killed: not a word more, not even a finish
+                return
             if rid in self._cancelled:
                 await self._send(subj, m.StreamFinish(request_id=rid, seq=seq, finish_reason="cancelled",
                                                       decode_worker_id=self.worker_id))

@@ -14,11 +14,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import openai
 import pytest
+
+from bench.cluster import TandemUp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,46 +28,23 @@ CONTEXT = " ".join(f"Fact {i}: the number {i} is followed by {i + 1}." for i in 
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("agg")
-    ready = tmp / "ready.json"
-    log = tmp / "up.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--aggregated", "--decode", "2", "--port", "0",
-             "--nats-port", "0", "--metrics-port-base", "0", "--ready-file", str(ready), "--stop-timeout", "10",
-             "--worker-args", "--num-blocks 256"],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    deadline = time.monotonic() + 240
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"tandem up did not become ready (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
-        time.sleep(0.2)
-    info = json.loads(ready.read_text())
-    info["_proc"], info["_log"] = proc, log
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
+    up = TandemUp(tmp_path_factory.mktemp("agg"), "--aggregated", "--decode", "2", "--stop-timeout", "10",
+                  "--worker-args", "--num-blocks 256").start(240)
     try:
-        yield info
+        yield up
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(10)
+        up.stop(60)
 
 
-def test_two_aggregated_workers(cluster: dict[str, Any]) -> None:
-    workers = httpx.get(f"{cluster['url']}/ready").json()["workers"]
+def test_two_aggregated_workers(cluster: TandemUp) -> None:
+    workers = httpx.get(f"{cluster.url}/ready").json()["workers"]
     assert sorted((w["worker_id"], w["role"]) for w in workers) == [
         ("worker-1", "prefill_and_decode"), ("worker-2", "prefill_and_decode")]
 
 
-def test_prefix_affinity_hits_the_cache(cluster: dict[str, Any]) -> None:
-    client = openai.OpenAI(base_url=cluster["base_url"], api_key="x", max_retries=0, timeout=120)
+def test_prefix_affinity_hits_the_cache(cluster: TandemUp) -> None:
+    client = openai.OpenAI(base_url=cluster.info["base_url"], api_key="x", max_retries=0, timeout=120)
     served = []
     cached = []
     for q in ("What follows 7?", "What follows 9?", "What follows 11?"):
@@ -80,21 +58,37 @@ def test_prefix_affinity_hits_the_cache(cluster: dict[str, Any]) -> None:
     assert cached[0] == 0 and cached[1] > 400 and cached[2] > 400, cached
 
 
-def test_target_endpoint_is_refused_without_prefill_workers(cluster: dict[str, Any]) -> None:
-    client = openai.OpenAI(base_url=cluster["base_url"], api_key="x", max_retries=0, timeout=120)
+def test_target_endpoint_is_refused_without_prefill_workers(cluster: TandemUp) -> None:
+    client = openai.OpenAI(base_url=cluster.info["base_url"], api_key="x", max_retries=0, timeout=120)
     with pytest.raises(openai.BadRequestError, match="no prefill workers"):
         client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}],
                                        extra_body={"target_endpoint": "prefill-1"})
 
 
-def test_zz_a_dead_worker_stops_the_cluster(cluster: dict[str, Any]) -> None:
-    """Any child dying stops everything, and `tandem up` says which one and how it died."""
-    proc, log = cluster["_proc"], cluster["_log"]
-    victim = next(c for c in cluster["children"] if c["name"] == "worker-2")
+def test_zz_a_killed_worker_is_restarted_and_the_cluster_keeps_serving(cluster: TandemUp) -> None:
+    """SIGKILL a worker: `tandem up` says so, restarts it (new pid, restart 1), and the other one serves meanwhile."""
+    victim = cluster.child_info("worker-2")
     os.kill(victim["pid"], signal.SIGKILL)
-    assert proc.wait(60) == 1
-    text = log.read_text()
-    assert f"worker-2 (pid {victim['pid']}) killed by SIGKILL; stopping everything" in text
-    for c in cluster["children"]:
-        with pytest.raises(ProcessLookupError):
-            os.kill(c["pid"], 0)
+    client = openai.OpenAI(base_url=cluster.info["base_url"], api_key="x", max_retries=0, timeout=120)
+    r = client.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
+    assert r.choices[0].message.content
+    cluster.child.wait_for(f"worker-2 (pid {victim['pid']}) killed by SIGKILL while serving; restarting it in 1s "
+                           "(restart 1)", 60)
+    cluster.child.wait_for("worker-2 restarted (pid", 60)
+    deadline = time.monotonic() + 120
+    while cluster.child_info("worker-2")["restarts"] != 1:
+        assert time.monotonic() < deadline, cluster.output()[-3000:]
+        time.sleep(0.2)
+    again = cluster.child_info("worker-2")
+    assert again["pid"] != victim["pid"]
+    deadline = time.monotonic() + 120
+    while True:  # the restarted worker reports again, as a new incarnation, and says it was restarted
+        status = subprocess.run([sys.executable, "-m", "tandem.cli", "status", "--json", "--wait", "2",
+                                 "--nats-url", cluster.info["nats_url"]], capture_output=True, text=True, timeout=60)
+        rows = {w["worker_id"]: w for w in json.loads(status.stdout)["workers"]}
+        if rows.get("worker-2", {}).get("restarts") == 1:
+            break
+        assert time.monotonic() < deadline, status.stdout
+        time.sleep(1)
+    assert rows["worker-1"]["restarts"] == 0
+    assert cluster.child.running  # it kept going

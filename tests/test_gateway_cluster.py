@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+
+from bench.cluster import TandemUp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,58 +28,18 @@ KEY = "test-key-123"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@dataclass
-class Up:
-    proc: subprocess.Popen[bytes]
-    info: dict[str, Any]
-    log: Path
-    ready_file: Path
-
-    @property
-    def url(self) -> str:
-        return self.info["url"]
-
-    @property
-    def base_url(self) -> str:
-        return self.info["base_url"]
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    tmp = tmp_path_factory.mktemp("up")
-    ready = tmp / "ready.json"
-    log = tmp / "up.log"
-    env = {**os.environ, "TANDEM_API_KEYS": KEY, "PYTHONUNBUFFERED": "1"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--port", "0", "--nats-port", "0", "--metrics-port-base", "0",
-             "--ready-file", str(ready), "--stop-timeout", "10", "--worker-args", "--num-blocks 256"],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )
-    deadline = time.monotonic() + 240
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"tandem up did not become ready (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
-        time.sleep(0.2)
-    cluster = Up(proc, json.loads(ready.read_text()), log, ready)
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
+    cluster = TandemUp(tmp_path_factory.mktemp("up"), "--stop-timeout", "10", "--worker-args", "--num-blocks 256",
+                       env={"TANDEM_API_KEYS": KEY}).start(240)
     try:
         yield cluster
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        cluster.stop(60)
 
 
 @pytest.fixture(scope="module")
-def client(up: Up) -> openai.OpenAI:
+def client(up: TandemUp) -> openai.OpenAI:
     return openai.OpenAI(base_url=up.base_url, api_key=KEY, max_retries=0, timeout=120)
 
 
@@ -93,14 +49,14 @@ def greedy_answer(client: openai.OpenAI) -> str:
     return r.choices[0].message.content or ""
 
 
-def workers_idle(up: Up) -> tuple[bool, list[dict[str, Any]]]:
+def workers_idle(up: TandemUp) -> tuple[bool, list[dict[str, Any]]]:
     workers = httpx.get(f"{up.url}/ready", timeout=5).json()["workers"]
     ok = bool(workers) and all(w["running"] == 0 and w["queued"] == 0 and w["free_blocks"] == w["total_blocks"]
                                for w in workers)
     return ok, workers
 
 
-def wait_idle(up: Up, timeout: float = 30.0) -> None:
+def wait_idle(up: TandemUp, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     ok, workers = workers_idle(up)
     while not ok:
@@ -113,8 +69,8 @@ def wait_idle(up: Up, timeout: float = 30.0) -> None:
 # ============================================================================ the API
 
 
-def test_printed_url_and_models(up: Up, client: openai.OpenAI) -> None:
-    text = up.log.read_text()
+def test_printed_url_and_models(up: TandemUp, client: openai.OpenAI) -> None:
+    text = up.output()
     assert f"OpenAI API  {up.base_url}" in text and f"curl {up.url}/v1/chat/completions" in text
     assert 'Authorization: Bearer $TANDEM_API_KEY' in text  # keys are on: the printed curl line works
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -132,7 +88,7 @@ def test_chat_sync(client: openai.OpenAI, greedy_answer: str) -> None:
     assert raw.headers["x-tandem-decode-worker"] == "decode-1"
 
 
-def test_chat_stream_async_with_usage(up: Up, greedy_answer: str) -> None:
+def test_chat_stream_async_with_usage(up: TandemUp, greedy_answer: str) -> None:
     async def go() -> list[Any]:
         async with openai.AsyncOpenAI(base_url=up.base_url, api_key=KEY, max_retries=0, timeout=120) as ac:
             stream = await ac.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12,
@@ -152,7 +108,7 @@ def test_chat_stream_sync(client: openai.OpenAI, greedy_answer: str) -> None:
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
-def test_completions_sync_and_async_stream(up: Up, client: openai.OpenAI) -> None:
+def test_completions_sync_and_async_stream(up: TandemUp, client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=6)
     assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 6
@@ -218,7 +174,7 @@ def test_multibyte_stream_never_splits_a_character(client: openai.OpenAI) -> Non
     assert not any("\ufffd" in p for p in pieces)
 
 
-def test_concurrent_requests(up: Up) -> None:
+def test_concurrent_requests(up: TandemUp) -> None:
     async def go() -> list[str]:
         async with openai.AsyncOpenAI(base_url=up.base_url, api_key=KEY, max_retries=0, timeout=120) as ac:
             rs = await asyncio.gather(*[
@@ -245,7 +201,7 @@ def _err(r: httpx.Response, status: int) -> dict[str, Any]:
     return err
 
 
-def test_errors_then_still_serving(up: Up, client: openai.OpenAI) -> None:
+def test_errors_then_still_serving(up: TandemUp, client: openai.OpenAI) -> None:
     url = f"{up.url}/v1/chat/completions"
     auth = {"Authorization": f"Bearer {KEY}"}
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2}
@@ -264,7 +220,7 @@ def test_errors_then_still_serving(up: Up, client: openai.OpenAI) -> None:
                                           max_tokens=2).choices[0].message.content
 
 
-def test_client_disconnect_mid_stream_frees_blocks(up: Up) -> None:
+def test_client_disconnect_mid_stream_frees_blocks(up: TandemUp) -> None:
     wait_idle(up)
     with httpx.stream("POST", f"{up.url}/v1/chat/completions", json={**LONG, "stream": True},
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
@@ -278,7 +234,7 @@ def test_client_disconnect_mid_stream_frees_blocks(up: Up) -> None:
     wait_idle(up, timeout=10)
 
 
-def test_client_disconnect_non_stream_frees_blocks(up: Up) -> None:
+def test_client_disconnect_non_stream_frees_blocks(up: TandemUp) -> None:
     async def go() -> None:
         async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as ac:
             task = asyncio.create_task(ac.post(f"{up.url}/v1/chat/completions", json=LONG))
@@ -312,7 +268,7 @@ def _total(samples: dict, name: str, **labels: str) -> float:
                if n == name and all(dict(lab).get(k) == want for k, want in labels.items()))
 
 
-def test_short_prompt_is_prefilled_locally(up: Up, client: openai.OpenAI) -> None:
+def test_short_prompt_is_prefilled_locally(up: TandemUp, client: openai.OpenAI) -> None:
     """Conditional disaggregation: a prompt under --local-prefill-max-tokens never leaves the decode worker."""
     raw = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
     assert raw.parse().choices[0].text is not None
@@ -322,7 +278,7 @@ def test_short_prompt_is_prefilled_locally(up: Up, client: openai.OpenAI) -> Non
     assert _total(samples, "tandem_decode_prefill_decisions_total", mode="local", reason="short_prompt") > 0
 
 
-def test_metrics_move_after_a_disaggregated_request(up: Up, client: openai.OpenAI) -> None:
+def test_metrics_move_after_a_disaggregated_request(up: TandemUp, client: openai.OpenAI) -> None:
     long_question = " ".join(f"Line {i} says {i * 7}." for i in range(40)) + " What does line 3 say?"
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_question}],
                                        max_tokens=8, stream=True)
@@ -361,17 +317,17 @@ def test_metrics_move_after_a_disaggregated_request(up: Up, client: openai.OpenA
             time.sleep(0.25)
 
 
-def test_zz_ctrl_c_stops_every_child(up: Up) -> None:
+def test_zz_ctrl_c_stops_every_child(up: TandemUp) -> None:
     pids = [c["pid"] for c in up.info["children"]]
     t0 = time.monotonic()
-    up.proc.send_signal(signal.SIGINT)
-    assert up.proc.wait(60) == 0, up.log_tail()
+    up.interrupt()
+    assert up.child.wait(60) == 0, up.output()[-4000:]
     took = time.monotonic() - t0
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    assert "SIGINT; stopping" in up.log.read_text()
+    assert "SIGINT; stopping" in up.output()
     assert not up.ready_file.exists()
-    # the slowest stop short of a hang: each of the three groups (gateway, decode, prefill) is
-    # SIGKILLed after --stop-timeout 10 s, 30 s in all. proc.wait(60) above catches a hang.
-    assert took < 50, f"stopping took {took:.1f}s:\n{up.log_tail()}"
+    # an idle cluster drains at once: each child exits on SIGTERM without using its drain time.
+    # child.wait(60) above catches a hang.
+    assert took < 50, f"stopping took {took:.1f}s:\n{up.output()[-4000:]}"

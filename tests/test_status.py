@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,6 +22,7 @@ from bench.cluster import cpus_allowed
 from bus.messages import REQUEST_ID_HEADER
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
+from runtime.processes import ChildProcess
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,50 +39,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Proc:
-    """A child process whose stdout and stderr lines are collected by reader threads."""
+class Proc(ChildProcess):
+    """A child whose stdout and stderr lines are kept apart (what the CLI prints where matters here)."""
 
     def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        self.out: list[str] = []
-        self.err: list[str] = []
-        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(target=self._read, args=(stream, sink), daemon=True).start()
+        super().__init__(cmd[3] if len(cmd) > 3 else "cli", cmd, cwd=ROOT, stderr_apart=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.start()
 
-    @staticmethod
-    def _read(stream, sink: list[str]) -> None:
-        for line in stream:
-            sink.append(line.rstrip("\n"))
+    @property
+    def out(self) -> list[str]:
+        return list(self.tail)
 
-    def wait_for(self, needle: str, where: str, timeout: float) -> None:
-        """Until a line of stdout/stderr contains ``needle``; fails at the deadline or if the process exits."""
-        sink = self.out if where == "out" else self.err
-        deadline = time.monotonic() + timeout
-        while not any(needle in line for line in sink):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"{needle!r} not seen (exit {self.proc.poll()}):\n{self.text()}")
-            time.sleep(0.05)
+    @property
+    def err(self) -> list[str]:
+        return list(self.err_tail or ())
 
-    def wait(self, timeout: float) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         """The exit code; kills the process and fails if it runs past ``timeout``."""
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise AssertionError(f"still running after {timeout}s:\n{self.text()}") from None
-        time.sleep(0.1)  # let the reader threads drain the pipes
+        rc = super().wait(timeout)
+        if rc is None:
+            self.kill()
+            raise AssertionError(f"still running after {timeout}s:\n{self.text()}")
+        self.last_lines(0)  # its output is read to the end
         return rc
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
     def text(self) -> str:
         return "\n".join(["--- stdout", *self.out[-60:], "--- stderr", *self.err[-60:]])
@@ -100,7 +81,7 @@ def worker_proc() -> Iterator[tuple[str, int, Proc]]:
                              "--worker-id", WORKER, "--nats-url", srv.url, "--num-blocks", str(BLOCKS),
                              "--metrics-port", str(metrics_port), "--cpus", str(PIN)), env={"UCX_NET_DEVICES": "lo"})
         try:
-            worker.wait_for("ready", "out", timeout=180)
+            worker.wait_for("ready", timeout=180)
             yield srv.url, metrics_port, worker
         finally:
             worker.stop()
@@ -113,7 +94,7 @@ def cluster(worker_proc: tuple[str, int, Proc]) -> tuple[str, int]:
 
 def test_cpus_pins_every_thread_of_the_worker(worker_proc: tuple[str, int, Proc]) -> None:
     """`tandem serve --cpus N`: the process and all its threads (model, bus, metrics) may run on N only."""
-    pid = worker_proc[2].proc.pid
+    pid = worker_proc[2].pid
     assert len(list(Path(f"/proc/{pid}/task").iterdir())) > 2
     assert cpus_allowed(pid) == {str(PIN)}
     assert any(f"on cores {PIN} with 1 torch threads" in line for line in worker_proc[2].err), worker_proc[2].text()
@@ -138,7 +119,7 @@ def test_status_json_lists_the_worker(cluster: tuple[str, int]) -> None:
     assert w["running"] == 0 and w["queued"] == 0 and w["max_batch"] > 0
     assert 0.0 <= w["prefix_hit_rate"] <= 1.0 and w["uptime"] > 0
     assert w["metrics_url"].endswith(f":{metrics_port}/metrics")
-    assert w["stats_error"] is None and w["incarnation"]
+    assert w["stats_error"] is None and w["incarnation"] and w["restarts"] == 0
     assert (w["cpus"], w["threads"], w["device"]) == (str(PIN), 1, "cpu")
     s = Subjects(MODEL)
     pools = {p["pool"]: p for p in data["pools"]}
@@ -185,7 +166,7 @@ def test_tail_prints_one_request_decoded(cluster: tuple[str, int]) -> None:
     tail = Proc(tandem("tail", "--nats-url", url, "--request", client_id, "--until-done", "--timeout", "120",
                        "--width", "0"))
     try:
-        tail.wait_for("following tandem.>", "err", timeout=60)
+        tail.wait_for("following tandem.>", timeout=60)
         s = Subjects(MODEL)
         body = {"kind": "generate_request", "request_id": rid, "prompt_ids": chat_prompt_ids(
             "What is the capital of France?"), "stream_subject": s.stream("gwtest", rid),
@@ -288,10 +269,11 @@ def test_status_formatting() -> None:
     assert [format_duration(x) for x in (None, 5, 65, 3725, 200000)] == ["-", "5s", "1m05s", "1h02m", "2d07h"]
     info = {"name": "tandem-decode-only", "id": "X", "version": "0.1.0",
             "metadata": {"model": MODEL, "role": "decode_only", "worker_id": "d1", "started": "bad",
-                         "metrics_url": "http://h:9100/metrics"},
+                         "metrics_url": "http://h:9100/metrics", "restarts": "3"},
             "endpoints": [{"name": "stats", "subject": "tandem.svc.d1.stats"}]}
     w = _worker_from_info(info)
     assert (w.role, w.worker_id, w.stats_subject, w.started) == ("decode_only", "d1", "tandem.svc.d1.stats", None)
+    assert w.restarts == 3
     w2 = WorkerStatus(role="prefill_only", model=MODEL, worker_id="p1", service="tandem-prefill-only", service_id="Y",
                       running=1, queued=2, max_batch=4, free_blocks=6, total_blocks=8, prefix_hit_rate=0.5, uptime=61,
                       device="cuda:1", cpus="0-3", threads=4)
@@ -301,6 +283,7 @@ def test_status_formatting() -> None:
                                                                                     error="no stream")]))
     assert "2 workers" in text and "(stats: TimeoutError)" in text and " cuda:1 cores 0-3 ×4 " in text
     assert "1/4 +2" in text and "2/8 (25%)" in text and "50%" in text and "1m01s" in text
+    assert "RESTARTS" in text.splitlines()[1] and re.search(r"1m01s +0 ", text)
     assert "generate: 3 pending, 1 in flight" in text and "prefill: unavailable (no stream)" in text
     assert "no tandem worker answered" in format_table(Status("nats://x", "tandem"))
     assert Status("u", "n", [w2]).to_json()["workers"][0]["used_blocks"] == 2
@@ -322,10 +305,10 @@ def test_tail_runs_until_ctrl_c() -> None:
     with EmbeddedNats() as srv:
         tail = Proc(tandem("tail", "--nats-url", srv.url, "--no-decode"))
         try:
-            tail.wait_for("Ctrl-C to stop", "err", timeout=60)
+            tail.wait_for("Ctrl-C to stop", timeout=60)
             time.sleep(0.3)
             assert tail.proc.poll() is None  # no count, no timeout: it keeps following
-            tail.proc.send_signal(signal.SIGINT)
+            tail.signal(signal.SIGINT)
             assert tail.wait(15) == 0
         finally:
             tail.stop()

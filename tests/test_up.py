@@ -1,6 +1,7 @@
-"""tandem/up.py: child-process supervision helpers, and `tandem up` reporting a child that dies.
+"""runtime/processes.py (children, supervision) and tandem/up.py (ports, giving up on a child that cannot start).
 
-The full cluster (`tandem up` serving real requests) is tested in tests/test_gateway_cluster.py.
+The full cluster (`tandem up` serving real requests) is tested in tests/test_gateway_cluster.py; a
+worker restarted after SIGKILL in tests/test_gateway_aggregated.py; the fault suite in tests/faults/.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ import time
 import pytest
 
 import tandem.up
-from tandem.up import Child, UpError, describe_exit, pick_ports, port_free, stop_children
+from runtime.processes import (
+    ChildError,
+    ChildProcess,
+    GiveUp,
+    RestartPolicy,
+    Supervisor,
+    describe_exit,
+    stop_all,
+)
+from tandem.up import UpError, pick_ports, port_free
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,20 +66,19 @@ def test_gateway_port_default_moves_aside_an_explicit_one_does_not(monkeypatch: 
     assert tandem.up._gateway_port(argparse.Namespace(port=None, host="127.0.0.1"), warnings.append) == busy
 
 
-def test_stop_children_terminates_then_kills() -> None:
-    polite = Child("polite", [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], "x")
-    stubborn = Child("stubborn", [sys.executable, "-c",
-                                  "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                                  "print('up', flush=True); time.sleep(60)"], "x")
+def test_stop_all_terminates_then_kills() -> None:
+    polite = ChildProcess("polite", [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                          ready_marker="up")
+    stubborn = ChildProcess("stubborn", [sys.executable, "-c",
+                                         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                         "print('up', flush=True); time.sleep(60)"], ready_marker="up")
     for c in (polite, stubborn):
         c.start()
-    deadline = time.monotonic() + 20
-    while not (polite.tail and stubborn.tail):
-        assert time.monotonic() < deadline, "children never started"
-        time.sleep(0.02)
+    for c in (polite, stubborn):
+        c.wait_ready(20)
     said: list[str] = []
     t0 = time.monotonic()
-    stop_children([polite, stubborn], timeout=1.0, log=said.append)
+    stop_all([polite, stubborn], timeout=1.0, log=said.append)
     assert time.monotonic() - t0 < 15  # SIGKILL after the 1 s timeout, not the children's 60 s sleep
     assert polite.poll() == -signal.SIGTERM and stubborn.poll() == -signal.SIGKILL
     assert said == [f"stubborn (pid {stubborn.pid}) did not stop within 1s of SIGTERM; killing it"]
@@ -86,8 +95,10 @@ def test_up_reports_the_child_that_died(tmp_path) -> None:
         capture_output=True, text=True, timeout=90,
     )
     assert p.returncode == 1, (p.stdout, p.stderr)
-    assert "exit code 2; stopping everything" in p.stderr
+    assert "exit code 2 during start-up: it refused its configuration, so restarting cannot help; " \
+           "stopping everything" in p.stderr, p.stderr
     assert "neither a known alias" in p.stderr  # the child's own last words are shown
+    assert "restarting it in" not in p.stderr
     assert not (tmp_path / "ready.json").exists()
     assert time.monotonic() - t0 < 60
 
@@ -115,3 +126,113 @@ def test_ctrl_c_while_waiting_for_nats_stops_at_once() -> None:
     assert proc.returncode == 0, (out, err)
     assert "SIGINT during start-up" in out
     assert "tandem serve" not in err and "ready" not in out
+
+
+def test_child_wait_ready_says_why_it_died(tmp_path) -> None:
+    log = tmp_path / "c.log"
+    c = ChildProcess("crasher", [sys.executable, "-c", "import sys; print('loading'); sys.exit(3)"], log_path=log,
+                     ready_marker="ready")
+    c.start()
+    with pytest.raises(ChildError, match=r"crasher exited before its ready line: crasher \(pid \d+\) exit code 3"):
+        c.wait_ready(20)
+    assert c.last_lines() == "loading" and log.read_text() == "loading\n"
+    c.start()  # a child can be started again (what a supervisor does)
+    assert c.wait(20) == 3
+
+
+class FakeUnit:
+    """A unit whose life the test scripts: ``exit(code)`` ends it, ``start()`` begins a new run."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pid: int | None = 100
+        self.code: int | None = None
+        self.is_ready = False
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        self.pid = 100 + self.starts
+        self.code, self.is_ready = None, False
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def last_lines(self, n: int = 20) -> str:
+        return f"last words of {self.name}"
+
+
+def test_supervisor_restarts_with_backoff_and_gives_up_on_start_up_deaths() -> None:
+    now = [0.0]
+    said: list[str] = []
+    sup = Supervisor(RestartPolicy(delay=1.0, max_delay=4.0, max_start_failures=3, stable_after=30.0),
+                     said.append, clock=lambda: now[0])
+    worker = FakeUnit("w")
+    sup.add(worker)
+    worker.is_ready = True
+    sup.check()  # ready from here
+    for k, delay in enumerate([1, 2, 4, 4], start=1):  # doubling, capped
+        worker.code = -signal.SIGKILL
+        now[0] += 1
+        sup.check()
+        assert said[-1] == f"w (pid {worker.pid}) killed by SIGKILL while serving; restarting it in {delay}s " \
+                           f"(restart {k})"
+        now[0] += delay - 0.01
+        sup.check()
+        assert worker.starts == k - 1  # not before its time
+        now[0] += 0.02
+        sup.check()
+        assert worker.starts == k and said[-1] == f"w restarted (pid {worker.pid}, restart {k})"
+        worker.is_ready = True
+        sup.check()
+    now[0] += 31  # it served 30 s: its backoff starts over
+    sup.check()
+    worker.code = 1
+    sup.check()
+    assert said[-1].endswith("restarting it in 1s (restart 5)") and sup.restarts("w") == 4
+    # dying during start-up: three times in a row is the end
+    for _ in range(2):
+        now[0] += 60
+        sup.check()
+        worker.code = 1
+        sup.check()
+        assert "exit code 1 during start-up; restarting it" in said[-1]
+    now[0] += 60
+    sup.check()
+    worker.code = 1
+    with pytest.raises(GiveUp, match=r"w \(pid \d+\) exit code 1 during start-up, 3 times in a row") as e:
+        sup.check()
+    assert e.value.output == "last words of w"
+
+
+def test_supervisor_rules_for_clean_exits_bad_config_and_never() -> None:
+    said: list[str] = []
+    sup = Supervisor(RestartPolicy(), said.append)
+    worker, gateway = FakeUnit("w"), FakeUnit("gateway")
+    sup.add(worker)
+    sup.add(gateway, essential=True)
+    worker.is_ready = gateway.is_ready = True
+    sup.check()
+    worker.code = 0  # drained after someone else's SIGTERM: left stopped, the rest serves on
+    sup.check()
+    assert said == ["w (pid 100) exit code 0 while serving: it exited by itself; not restarting it"]
+    sup.check()
+    gateway.code = 0
+    with pytest.raises(GiveUp, match="gateway .* nothing serves without it"):
+        sup.check()
+    bad = FakeUnit("b")
+    sup = Supervisor(RestartPolicy(), said.append)
+    sup.add(bad)
+    bad.code = 2
+    with pytest.raises(GiveUp, match="refused its configuration"):
+        sup.check()
+    never = FakeUnit("n")
+    sup = Supervisor(RestartPolicy(mode="never"), said.append)
+    sup.add(never)
+    never.is_ready = True
+    sup.check()
+    never.code = -signal.SIGKILL
+    with pytest.raises(GiveUp, match=r"n \(pid 100\) killed by SIGKILL while serving \(--restart never\)"):
+        sup.check()
+    with pytest.raises(ValueError, match="--restart must be on-failure or never"):
+        RestartPolicy(mode="always")

@@ -1,0 +1,179 @@
+"""A three-node NATS cluster on loopback, the deploy/k8s configuration rendered for three local ports.
+
+The work queues are R3. Two workers and a gateway log in with their roles' credentials and get
+every member's URL. Under load, the server leading the generate stream is SIGKILLed: every
+accepted request completes or fails clearly, and service continues on the other two members —
+the path for users who outgrow one machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from bench.cluster import MODEL, Worker
+from bus.server import EmbeddedNats
+from bus.streams import DEFAULT_GENERATE, DEFAULT_PREFILL, StreamConfigError, ensure_streams
+from bus.subjects import Subjects
+from runtime.processes import ChildProcess
+from tandem.up import free_port
+from tests.faults.test_up_faults import assert_clear, stream_chat
+from tests.test_deploy import password_env, render
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+S = Subjects(MODEL)
+
+
+@dataclasses.dataclass
+class NatsCluster:
+    servers: list[EmbeddedNats]
+
+    @property
+    def urls(self) -> str:
+        return ",".join(s.url for s in self.servers)
+
+    def by_name(self, name: str) -> EmbeddedNats:
+        return next(s for s in self.servers if s.server_name == name)
+
+
+def start_cluster(tmp: Path) -> NatsCluster:
+    ports = [(free_port(), free_port(), free_port()) for _ in range(render.CLUSTER_SIZE)]
+    routes = tuple(cluster for _, cluster, _ in ports)
+    servers = []
+    for i, (client, cluster, monitor) in enumerate(ports):
+        conf = tmp / f"nats-{i}.conf"
+        conf.write_text(render.render_cluster(S, render.LocalMember(client, cluster, monitor, routes)))
+        env = {**os.environ, **password_env(), "POD_NAME": f"nats-{i}"}
+        servers.append(EmbeddedNats(port=None, config=conf, store_dir=tmp / f"store-{i}", server_name=f"nats-{i}",
+                                    env=env, start_timeout=60))
+    for srv in servers:
+        srv.start()
+    return NatsCluster(servers)
+
+
+async def ensure_r3(urls: str, timeout: float = 120.0) -> None:
+    """Create the streams with three replicas as the admin user, retrying until JetStream has a quorum."""
+    deadline = time.monotonic() + timeout
+    nc = await nats.connect(urls.split(","), user="admin", password="pw-admin")
+    try:
+        while True:
+            try:
+                await ensure_streams(nc, S, dataclasses.replace(DEFAULT_GENERATE, replicas=3),
+                                     dataclasses.replace(DEFAULT_PREFILL, replicas=3), timeout=10)
+                info = await nc.jetstream().stream_info(S.generate_stream)
+                if info.config.num_replicas == 3 and info.cluster and info.cluster.leader:
+                    return
+            except (StreamConfigError, nats.errors.Error, asyncio.TimeoutError):
+                pass
+            assert time.monotonic() < deadline, "no JetStream quorum"
+            await asyncio.sleep(1.0)
+    finally:
+        await nc.close()
+
+
+async def stream_leader(urls: str) -> str:
+    nc = await nats.connect(urls.split(","), user="admin", password="pw-admin")
+    try:
+        return (await nc.jetstream().stream_info(S.generate_stream)).cluster.leader
+    finally:
+        await nc.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsCluster, str]]:
+    tmp = tmp_path_factory.mktemp("nats3")
+    nc = start_cluster(tmp)
+    children: list[Any] = []
+    try:
+        asyncio.run(ensure_r3(nc.urls))
+        creds = {"TANDEM_NATS_USER": "aggregate", "TANDEM_NATS_PASSWORD": "pw-aggregate"}
+        workers = [Worker("prefill_and_decode", f"a{i}", nc.urls, tmp, "--num-blocks", "256", env=creds)
+                   for i in (1, 2)]
+        children += [w.child for w in workers]
+        port = free_port()
+        gateway = ChildProcess("gateway", [sys.executable, "-m", "tandem.cli", "gateway", "--nats-url", nc.urls,
+                                           "--port", str(port)],
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_NATS_USER": "gateway",
+                                    "TANDEM_NATS_PASSWORD": "pw-gateway"}, ready_marker="tandem gateway ready")
+        gateway.start()
+        children.append(gateway)
+        for w in workers:
+            w.wait_ready(300)
+        gateway.wait_ready(120)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while len([w for w in httpx.get(f"{url}/ready").json()["workers"] if w["age_s"] < 3]) < 2:
+            assert time.monotonic() < deadline, httpx.get(f"{url}/ready").text
+            time.sleep(0.25)
+        yield nc, url
+    finally:
+        for c in children:
+            c.stop(30)
+        for srv in nc.servers:
+            srv.stop()
+
+
+def test_the_generate_streams_leader_dies_under_load(cluster: tuple[NatsCluster, str]) -> None:
+    nats3, url = cluster
+    leader = asyncio.run(stream_leader(nats3.urls))
+
+    async def go() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            tasks = [asyncio.create_task(stream_chat(client, url, f"Write a short poem number {i}.", max_tokens=120,
+                                                     ignore_eos=True)) for i in range(8)]
+            deadline = time.monotonic() + 120
+            while not any(w["running"] for w in httpx.get(f"{url}/ready").json()["workers"]):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            os.kill(nats3.by_name(leader).pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(go())
+    assert_clear(results)
+    # service continues on the other two: a new leader, and new requests are served
+    survivors = NatsCluster([s for s in nats3.servers if s.server_name != leader])
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            new_leader = asyncio.run(stream_leader(survivors.urls))
+        except (nats.errors.Error, asyncio.TimeoutError, AttributeError):
+            new_leader = None
+        if new_leader and new_leader != leader:
+            break
+        assert time.monotonic() < deadline, "no new stream leader"
+        time.sleep(1.0)
+
+    async def after() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            out = []
+            deadline = time.monotonic() + 60
+            while len(out) < 4:
+                r = await stream_chat(client, url, "What is the capital of France?", max_tokens=4)
+                if r["status"] == 200 and r["finish"]:
+                    out.append(r)
+                else:
+                    assert r["status"] == 503 or r["error"], r
+                    assert time.monotonic() < deadline, r
+                    await asyncio.sleep(0.5)
+            return out
+
+    assert len(asyncio.run(after())) == 4
+    deadline = time.monotonic() + 60
+    while True:  # nothing left held on either worker
+        workers = httpx.get(f"{url}/ready").json()["workers"]
+        if len(workers) == 2 and all(w["running"] == 0 and w["free_blocks"] == w["total_blocks"] for w in workers):
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.5)

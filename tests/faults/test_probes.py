@@ -1,0 +1,300 @@
+"""Fault probes on separately started processes: copies, floods of bad messages, cancel bursts, a NATS restart.
+
+Real nats-server, real `tandem serve` processes with the real model, driven the way a person with
+the `nats` CLI (or a misbehaving client) would: raw JSON on the subjects the workers listen to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from bench.cluster import MODEL, Client, Worker, start_workers
+from bus.messages import KVDestination, PrefillJob, SamplingParams, encode
+from bus.server import EmbeddedNats
+from bus.subjects import Subjects
+from tests.conftest import chat_ids
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+S = Subjects(MODEL)
+
+
+def rid() -> str:
+    return uuid.uuid4().hex
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """NATS + two decode_only (d1, d2) + two prefill_only (p1, p2) workers, and d3 (drain time 2 s) to stop."""
+    logs = tmp_path_factory.mktemp("probes")
+    srv = EmbeddedNats(store_dir=logs / "nats")  # a store of our own: the NATS restart keeps it
+    srv.start()
+    try:
+        workers = start_workers([
+            ("decode_only", "d1", "--num-blocks", "400"),
+            ("decode_only", "d2", "--num-blocks", "400"),
+            ("prefill_only", "p1", "--num-blocks", "400"),
+            ("prefill_only", "p2", "--num-blocks", "400"),
+            ("decode_only", "d3", "--num-blocks", "200", "--drain-timeout", "2"),
+        ], srv.url, logs)
+        try:
+            yield srv, {w.worker_id: w for w in workers}
+        finally:
+            for w in workers:
+                w.stop()
+    finally:
+        srv.stop()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def log_lines(worker: Worker, needle: str) -> list[str]:
+    return [line for line in Path(worker.log_path).read_text().splitlines() if needle in line]
+
+
+def wait_for_line(workers: list[Worker], needle: str, timeout: float = 60.0) -> Worker:
+    """The first of ``workers`` whose log shows ``needle`` (fails at the deadline)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for w in workers:
+            if log_lines(w, needle):
+                return w
+        assert time.monotonic() < deadline, f"no worker logged {needle!r}"
+        time.sleep(0.1)
+
+
+async def read_stream(sub: Any, timeout: float = 120.0) -> list[dict[str, Any]]:
+    """A request's stream messages up to its finish or error."""
+    out = []
+    while True:
+        d = json.loads((await sub.next_msg(timeout=timeout)).data)
+        out.append(d)
+        if d["kind"] != "stream_tokens":
+            return out
+
+
+async def nothing_more(sub: Any, workers: list[Worker], c: Client) -> list[bytes]:
+    """Once every worker reported idle, what else arrived on ``sub`` (nothing, if the copy was dropped)."""
+    await c.wait_all_free(workers, timeout=60)
+    await c.nc.flush()
+    extra = []
+    while True:
+        try:
+            extra.append((await sub.next_msg(timeout=0.2)).data)
+        except nats.errors.TimeoutError:
+            return extra
+
+
+def test_a_request_delivered_twice_is_served_once(cluster: Any, smollm: Any) -> None:
+    """The same bytes sent to d1 and to d2 (no Nats-Msg-Id), and twice to the pool: one answer each."""
+    srv, workers = cluster
+    decoders = [workers["d1"], workers["d2"]]
+
+    async def go() -> None:
+        async with Client(srv.url) as c:
+            for how in ("targeted", "pool"):
+                r = rid()
+                body = c.request_body(r, chat_ids(smollm, "Say hi."), max_tokens=4)
+                sub = await c.nc.subscribe(body["stream_subject"])
+                data = json.dumps(body).encode()
+                if how == "targeted":
+                    await c.nc.publish(S.generate_worker("d1"), data)
+                    await c.nc.publish(S.generate_worker("d2"), data)
+                else:
+                    await c.js.publish(S.generate_pool, data)
+                    await c.js.publish(S.generate_pool, data)
+                msgs = await read_stream(sub)
+                assert msgs[-1]["kind"] == "stream_finish", msgs[-1]
+                assert [m["seq"] for m in msgs] == list(range(len(msgs)))
+                assert sum(1 for m in msgs if m["kind"] == "stream_tokens" and m["seq"] == 0) == 1
+                if how == "targeted":  # the copy reached the other worker, which dropped it
+                    await asyncio.to_thread(wait_for_line, decoders, f"GenerateRequest {r} was claimed by another "
+                                                                     "worker first")
+                assert await nothing_more(sub, decoders, c) == []
+
+    run(go())
+
+
+def test_a_prefill_job_delivered_twice_is_answered_once(cluster: Any) -> None:
+    srv, workers = cluster
+
+    async def go() -> None:
+        async with Client(srv.url) as c:
+            r = rid()
+            reply = S.prefill_done("d9", r)
+            sub = await c.nc.subscribe(reply)
+            job = PrefillJob(request_id=r, prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=1),
+                             layout_fingerprint="not-this-layout", reply_subject=reply, deadline=time.time() + 60,
+                             dst=KVDestination(engine="tcp", worker_id="d9", incarnation="i", block_ids=[1],
+                                               first_token_index=0), decode_worker_id="d9", model=MODEL)
+            data = encode(job)
+            await c.nc.publish(S.prefill_worker("p1"), data)
+            await c.nc.publish(S.prefill_worker("p2"), data)
+            answers = []
+            while not any(a["kind"] == "prefill_done" for a in answers):
+                answers.append(json.loads((await sub.next_msg(timeout=60)).data))
+            await asyncio.to_thread(wait_for_line, [workers["p1"], workers["p2"]],
+                                    f"PrefillJob {r}:0 was claimed by another worker first")
+            await c.nc.flush()
+            while True:
+                try:
+                    answers.append(json.loads((await sub.next_msg(timeout=0.5)).data))
+                except nats.errors.TimeoutError:
+                    break
+            kinds = [a["kind"] for a in answers]
+            assert kinds == ["prefill_accepted", "prefill_done"], kinds
+            assert answers[-1]["error_code"] == "layout_mismatch"
+
+    run(go())
+
+
+def test_malformed_messages_are_answered_logged_once_and_harmless(cluster: Any, smollm: Any) -> None:
+    """On every subject a worker listens to: broken JSON, the wrong schema, and near-max_payload junk,
+    fifty times each. Where a message names a stream or reply subject it gets an error there; each
+    kind is logged once; every worker keeps serving."""
+    srv, workers = cluster
+
+    async def go() -> None:
+        async with Client(srv.url) as c:
+            nc = c.nc
+            r = rid()
+            stream = S.stream("probe", r)
+            errors = await nc.subscribe(stream)
+            reply = S.prefill_done("d9", r)
+            replies = await nc.subscribe(reply)
+            wrong_generate = json.dumps({"kind": "generate_request", "request_id": r, "stream_subject": stream,
+                                         "prompt_ids": "not a list"}).encode()
+            wrong_job = json.dumps({"kind": "prefill_job", "request_id": r, "reply_subject": reply,
+                                    "attempt": 0}).encode()
+            junk = b"{not json"
+            big = json.dumps({"kind": "generate_request", "padding": "x" * (nc.max_payload - 4096)}).encode()
+            targets = [S.generate_worker("d1"), S.prefill_worker("p1"), S.prefill_done("d1", r), S.cancel(r),
+                       S.stats("prefill_only", "p9"), S.kv_meta("d1")]
+            await nc.publish(S.generate_worker("d1"), wrong_generate)
+            await nc.publish(S.prefill_worker("p1"), wrong_job)
+            await c.js.publish(S.generate_pool, wrong_generate)
+            for _ in range(50):
+                for subject in targets:
+                    await nc.publish(subject, junk)
+                    await nc.publish(subject, big)
+                await c.js.publish(S.generate_pool, junk)
+                await c.js.publish(S.prefill_pool, junk)
+            await nc.flush()
+            for _ in range(2):  # the targeted one and the pool one
+                err = json.loads((await errors.next_msg(timeout=60)).data)
+                assert err["kind"] == "stream_error" and err["status"] == 400 and err["request_id"] == r
+                assert "malformed generate request" in err["message"]
+            done = json.loads((await replies.next_msg(timeout=60)).data)
+            assert done["kind"] == "prefill_done" and not done["ok"] and done["error_code"] == "bad_request"
+            # every worker still serves: a disaggregated request through p1 or p2, and one on d2
+            for target in ("d1", "d2"):
+                out = await c.generate(rid(), chat_ids(smollm, "What is 2+2? " * 20), worker=target,
+                                       max_tokens=4)
+                assert "finish" in out, out
+
+    run(go())
+    for name, w in workers.items():
+        for what in ("undecodable GenerateRequest on tandem.smollm2-135m-instruct.generate.d1",
+                     "undecodable PrefillJob on tandem.smollm2-135m-instruct.prefill.p1",
+                     "ignoring a bad cancel", "bad prefill reply"):
+            assert len(log_lines(w, what)) <= 1, (name, what, log_lines(w, what)[:3])
+    assert log_lines(workers["d1"], "undecodable GenerateRequest on tandem.smollm2-135m-instruct.generate.d1")
+    assert log_lines(workers["p1"], "undecodable PrefillJob on tandem.smollm2-135m-instruct.prefill.p1")
+
+
+def test_a_burst_of_cancels_stops_every_request_within_a_step_or_two(cluster: Any, smollm: Any) -> None:
+    """Twelve requests streaming on d1, twelve cancels at once: all stop after about the same number of
+    further tokens (applied one per step, the last would run eleven steps longer than the first)."""
+    srv, workers = cluster
+
+    async def go() -> list[int]:
+        async with Client(srv.url) as c:
+            rids = [rid() for _ in range(12)]
+            subs = [await c.start(r, chat_ids(smollm, f"Count to a thousand, {i}."), worker="d1", max_tokens=2000,
+                                  ignore_eos=True) for i, r in enumerate(rids)]
+            last = [0] * len(rids)
+            pending = [asyncio.ensure_future(s.next_msg(timeout=120)) for s in subs]
+
+            async def until(pred: Any) -> None:
+                while not pred():
+                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED, timeout=120)
+                    assert done, "no stream moved for 120 s"
+                    for i, fut in enumerate(pending):
+                        if fut in done:
+                            d = json.loads(fut.result().data)
+                            last[i] = d["seq"] if d["kind"] == "stream_tokens" else -d["seq"]
+                            pending[i] = (asyncio.ensure_future(subs[i].next_msg(timeout=120))
+                                          if d["kind"] == "stream_tokens" else asyncio.ensure_future(asyncio.sleep(1e9)))
+
+            await until(lambda: all(s >= 3 for s in last))
+            at_burst = list(last)
+            for r in rids:
+                await c.nc.publish(S.cancel(r), json.dumps({"kind": "cancel", "request_id": r,
+                                                            "reason": "burst"}).encode())
+            await until(lambda: all(s < 0 for s in last))
+            for fut in pending:
+                fut.cancel()
+            await c.wait_all_free([workers["d1"]], timeout=60)
+            return [-end - start for end, start in zip(last, at_burst)]
+
+    more = run(go())
+    assert max(more) - min(more) <= 3, more
+
+
+def test_a_drain_that_runs_out_of_time_hands_the_streams_back(cluster: Any, smollm: Any) -> None:
+    """SIGTERM to a decode worker with a long stream: after its drain time it hands the stream back
+    (503 handed_back, which a gateway moves to another worker) instead of leaving it cut; it exits 0."""
+    srv, workers = cluster
+    d3 = workers.pop("d3")  # gone after this test
+
+    async def go() -> list[dict[str, Any]]:
+        async with Client(srv.url) as c:
+            sub = await c.start(rid(), chat_ids(smollm, "Tell a very long story."), worker="d3", max_tokens=3000,
+                                ignore_eos=True)
+            first = [json.loads((await sub.next_msg(timeout=120)).data) for _ in range(3)]
+            d3.child.terminate()
+            return first + await read_stream(sub)
+
+    msgs = run(go())
+    assert d3.child.wait(60) == 0
+    assert [m["seq"] for m in msgs] == list(range(len(msgs)))
+    tokens = [m for m in msgs if m["kind"] == "stream_tokens" and m["token_ids"]]
+    assert len(tokens) > 3 and msgs[-1]["kind"] == "stream_error", msgs[-1]
+    assert msgs[-1]["code"] == "handed_back" and msgs[-1]["status"] == 503
+
+
+def test_zz_nats_restart_stops_the_streams_it_cut_and_everyone_comes_back(cluster: Any, smollm: Any) -> None:
+    """NATS restarted (same port and store) under a long stream: the decode worker stops generating for
+    it at once (its gateway cannot hear it any more) and frees its blocks; afterwards every worker
+    is back and a disaggregated request succeeds."""
+    srv, workers = cluster
+
+    async def stream_then_restart() -> None:
+        async with Client(srv.url) as c:
+            sub = await c.start(rid(), chat_ids(smollm, "Tell a very long story."), worker="d1", max_tokens=3000,
+                                ignore_eos=True)
+            for _ in range(4):
+                await sub.next_msg(timeout=120)
+        await srv.arestart()
+
+    run(stream_then_restart())
+    wait_for_line([workers["d1"]], "lost NATS: stopping the 1 request(s) held here")
+
+    async def after() -> None:
+        async with Client(srv.url) as c:
+            await c.wait_all_free(list(workers.values()), timeout=60)  # all reconnected, reporting, idle
+            out = await c.generate(rid(), chat_ids(smollm, "What is the capital of France? " * 5), worker="d2",
+                                   max_tokens=4)
+            assert "finish" in out, out
+
+    run(after())

@@ -1,0 +1,127 @@
+"""Unit tests of the prefill actor's scheduling: the answer does not wait for the model thread, and the
+cap of two running jobs holds for targeted jobs too (a retry after another prefill worker died)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from types import SimpleNamespace
+from typing import Any
+
+import actors.prefill
+from actors.base import SeenIds
+from actors.prefill import MAX_CONCURRENT_JOBS, PrefillActor
+from bus.messages import KVDestination, PrefillDone, PrefillJob, SamplingParams
+
+
+def job(n: int = 1) -> PrefillJob:
+    return PrefillJob(request_id=f"r{n}", prompt_ids=list(range(20)), sampling=SamplingParams(max_tokens=4),
+                      layout_fingerprint="fp", layout={"block_size": 16}, reply_subject=f"tandem.prefill.done.d1.r{n}",
+                      dst=KVDestination(engine="tcp", worker_id="d1", incarnation="i", block_ids=[5, 6],
+                                        first_token_index=0), decode_worker_id="d1", model="m")
+
+
+class SlowStepRunner:
+    """The model thread: admits at once (and computes the prompt), but letting a job go waits for
+    its current step, which the test ends when it wants."""
+
+    def __init__(self, actor: PrefillActor) -> None:
+        self.actor = actor
+        self.step_over = asyncio.Event()
+        self.let_go: list[str] = []
+
+    async def call(self, fn: Any, *args: Any) -> Any:
+        if fn == self.actor._admit:
+            j = args[0]
+            key = f"{j.request_id}:{j.attempt}"
+            out = SimpleNamespace(request_id=key, finish_reason="length", token_ids=[42], logprobs=[],
+                                  cached_tokens=0)
+            asyncio.get_running_loop().call_soon(self.actor.on_outputs, [out])
+            return None
+        await self.step_over.wait()
+        self.let_go.append(args[0])
+        return None
+
+
+def bare_prefill_actor() -> PrefillActor:
+    actor = object.__new__(PrefillActor)
+    actor.worker_id = "p1"
+    actor.jobs, actor.first_tokens, actor.backlog = {}, {}, collections.deque()
+    actor.cancelled_ids, actor.seen = SeenIds(), SeenIds()
+    actor.tasks = set()
+    actor.draining = False
+    actor.layout = SimpleNamespace(fingerprint=lambda: "fp", block_bytes=64)
+    actor.s = SimpleNamespace(layerwise_transfer="off", prefill_timeout=60.0)
+    actor.transfer = SimpleNamespace(mechanism=lambda peer: "tcp", name="tcp",
+                                     write=lambda *a, **k: SimpleNamespace(wait=lambda: None))
+    actor.engine = SimpleNamespace(held={"r1:0": SimpleNamespace(block_table=[0, 1])})
+    actor.nc = None
+    actor.runner = SlowStepRunner(actor)
+
+    async def ensure_peer(*args: Any) -> None:
+        return None
+
+    actor.ensure_peer = ensure_peer
+    return actor
+
+
+def test_prefill_done_leaves_before_the_model_thread_lets_the_job_go(monkeypatch: Any) -> None:
+    sent: list[tuple[str, Any, list[str]]] = []
+
+    async def go() -> PrefillActor:
+        actor = bare_prefill_actor()
+
+        async def publish(nc: Any, subject: str, msg: Any) -> None:
+            sent.append((subject, msg, list(actor.runner.let_go)))
+
+        monkeypatch.setattr(actors.prefill, "publish", publish)
+        actor.jobs["r1:0"] = job()
+        task = asyncio.create_task(actor._run_job(job()))
+        while not any(isinstance(m, PrefillDone) for _, m, _ in sent):
+            await asyncio.sleep(0.01)
+            assert not task.done(), task
+        assert not actor.jobs  # its place is free for the next job already
+        actor.runner.step_over.set()  # the model thread's step ends: now it lets the job go
+        await asyncio.wait_for(task, 5)
+        return actor
+
+    actor = asyncio.run(go())
+    done = [(subject, m, let_go) for subject, m, let_go in sent if isinstance(m, PrefillDone)]
+    assert len(done) == 1
+    subject, msg, let_go_then = done[0]
+    assert subject == "tandem.prefill.done.d1.r1" and msg.ok and msg.first_token == 42
+    assert let_go_then == []  # published while the step still ran
+    assert actor.runner.let_go == ["r1:0"]  # and its blocks were let go afterwards
+
+
+def test_targeted_jobs_over_the_cap_wait_in_the_backlog(monkeypatch: Any) -> None:
+    async def go() -> None:
+        actor = bare_prefill_actor()
+        finish: dict[str, asyncio.Event] = {}
+        jobs = iter([job(n) for n in range(1, 5)])
+
+        async def receive(msg: Any, from_pool: bool, type_: Any, key: Any) -> PrefillJob:
+            return next(jobs)
+
+        async def run_job(j: PrefillJob) -> None:  # what _run_job does with the place: hold it, give it back
+            finish[j.request_id] = asyncio.Event()
+            await finish[j.request_id].wait()
+            actor.jobs.pop(f"{j.request_id}:{j.attempt}")
+            actor._start_next()
+
+        monkeypatch.setattr(actor, "receive", receive)
+        monkeypatch.setattr(actor, "_run_job", run_job)
+        for _ in range(4):  # four targeted jobs at once, as re-sends after a dead worker arrive
+            await actor.accept(SimpleNamespace(), from_pool=False)
+        await asyncio.sleep(0)
+        assert sorted(actor.jobs) == ["r1:0", "r2:0"] and len(actor.jobs) == MAX_CONCURRENT_JOBS
+        assert [j.request_id for j in actor.backlog] == ["r3", "r4"]
+        assert not actor.has_capacity()
+        finish["r1"].set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert sorted(actor.jobs) == ["r2:0", "r3:0"] and [j.request_id for j in actor.backlog] == ["r4"]
+        for t in list(actor.tasks):
+            t.cancel()
+
+    asyncio.run(go())
