@@ -36,7 +36,8 @@ from bus.publish import publish, request, respond
 from bus.streams import claim, ensure_streams, fetch_one, pull_subscription
 from bus.subjects import Subjects, check_subject
 from engine.engine import EngineConfig, LLMEngine, StepOutput
-from engine.loader import LoadedModel, model_name
+from engine.loader import LoadedModel
+from engine.model_files import model_name
 from kv.transfer.auto import create_engine
 from kv.transfer.base import new_incarnation
 from runtime import metrics

@@ -13,10 +13,10 @@ import logging
 import threading
 import time
 
+import msgspec
 from nats.aio.msg import Msg
 
 from actors.base import WorkerActor, bad_messages
-from actors.decode import to_engine_params
 from bus.messages import ErrorCode, PrefillAccepted, PrefillDone, PrefillJob
 from bus.publish import publish
 from bus.subjects import check_subject
@@ -122,8 +122,8 @@ class PrefillActor(WorkerActor):
                 raise _JobError(ErrorCode.LAYOUT_MISMATCH, msg)
             await self.ensure_peer(job.dst.worker_id, job.dst.incarnation, job.dst.endpoint)
             self._check_cancel(rid)
-            params = to_engine_params(job.sampling)
-            params.max_tokens, params.ignore_eos, params.stop, params.stop_token_ids = 1, True, [], []
+            # one token: the first, sampled (and grammar-masked) exactly as the decode worker would
+            params = msgspec.structs.replace(job.sampling, max_tokens=1, ignore_eos=True, stop=[], stop_token_ids=[])
             fut = asyncio.get_running_loop().create_future()
             self.first_tokens[key] = fut
             deadline_mono = time.monotonic() + max(0.0, (job.deadline or time.time() + 60) - time.time())

@@ -116,7 +116,7 @@ def _stop(args: argparse.Namespace) -> Stop:
 
 def _tokenizer_spec(args: argparse.Namespace, model: str) -> str | None:
     """The model spec whose tokenizer sizes prompts: --tokenizer, else the served model when it is local."""
-    from engine.loader import ModelLoadError, resolve_model_path
+    from engine.model_files import ModelLoadError, resolve_model_path
 
     if args.tokenizer != "auto":
         return None if args.tokenizer == "none" else args.tokenizer
@@ -219,7 +219,7 @@ def _describe_load(load: dict[str, Any]) -> str:
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every level; returns the result document (raises ValueError / TargetError)."""
-    from engine.loader import load_text
+    from engine.model_files import load_text
 
     base_url = normalize_base_url(args.base_url)
     levels, stop, slo = _levels(args), _stop(args), parse_slo(args.goodput)

@@ -38,7 +38,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None,
                    help="default request deadline in seconds (TANDEM_REQUEST_TIMEOUT, default 600)")
     p.add_argument("--served-model-name", action="append", default=None,
-                   help="another name the model answers to (repeatable)")
+                   help="a name the model answers to, the first one also in /v1/models (repeatable; default: "
+                        "the model's own name)")
     p.add_argument("--queue-when-no-workers", action="store_true", default=None,
                    help="queue requests on the pool even when no worker is alive (scale from zero)")
     p.add_argument("--drain-timeout", type=float, default=None,
@@ -50,8 +51,31 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--migration-limit", type=int, default=None,
                    help="times a request may move to another decode worker when its worker dies after tokens "
                         "were sent (TANDEM_GATEWAY_MIGRATION_LIMIT, default 1; 0: never, it fails with 503)")
+    add_sampling_default_flags(p)
     p.set_defaults(func=main)
     return p
+
+
+#: --default-<name> flags: the sampling a request gets when it leaves the field out
+SAMPLING_FLAGS = (("temperature", float), ("top_p", float), ("top_k", int), ("repetition_penalty", float))
+
+
+def add_sampling_default_flags(p: argparse.ArgumentParser) -> None:
+    """``--default-temperature`` etc., shared by ``tandem gateway`` and ``tandem up``."""
+    for name, kind in SAMPLING_FLAGS:
+        p.add_argument(f"--default-{name.replace('_', '-')}", type=kind, default=None,
+                       help=f"{name} of a request that leaves it out (default: the model's own, from its "
+                            "generation_config.json or, for the built-in model, its card)")
+
+
+def sampling_default_args(args: argparse.Namespace) -> list[str]:
+    """The ``--default-*`` flags given, as command-line words (``tandem up`` passes them to the gateway)."""
+    out: list[str] = []
+    for name, _ in SAMPLING_FLAGS:
+        value = getattr(args, f"default_{name}", None)
+        if value is not None:
+            out += [f"--default-{name.replace('_', '-')}", str(value)]
+    return out
 
 
 def gateway_server(app: Any, config: Any, **uvicorn_kw: Any) -> Any:
@@ -111,7 +135,7 @@ async def drain_then_exit(app: Any, timeout: float, server: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the gateway until SIGINT/SIGTERM; 2 on a configuration error, 3 when start-up fails."""
-    from engine.loader import ModelLoadError
+    from engine.model_files import ModelLoadError
     from gateway.app import create_app
     from gateway.textmodel import load_text_model
     from runtime.settings import GatewayConfig
@@ -128,6 +152,7 @@ def main(args: argparse.Namespace) -> int:
             drain_timeout=args.drain_timeout,
             max_queue_wait=args.max_queue_wait,
             migration_limit=args.migration_limit,
+            **{f"default_{name}": getattr(args, f"default_{name}") for name, _ in SAMPLING_FLAGS},
         )
         text = load_text_model(config.model)
     except (ValueError, ModelLoadError) as e:
@@ -140,8 +165,10 @@ def main(args: argparse.Namespace) -> int:
         log_level=level if level in ("critical", "error", "warning", "info", "debug") else "warning",
         timeout_graceful_shutdown=5, access_log=False,
     )
+    defaults = {**text.sampling_defaults, **config.sampling_overrides()}
+    said = ", ".join(f"{k} {v:g}" for k, v in defaults.items()) or "none"
     print(f"tandem gateway {config.gateway_id}: http://{args.host}:{args.port}/v1 (model {text.name}, "
-          f"NATS {config.nats_url})", file=sys.stderr, flush=True)
+          f"NATS {config.nats_url}; sampling defaults: {said})", file=sys.stderr, flush=True)
     server.run()
     if not server.started:
         print("error: the gateway failed to start (see the log above)", file=sys.stderr)

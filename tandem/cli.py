@@ -8,8 +8,7 @@ import os
 import sys
 import time
 
-from engine.loader import DEFAULT_MODEL, ModelLoadError
-from engine.quant import QUANTIZATIONS
+from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS, ModelLoadError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -25,7 +24,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.engine import EngineConfig, LLMEngine
     from engine.loader import load_model
-    from engine.sampling import SamplingParams
+    from engine.params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed

@@ -36,6 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from gateway.server import add_sampling_default_flags, sampling_default_args
 from runtime.placement import WorkerPlacement, available_cpus, format_cpus, plan_layout
 from runtime.processes import ChildError, ChildProcess, GiveUp, RestartPolicy, Supervisor, stop_all
 
@@ -92,6 +93,10 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds a child gets beyond its drain time after SIGTERM before SIGKILL (default 10)")
     p.add_argument("--ready-file", default=None,
                    help="write the cluster's URLs and PIDs here as JSON once ready, again after each restart")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="a name the model answers to, the first one also in /v1/models (repeatable; default: "
+                        "the model's own name)")
+    add_sampling_default_flags(p)
     p.add_argument("--quiet", action="store_true", help="do not echo the children's output")
     p.set_defaults(func=main)
     return p
@@ -152,6 +157,7 @@ class Plan:
     gateway_args: list[str]
     placements: dict[str, WorkerPlacement] = field(default_factory=dict)  # worker id -> cores/device
     placement_note: str = ""
+    served_name: str = ""  # what clients call the model: the first --served-model-name, else model_name
 
 
 def _tandem(*args: str) -> list[str]:
@@ -300,7 +306,7 @@ def _gateway_port(args: argparse.Namespace, warn: Callable[[str], None]) -> int:
 
 
 def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None]) -> Plan:
-    from engine.loader import DEFAULT_MODEL, model_name
+    from engine.model_files import DEFAULT_MODEL, model_name
     from runtime.settings import Settings
 
     s = Settings.from_env()
@@ -355,9 +361,12 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         workers=[(wid, role, p) for (wid, role), p in zip(specs, ports)],
         serve_args=serve_args,
         gateway_args=["--model", model, "--namespace", namespace, "--host", args.host, "--port", str(port),
-                      "--drain-timeout", f"{args.drain_timeout:g}", *shlex.split(args.gateway_args)],
+                      "--drain-timeout", f"{args.drain_timeout:g}",
+                      *[w for name in args.served_model_name or () for w in ("--served-model-name", name)],
+                      *sampling_default_args(args), *shlex.split(args.gateway_args)],
         placements=placements,
         placement_note=layout.note,
+        served_name=(args.served_model_name or [model_name(model)])[0],
     )
 
 
@@ -504,9 +513,9 @@ async def _unless_stopped(cluster: Cluster, work: Coroutine[Any, Any, Any], time
 
 
 def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
-    body = json.dumps({"model": plan.model_name,
+    body = json.dumps({"model": plan.served_name,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-    cluster.say(f"tandem is up: model {plan.model_name}")
+    cluster.say(f"tandem is up: model {plan.served_name}")
     cluster.say(f"  OpenAI API  {url}/v1")
     cluster.say(f"  NATS        {nats_url}   (watch: nats sub '{plan.namespace}.>' -s {nats_url})")
     for m in cluster.members:
@@ -528,7 +537,7 @@ def _write_ready_file(path: Path, cluster: Cluster, plan: Plan, url: str, nats_u
         "url": url,
         "base_url": f"{url}/v1",
         "nats_url": nats_url,
-        "model": plan.model_name,
+        "model": plan.served_name,
         "namespace": plan.namespace,
         "pid": os.getpid(),
         "nats_pid": cluster.nats.pid if cluster.nats is not None else None,

@@ -51,7 +51,7 @@ from bus.subjects import (
     ROLE_PREFILL_ONLY,
     Subjects,
 )
-from engine.loader import DEFAULT_MODEL, model_name
+from engine.model_files import DEFAULT_MODEL, model_name
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -45,7 +45,7 @@ from bus.publish import publish
 from bus.server import EmbeddedNats
 from bus.streams import ensure_streams, fetch_one, pull_subscription
 from bus.subjects import ROLE_PREFILL_AND_DECODE, Subjects
-from engine.loader import DEFAULT_MODEL
+from engine.model_files import DEFAULT_MODEL
 from gateway.app import create_app
 from gateway.router import Route, WorkerRegistry
 from gateway.textmodel import TextModel, TokenBytes, load_text_model
@@ -1255,12 +1255,17 @@ def test_null_means_default(gw: ServerThread) -> None:
 def test_unsupported_openai_features_are_400(gw: ServerThread) -> None:
     url = f"{gw.url}/v1/chat/completions"
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    for extra, param in (({"tools": [tool]}, "tools"),
-                         ({"tool_choice": "required"}, "tool_choice"),
-                         ({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"logit_bias": {"42": 5}}, "logit_bias"),
+    for extra, param in (({"logit_bias": {"42": 5}}, "logit_bias"),
                          ({"functions": [tool["function"]]}, "functions")):
         assert_error(httpx.post(url, json=chat_body("x", **extra)), 400, param=param, code="unsupported_parameter")
+    # tools and response_format are implemented; what makes no sense is still refused
+    assert_error(httpx.post(url, json=chat_body("x", tool_choice="required")), 400, param="tool_choice")
+    assert_error(httpx.post(url, json=chat_body("x", tools=[tool], tool_choice={"type": "function",
+                                                                                "function": {"name": "g"}})),
+                 400, param="tool_choice")
+    assert_error(httpx.post(url, json=chat_body("x", response_format={"type": "json_schema", "json_schema": {
+        "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}})),
+                 400, param="response_format.json_schema.schema")
     assert_error(httpx.post(f"{gw.url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "x",
                                                                 "logit_bias": {"1": -100}}),
                  400, param="logit_bias", code="unsupported_parameter")
@@ -1439,9 +1444,9 @@ def test_stalled_stream_reader_is_cancelled_at_the_deadline(gw: ServerThread, wo
 def test_pool_job_nobody_pulls_fails_when_the_queue_drops_it(nats_srv: EmbeddedNats, text_model: TextModel,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """JetStream drops a queued request after its max_age; the client hears so then, not at its deadline."""
-    import gateway.service
+    import gateway.run
 
-    monkeypatch.setattr(gateway.service, "POOL_MAX_AGE_S", 0.5)
+    monkeypatch.setattr(gateway.run, "POOL_MAX_AGE_S", 0.5)
     srv = ServerThread(create_app(make_config(nats_srv.url, namespace="nopull", queue_when_no_workers=True),
                                   text_model)).start()
     try:
