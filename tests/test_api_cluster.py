@@ -85,9 +85,13 @@ def test_structured_output_streamed_and_on_completions(client: openai.OpenAI) ->
         model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}], temperature=0.7, seed=3,
         max_tokens=250, response_format=schema_format(CITY), stream=True) if c.choices]
     jsonschema.validate(json.loads("".join(parts)), CITY)
-    r = client.completions.create(model=MODEL, prompt="A person, as JSON:", max_tokens=200, temperature=0,
-                                  extra_body={"response_format": {"type": "json_object"}})
-    assert isinstance(json.loads(r.choices[0].text), dict), r.choices[0].text
+    r = client.completions.create(model=MODEL, prompt="A famous scientist, as JSON:", max_tokens=200,
+                                  temperature=0, extra_body={"response_format": schema_format(PERSON)})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Give me some data."}],
+                                       max_tokens=200, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict), r.choices[0].message.content
 
 
 def test_forced_and_named_tool_calls_are_valid_calls(client: openai.OpenAI) -> None:
@@ -116,14 +120,17 @@ def test_tool_call_round_trip(up: TandemUp, client: openai.OpenAI) -> None:
     messages.append(r.choices[0].message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "name": "get_weather",
                      "content": json.dumps({"city": "Paris", "temperature": 21, "unit": "celsius", "sky": "sunny"})})
-    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="auto",
                                             temperature=0, max_tokens=60)
-    assert answer.choices[0].finish_reason in ("stop", "length")
-    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
-    # the result reached the prompt: it is longer by at least the tool's JSON
-    grew = answer.usage.prompt_tokens - r.usage.prompt_tokens
+    c = answer.choices[0]
+    assert c.finish_reason in ("stop", "length", "tool_calls") and (c.message.content or c.message.tool_calls)
+    # the call and its result reached the prompt (same tools shown, so it grew by at least the result)
     result = httpx.post(f"{up.url}/tokenize", json={"prompt": messages[-1]["content"]}, timeout=30).json()
-    assert grew >= result["count"]
+    assert answer.usage.prompt_tokens - r.usage.prompt_tokens >= result["count"]
+    rendered = httpx.post(f"{up.url}/tokenize", json={"messages": messages, "tools": [WEATHER]}, timeout=30).json()
+    assert rendered["count"] == answer.usage.prompt_tokens
+    text = httpx.post(f"{up.url}/detokenize", json={"tokens": rendered["tokens"]}, timeout=30).json()["prompt"]
+    assert '"name": "get_weather"' in text and "<tool_response>" in text and "sunny" in text
 
 
 def test_tool_calls_stream_as_deltas(client: openai.OpenAI) -> None:
