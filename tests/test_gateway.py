@@ -1457,3 +1457,47 @@ def test_pool_job_nobody_pulls_fails_when_the_queue_drops_it(nats_srv: EmbeddedN
         assert "Retry-After" in r.headers
     finally:
         srv.stop()
+
+
+def test_sampling_defaults_fill_what_a_request_leaves_out(nats_srv: EmbeddedNats, worker: FakeWorker,
+                                                          text_model: TextModel) -> None:
+    """The model's defaults (the default model's card: temperature 0.2, top_p 0.9) apply to fields a request
+    leaves out, the --default-* flags override them, and a field the request sets wins over both."""
+    def sent(url: str, **kw: Any) -> m.SamplingParams:
+        before = len(worker.requests)
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat_body("x", max_tokens=3, **kw), timeout=30)
+        assert r.status_code == 200, r.text
+        return worker.requests[before][1].sampling
+
+    assert text_model.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}
+    plain = ServerThread(create_app(make_config(nats_srv.url), text_model)).start()
+    tuned = ServerThread(create_app(make_config(nats_srv.url, default_temperature=0.0, default_top_k=5,
+                                                default_repetition_penalty=1.1), text_model)).start()
+    try:
+        for srv in (plain, tuned):
+            wait_for(lambda s=srv: httpx.get(f"{s.url}/ready").status_code == 200, 10, "/ready")
+        got = sent(plain.url)
+        assert (got.temperature, got.top_p, got.top_k, got.repetition_penalty) == (0.2, 0.9, 0, 1.0)
+        got = sent(tuned.url)
+        assert (got.temperature, got.top_p, got.top_k, got.repetition_penalty) == (0.0, 0.9, 5, 1.1)
+        got = sent(tuned.url, temperature=1.3, top_p=0.5, top_k=0, repetition_penalty=1.0)
+        assert (got.temperature, got.top_p, got.top_k, got.repetition_penalty) == (1.3, 0.5, 0, 1.0)
+        card = httpx.get(f"{tuned.url}/v1/models").json()["data"][0]
+        assert card["sampling_defaults"] == {"temperature": 0.0, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.1}
+        assert_error(httpx.post(f"{plain.url}/v1/chat/completions", json=chat_body("x", repetition_penalty=3.0)),
+                     400, param="repetition_penalty", code="invalid_value")
+    finally:
+        plain.stop()
+        tuned.stop()
+
+
+def test_a_reused_client_request_id_never_shares_jobs(gw: ServerThread, worker: FakeWorker) -> None:
+    """Two requests with one X-Request-Id are two requests (the workers' duplicate check is by job id); the
+    header comes back as sent, and `tandem tail --request <id>` still finds their jobs by prefix."""
+    before = len(worker.requests)
+    for _ in range(2):
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("x", max_tokens=2),
+                       headers={"X-Request-Id": "retry-7"}, timeout=30)
+        assert r.status_code == 200 and r.headers["x-request-id"] == "retry-7"
+    ids = [req.request_id for _, req in worker.requests[before:]]
+    assert len(set(ids)) == 2 and all(i.startswith("retry-7-") for i in ids)
