@@ -81,8 +81,8 @@ class Request:
 
 
 class DecodeActor(WorkerActor):
-    def __init__(self, settings, loaded):
-        super().__init__(settings, loaded)
+    def __init__(self, settings, loaded, health=None):
+        super().__init__(settings, loaded, health)
         self.role = settings.role
         self.requests: dict[str, Request] = {}
         self.prefill_waits: dict[str, asyncio.Future] = {}  # by "<request>:<attempt>"

@@ -34,8 +34,8 @@ class PrefillActor(WorkerActor):
     role = "prefill_only"
     capacity_poll_s = 0.005
 
-    def __init__(self, settings, loaded):
-        super().__init__(settings, loaded)
+    def __init__(self, settings, loaded, health=None):
+        super().__init__(settings, loaded, health)
         # keyed by "<request>:<attempt>", the id the job has in our engine too: a retry of a
         # request can reach this worker while its first attempt is still winding down here
         self.jobs: dict[str, PrefillJob] = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from engine.model_files import (
     resolve_model_path,
     stat_digest,
 )
+from engine.progress import LoadProgress
 from engine.quant import Int4Weight, encode_weight
 from engine.tokenizer import TextTokenizer
 from kv.layout import DTYPES
@@ -57,7 +59,11 @@ class LoadedModel:
     quantization: str = "none"  # what the weights are: none, int8, int4, or auto:<kinds found>
 
 
-def load_model(spec: str, dtype: str = "float32", quantization: str = "auto") -> LoadedModel:
+def load_model(spec: str, dtype: str = "float32", quantization: str = "auto",
+               progress: LoadProgress | None = None) -> LoadedModel:
+    """The model's weights in the engine's layout, with its tokenizer and template; ``progress`` hears each
+    phase (parse, repack layer by layer, cache) — quiet by default."""
+    progress = progress or LoadProgress("load", quiet=True)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if quantization not in QUANTIZATIONS:
@@ -65,10 +71,12 @@ def load_model(spec: str, dtype: str = "float32", quantization: str = "auto") ->
     path = resolve_model_path(spec)
     t0 = time.perf_counter()
     if path.is_dir():
+        progress.phase(f"reading {path}")
         loaded = _load_hf(path, dtype, quantization)
     else:
-        loaded = _load_gguf(path, dtype, quantization)
+        loaded = _load_gguf(path, dtype, quantization, progress)
     loaded.load_seconds = time.perf_counter() - t0
+    progress.done(f"model loaded ({dtype}, weights {loaded.quantization})")
     log.info("loaded %s (%s, weights %s) in %.2fs%s", path, dtype, loaded.quantization, loaded.load_seconds,
              " from cache" if loaded.from_cache else "")
     return loaded
@@ -83,19 +91,24 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path, dtype: str, quantization: str) -> LoadedModel:
+def _load_gguf(path: Path, dtype: str, quantization: str, progress: LoadProgress) -> LoadedModel:
+    progress.phase(f"reading {path}")
     digest = stat_digest(path)
     text, reader = gguf_text(path, digest)
     weights_path = cache_file(digest, f"{dtype}-{quantization}-torch{torch.__version__.split('+')[0]}", ".safetensors")
     from_cache = weights_path.exists()
     if from_cache:  # memory-mapped: no dequantization
+        progress.phase(f"weights from the cache {weights_path}")
         with safe_open(str(weights_path), framework="pt") as f:
             label = (f.metadata() or {}).get("quantization", quantization)
         weights = load_file(str(weights_path))
     else:
         if reader is None:
             reader = open_gguf(path)
-        weights, label = _gguf_weights(path, {t.name: t for t in reader.tensors}, text.config, dtype, quantization)
+        progress.phase(f"repacking the weights ({quantization}) layer by layer", total=text.config.num_layers)
+        weights, label = _gguf_weights(path, {t.name: t for t in reader.tensors}, text.config, dtype, quantization,
+                                       progress.step)
+        progress.phase(f"caching them at {weights_path} (the next start reads them from there)")
         _save_cache(weights, weights_path, {"quantization": label})
     return LoadedModel(text.config, weights, text.tokenizer, text.chat_template, text.identity, path, 0.0,
                        from_cache, label)
@@ -109,7 +122,9 @@ class GGUFWeights:
         self.kinds: set[str] = set()  # what the weights encoded so far became
 
     def check(self, name: str):
-        t = self.tensors[name]
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.source}: tensor {name} is missing (not a Llama-family GGUF, or an incomplete one)")
         if t.tensor_type.name not in _SUPPORTED_QUANTS:
             raise ModelLoadError(f"{self.source}: tensor {name} has unsupported quant type {t.tensor_type.name}")
         return t
@@ -144,10 +159,10 @@ class GGUFWeights:
         return encode_weight(w, kind, prefix, self.dtype)
 
 
-def _gguf_weights(path: Path, tensors: dict, cfg: ModelConfig, dtype: str, mode: str
-                  ) -> tuple[dict[str, torch.Tensor], str]:
+def _gguf_weights(path: Path, tensors: dict, cfg: ModelConfig, dtype: str, mode: str,
+                  layer_done: Callable[[], None] = lambda: None) -> tuple[dict[str, torch.Tensor], str]:
     """The engine's weights from GGUF tensors, and the label of what they became."""
-    g = GGUFWeights(path.name, tensors, mode, dtype)
+    g = GGUFWeights(str(path), tensors, mode, dtype)
     out: dict[str, torch.Tensor] = {"norm": g.floats("output_norm.weight").to(g.dtype)}
     out.update(g.weight("embed", [("token_embd.weight", 0)], embedding=True))
     if "output.weight" in tensors:
@@ -165,6 +180,7 @@ def _gguf_weights(path: Path, tensors: dict, cfg: ModelConfig, dtype: str, mode:
         out[f"layers.{i}.ffn_norm"] = g.floats(p + "ffn_norm.weight").to(g.dtype)
         for name, parts in layer.items():
             out.update(g.weight(f"layers.{i}.{name}", parts))
+        layer_done()
     return out, _label(mode, g.kinds)
 
 

@@ -31,8 +31,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``tandem gateway`` flags to ``p`` and make it run :func:`main`."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--model", default=None, help="model alias, .gguf file or HF directory (TANDEM_MODEL)")
-    p.add_argument("--nats-url", default=None, help="NATS server URL(s), comma-separated (TANDEM_NATS_URL)")
+    p.add_argument("--model", default=None,
+                   help="model alias, .gguf file or HF directory (TANDEM_MODEL; default smollm2-135m-instruct)")
+    p.add_argument("--nats-url", default=None, help="NATS server URL(s), comma-separated (TANDEM_NATS_URL; default nats://127.0.0.1:4222)")
     p.add_argument("--namespace", default=None, help="subject namespace (TANDEM_NAMESPACE, default tandem)")
     p.add_argument("--gateway-id", default=None, help="id in stream subjects (default gw-<random>)")
     p.add_argument("--request-timeout", type=float, default=None,
@@ -41,7 +42,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="a name the model answers to, the first one also in /v1/models (repeatable; default: "
                         "the model's own name)")
     p.add_argument("--queue-when-no-workers", action="store_true", default=None,
-                   help="queue requests on the pool even when no worker is alive (scale from zero)")
+                   help="queue requests on the pool even when no worker is alive (scale from zero; "
+                        "TANDEM_GATEWAY_QUEUE_WHEN_NO_WORKERS; default off: 503)")
     p.add_argument("--drain-timeout", type=float, default=None,
                    help="SIGTERM: seconds running requests get to finish before they end with an error "
                         "(TANDEM_GATEWAY_DRAIN_TIMEOUT, default 30)")

@@ -22,7 +22,8 @@ class Settings:
     worker_id: str = ""
     namespace: str = "tandem"
     nats_url: str = "nats://127.0.0.1:4222"
-    metrics_port: int = 0  # 0: no metrics server
+    metrics_port: int = 0  # 0: no metrics server (/metrics, /health, /ready)
+    metrics_host: str = "0.0.0.0"  # where it listens (tandem up: the gateway's host, 127.0.0.1 by default)
     # this worker's address as peers see it (metrics URL, KV over TCP); "" = the TCP bind host,
     # or this machine's hostname when that is 0.0.0.0 (containers: the name peers resolve)
     advertise_host: str = ""
