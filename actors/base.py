@@ -278,6 +278,7 @@ class WorkerActor:
         if not self.seen.add(k):
             log.info("%s %s already handled here; ignoring redelivery", type_.__name__, k,
                      extra={"request_id": item.request_id})
+            await self.answer_duplicate(item, "this worker")
             return None
         try:
             first = await claim(self.nc, self.subjects, f"{type_.__name__}:{k}", self.worker_id, item.request_id)
@@ -287,8 +288,12 @@ class WorkerActor:
         if not first:
             log.info("%s %s was claimed by another worker first; dropping this copy", type_.__name__, k,
                      extra={"request_id": item.request_id})
+            await self.answer_duplicate(item, "another worker")
             return None
         return item
+
+    async def answer_duplicate(self, item: object, where: str) -> None:
+        """A copy of work ``where`` already took was dropped; a role may say so where the sender listens."""
 
     async def answer_malformed(self, data: bytes, error: str) -> None:
         """A work message that did not decode but names where to answer (JSON ``stream_subject`` /

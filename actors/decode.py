@@ -160,6 +160,18 @@ class DecodeActor(WorkerActor):
         else:
             await self._start_local(r)
 
+    async def answer_duplicate(self, item: GenerateRequest, where: str) -> None:
+        """Say so on its stream subject: a person who sent the same JSON twice learns to change request_id
+        (a gateway, whose ids are unique, ignores this code)."""
+        try:
+            subject = check_subject(item.stream_subject, "stream_subject")
+        except ValueError:
+            return
+        await publish(self.nc, subject, StreamError(
+            request_id=item.request_id, seq=0, code=ErrorCode.DUPLICATE_REQUEST, status=409,
+            message=f"request_id {item.request_id!r} was already taken by {where}; this copy is dropped "
+                    "(send each request with a new request_id)"))
+
     async def answer_bad_work(self, body: dict, error: str) -> None:
         """A generate request that did not decode gets a 400 on the stream subject it names."""
         subject = body.get("stream_subject")

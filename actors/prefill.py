@@ -17,7 +17,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from actors.base import WorkerActor, bad_messages
-from bus.messages import ErrorCode, PrefillAccepted, PrefillDone, PrefillJob
+from bus.messages import ErrorCode, PrefillAccepted, PrefillDone, PrefillJob, StreamError
 from bus.publish import publish
 from bus.subjects import check_subject
 from engine.engine import StepOutput
@@ -89,9 +89,17 @@ class PrefillActor(WorkerActor):
             layout_fingerprint=self.layout.fingerprint(), error=message, error_code=code, wrote=False))
 
     async def answer_bad_work(self, body: dict, error: str) -> None:
-        """A prefill job that did not decode gets a failed PrefillDone on the reply subject it names."""
+        """A prefill job that did not decode gets a failed PrefillDone on the reply subject it names; a
+        generate request sent here by mistake gets a StreamError on its stream subject."""
         subject = body.get("reply_subject")
         if not isinstance(subject, str):
+            stream = body.get("stream_subject")
+            if isinstance(stream, str):
+                rid = body.get("request_id")
+                await publish(self.nc, check_subject(stream, "stream_subject"), StreamError(
+                    request_id=rid if isinstance(rid, str) else "", seq=0, code=ErrorCode.BAD_REQUEST, status=400,
+                    message=f"{self.subjects.prefill_pool} takes prefill jobs (this looks like a generate request: "
+                            f"publish it on {self.subjects.generate_pool}): {error}"))
             return
         rid, attempt = body.get("request_id"), body.get("attempt")
         await publish(self.nc, check_subject(subject, "reply_subject"), PrefillDone(

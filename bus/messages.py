@@ -72,6 +72,9 @@ class ErrorCode:
     HANDED_BACK = "handed_back"  # a draining worker gave the request back before its first token
     QUEUE_TIMEOUT = "queue_timeout"  # it did not start by its ``start_by`` time: dropped where it waited
     BUS_UNAVAILABLE = "bus_unavailable"  # the worker lost NATS while it streamed: tokens may be lost
+    # a request_id already served (or being served): a copy of one request, or a hand-written request reusing
+    # an id; the gateway never reuses ids, so to it this only says that a copy was dropped
+    DUPLICATE_REQUEST = "duplicate_request"
     INTERNAL = "internal"
 
 

@@ -210,6 +210,8 @@ class Run:
                 if job.worker_id is not None and msg.request_id == job.request_id:
                     await self._lost(job, job.worker_id, "is not listening (stopped or draining)")
                 continue
+            if isinstance(msg, StreamError) and msg.code == ErrorCode.DUPLICATE_REQUEST:
+                continue  # a copy of this job was dropped by a worker: the job itself runs on
             if (isinstance(msg, StreamError) and msg.code in _GIVEN_BACK
                     and msg.request_id == job.request_id):
                 await self._lost(job, job.worker_id or "?", _GIVEN_BACK[msg.code])
