@@ -1501,3 +1501,13 @@ def test_a_reused_client_request_id_never_shares_jobs(gw: ServerThread, worker: 
         assert r.status_code == 200 and r.headers["x-request-id"] == "retry-7"
     ids = [req.request_id for _, req in worker.requests[before:]]
     assert len(set(ids)) == 2 and all(i.startswith("retry-7-") for i in ids)
+
+
+def test_the_gateway_imports_no_torch() -> None:
+    """The gateway needs the tokenizer and template only; torch (seconds of import, GBs with CUDA) stays out."""
+    import subprocess
+    import sys
+
+    code = "import sys, gateway.server, gateway.app; from gateway.server import main; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
