@@ -20,7 +20,8 @@ from pathlib import Path
 
 from bench.cluster import Client, start_workers
 from bus.server import EmbeddedNats
-from engine.loader import DEFAULT_MODEL, load_model
+from engine.loader import load_model
+from engine.model_files import DEFAULT_MODEL
 
 LENGTHS = (16, 32, 64, 128, 256, 2048)
 

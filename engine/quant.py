@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 GROUP = 32  # weights per int4 scale/offset group (GGUF's block size)
-QUANTIZATIONS = ("none", "fp16", "int8", "int4", "auto")
 KERNEL_DTYPE = torch.bfloat16  # activation dtype of the weight-only CPU kernels (fp16/fp32 run unvectorized)
 _DEQUANT_ROWS = 4096  # output rows expanded at once on the dequantize path (bounds the workspace)
 

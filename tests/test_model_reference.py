@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import ModelLoadError, load_model, load_text
+from engine.loader import load_model
 from engine.model import ForwardBatch, PrefillSpan
+from engine.model_files import ModelLoadError, load_text
 from tests.reference_models import write_gguf_from_hf, write_hf_llama
 
 transformers = pytest.importorskip("transformers")
