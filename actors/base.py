@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -36,10 +37,12 @@ from bus.publish import publish, request, respond
 from bus.streams import claim, ensure_streams, fetch_one, pull_subscription
 from bus.subjects import Subjects, check_subject
 from engine.engine import EngineConfig, LLMEngine, StepOutput
-from engine.loader import LoadedModel, model_name
+from engine.loader import LoadedModel
+from engine.model_files import model_name
 from kv.transfer.auto import create_engine
 from kv.transfer.base import new_incarnation
 from runtime import metrics
+from runtime.health import WorkerHealth
 from runtime.logs import Throttled
 from runtime.placement import available_cpus, format_cpus
 from runtime.settings import Settings
@@ -79,8 +82,9 @@ class WorkerActor:
     role = "worker"
     capacity_poll_s = 0.01  # how often a full worker looks again for room to pull
 
-    def __init__(self, settings: Settings, loaded: LoadedModel):
+    def __init__(self, settings: Settings, loaded: LoadedModel, health: WorkerHealth | None = None):
         self.s = settings
+        self.health = health or WorkerHealth(settings.role, settings.worker_id, model_loaded=True)
         self.worker_id = settings.worker_id
         self.loaded = loaded
         self.model = model_name(settings.model)
@@ -147,7 +151,10 @@ class WorkerActor:
 
     async def run(self) -> None:
         opts = BusOptions.from_env(servers=[u.strip() for u in self.s.nats_url.split(",")])
+        self.health.phase = "connecting"
+        print(f"{self.worker_id}: connecting to NATS at {self.s.nats_url}", file=sys.stderr, flush=True)
         self.nc = await connect(opts, name=f"tandem-{self.role}-{self.worker_id}", on_disconnect=self.on_bus_lost)
+        self.health.nats_connected = lambda: self.nc is not None and self.nc.is_connected
         await ensure_streams(self.nc, self.subjects)
         await self.nc.subscribe(self.subjects.kv_meta(self.worker_id), cb=self._on_kv_meta)
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel_msg)
@@ -156,6 +163,7 @@ class WorkerActor:
         self.spawn(self._stats_loop())
         log.info("%s %s ready: model %s, layout %s, transfer %s", self.role, self.worker_id, self.model,
                  self.layout.describe(), self.transfer.name)
+        self.health.phase = "ready"
         print(f"tandem {self.role} {self.worker_id} ready", flush=True)
         await self.stop_event.wait()
         await self.drain()
@@ -165,6 +173,7 @@ class WorkerActor:
         timeout = self.s.drain_timeout
         log.info("%s %s draining", self.role, self.worker_id)
         self.draining = True
+        self.health.phase = "draining"
         try:  # tell routers at once rather than at the next 1 Hz tick
             await publish(self.nc, self.subjects.stats(self.role, self.worker_id), self.stats())
         except Exception as e:  # draining anyway
@@ -269,6 +278,7 @@ class WorkerActor:
         if not self.seen.add(k):
             log.info("%s %s already handled here; ignoring redelivery", type_.__name__, k,
                      extra={"request_id": item.request_id})
+            await self.answer_duplicate(item, "this worker")
             return None
         try:
             first = await claim(self.nc, self.subjects, f"{type_.__name__}:{k}", self.worker_id, item.request_id)
@@ -278,8 +288,12 @@ class WorkerActor:
         if not first:
             log.info("%s %s was claimed by another worker first; dropping this copy", type_.__name__, k,
                      extra={"request_id": item.request_id})
+            await self.answer_duplicate(item, "another worker")
             return None
         return item
+
+    async def answer_duplicate(self, item: object, where: str) -> None:
+        """A copy of work ``where`` already took was dropped; a role may say so where the sender listens."""
 
     async def answer_malformed(self, data: bytes, error: str) -> None:
         """A work message that did not decode but names where to answer (JSON ``stream_subject`` /

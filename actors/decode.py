@@ -27,25 +27,15 @@ from bus.messages import (
     Usage,
     WorkerStats,
 )
-from bus.messages import SamplingParams as WireSampling
 from bus.publish import publish
 from bus.subjects import check_subject, check_token
 from engine.engine import LLMEngine, StepOutput
-from engine.sampling import SamplingParams, TokenLogprob
+from engine.sampling import TokenLogprob
 from engine.sequence import SeqStatus
 from kv.blocks import prefix_hashes
 from runtime import metrics
 
 log = logging.getLogger(__name__)
-
-
-def to_engine_params(w: WireSampling) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=w.max_tokens, temperature=w.temperature, top_p=w.top_p, top_k=w.top_k, seed=w.seed,
-        stop=list(w.stop), stop_token_ids=list(w.stop_token_ids), frequency_penalty=w.frequency_penalty,
-        presence_penalty=w.presence_penalty, logprobs=w.logprobs, top_logprobs=w.top_logprobs,
-        ignore_eos=w.ignore_eos,
-    )
 
 
 class RequestFailed(Exception):
@@ -73,8 +63,8 @@ class Request:
 
 
 class DecodeActor(WorkerActor):
-    def __init__(self, settings, loaded):
-        super().__init__(settings, loaded)
+    def __init__(self, settings, loaded, health=None):
+        super().__init__(settings, loaded, health)
         self.role = settings.role
         self.requests: dict[str, Request] = {}
         self.remote: RemotePrefills | None = None  # decode_only: prefill workers compute the prompts
@@ -141,10 +131,22 @@ class DecodeActor(WorkerActor):
         count_decision(mode, reason)
         log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids), extra={"request_id": req.request_id})
         if mode == "remote":
-            r.remote = self.remote.prefill(req, r.prompt_ids, to_engine_params(req.sampling), target)
+            r.remote = self.remote.prefill(req, r.prompt_ids, req.sampling, target)
             self.spawn(self._prefill_remotely(r))
         else:
             await self._start_local(r)
+
+    async def answer_duplicate(self, item: GenerateRequest, where: str) -> None:
+        """Say so on its stream subject: a person who sent the same JSON twice learns to change request_id
+        (a gateway, whose ids are unique, ignores this code)."""
+        try:
+            subject = check_subject(item.stream_subject, "stream_subject")
+        except ValueError:
+            return
+        await publish(self.nc, subject, StreamError(
+            request_id=item.request_id, seq=0, code=ErrorCode.DUPLICATE_REQUEST, status=409,
+            message=f"request_id {item.request_id!r} was already taken by {where}; this copy is dropped "
+                    "(send each request with a new request_id)"))
 
     async def answer_bad_work(self, body: dict, error: str) -> None:
         """A generate request that did not decode gets a 400 on the stream subject it names."""
@@ -163,7 +165,7 @@ class DecodeActor(WorkerActor):
         if req.deadline and time.time() > req.deadline:
             raise RequestFailed(ErrorCode.DEADLINE_EXCEEDED, "request deadline passed before it was admitted", 504)
         try:
-            self.engine.check_request(r.prompt_ids, to_engine_params(req.sampling))
+            self.engine.check_request(r.prompt_ids, req.sampling)
         except ValueError as e:
             raise RequestFailed(ErrorCode.BAD_REQUEST, str(e.args[0]), 400) from e
 
@@ -210,7 +212,7 @@ class DecodeActor(WorkerActor):
         r.in_engine = True
         try:
             await self.runner.call(lambda e: e.add_request(r.req.request_id, r.prompt_ids,
-                                                           to_engine_params(r.req.sampling),
+                                                           r.req.sampling,
                                                            resume_ids=list(r.req.resume_ids),
                                                            shown_chars=r.req.shown_chars))
         except ValueError as e:

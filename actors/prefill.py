@@ -13,11 +13,11 @@ import logging
 import threading
 import time
 
+import msgspec
 from nats.aio.msg import Msg
 
 from actors.base import WorkerActor, bad_messages
-from actors.decode import to_engine_params
-from bus.messages import ErrorCode, PrefillAccepted, PrefillDone, PrefillJob
+from bus.messages import ErrorCode, PrefillAccepted, PrefillDone, PrefillJob, StreamError
 from bus.publish import publish
 from bus.subjects import check_subject
 from engine.engine import StepOutput
@@ -34,8 +34,8 @@ class PrefillActor(WorkerActor):
     role = "prefill_only"
     capacity_poll_s = 0.005
 
-    def __init__(self, settings, loaded):
-        super().__init__(settings, loaded)
+    def __init__(self, settings, loaded, health=None):
+        super().__init__(settings, loaded, health)
         # keyed by "<request>:<attempt>", the id the job has in our engine too: a retry of a
         # request can reach this worker while its first attempt is still winding down here
         self.jobs: dict[str, PrefillJob] = {}
@@ -89,9 +89,17 @@ class PrefillActor(WorkerActor):
             layout_fingerprint=self.layout.fingerprint(), error=message, error_code=code, wrote=False))
 
     async def answer_bad_work(self, body: dict, error: str) -> None:
-        """A prefill job that did not decode gets a failed PrefillDone on the reply subject it names."""
+        """A prefill job that did not decode gets a failed PrefillDone on the reply subject it names; a
+        generate request sent here by mistake gets a StreamError on its stream subject."""
         subject = body.get("reply_subject")
         if not isinstance(subject, str):
+            stream = body.get("stream_subject")
+            if isinstance(stream, str):
+                rid = body.get("request_id")
+                await publish(self.nc, check_subject(stream, "stream_subject"), StreamError(
+                    request_id=rid if isinstance(rid, str) else "", seq=0, code=ErrorCode.BAD_REQUEST, status=400,
+                    message=f"{self.subjects.prefill_pool} takes prefill jobs (this looks like a generate request: "
+                            f"publish it on {self.subjects.generate_pool}): {error}"))
             return
         rid, attempt = body.get("request_id"), body.get("attempt")
         await publish(self.nc, check_subject(subject, "reply_subject"), PrefillDone(
@@ -122,8 +130,8 @@ class PrefillActor(WorkerActor):
                 raise _JobError(ErrorCode.LAYOUT_MISMATCH, msg)
             await self.ensure_peer(job.dst.worker_id, job.dst.incarnation, job.dst.endpoint)
             self._check_cancel(rid)
-            params = to_engine_params(job.sampling)
-            params.max_tokens, params.ignore_eos, params.stop, params.stop_token_ids = 1, True, [], []
+            # one token: the first, sampled (and grammar-masked) exactly as the decode worker would
+            params = msgspec.structs.replace(job.sampling, max_tokens=1, ignore_eos=True, stop=[], stop_token_ids=[])
             fut = asyncio.get_running_loop().create_future()
             self.first_tokens[key] = fut
             deadline_mono = time.monotonic() + max(0.0, (job.deadline or time.time() + 60) - time.time())

@@ -40,7 +40,7 @@ from bus.messages import (
 )
 from bus.publish import js_publish, publish
 from bus.subjects import Subjects
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from kv.layout import KVLayout
 from kv.transfer.base import TransferEngine
 from runtime import metrics

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 
 from engine.loader import load_model
+from engine.progress import LoadProgress
+from runtime.health import WorkerHealth, serve_worker_http
 from runtime.placement import available_cpus, format_cpus, parse_cpus, pin_process
 from runtime.settings import Settings
 
@@ -12,18 +14,22 @@ log = logging.getLogger(__name__)
 
 
 def serve(settings: Settings) -> int:
+    """Load the model and run the role's actor until SIGTERM; each start-up phase is one line on stderr."""
     from actors.decode import DecodeActor
     from actors.prefill import PrefillActor
-    from runtime.metrics import serve_metrics
 
     place(settings)
+    health = WorkerHealth(settings.role, settings.worker_id)
     try:  # before loading the model: a busy port fails in a moment, not after seconds
-        serve_metrics(settings.metrics_port)
+        serve_worker_http(settings.metrics_port, settings.metrics_host, health)
     except OSError as e:
-        raise ValueError(f"cannot serve metrics on port {settings.metrics_port}: {e.strerror or e}") from e
-    loaded = load_model(settings.model, settings.dtype, settings.quantization)
+        raise ValueError(f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
+                         f"{e.strerror or e}") from e
+    health.phase = "loading model"
+    loaded = load_model(settings.model, settings.dtype, settings.quantization, LoadProgress(settings.worker_id))
+    health.model_loaded = True
     actor_cls = PrefillActor if settings.role == "prefill_only" else DecodeActor
-    actor = actor_cls(settings, loaded)
+    actor = actor_cls(settings, loaded, health)
     actor.serve_forever()
     return 0 if actor.error is None and actor.runner.failure is None else 1
 

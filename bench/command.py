@@ -58,22 +58,22 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("load")
     how = g.add_mutually_exclusive_group()
     how.add_argument("--concurrency", default=None, help="closed loop: requests in flight, e.g. 1,4,16 (default 1)")
-    how.add_argument("--rate", default=None, help="open loop: requests/s (Poisson), e.g. 0.5,1,2,4 or inf")
+    how.add_argument("--rate", default=None, help="open loop: requests/s (Poisson), e.g. 0.5,1,2,4 or inf (default: closed loop, --concurrency)")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier (default 1)")
     much = g.add_mutually_exclusive_group()
     much.add_argument("--requests", type=int, default=None, help="requests per level (default 32)")
-    much.add_argument("--duration", type=float, default=None, help="seconds of sending per level")
+    much.add_argument("--duration", type=float, default=None, help="seconds of sending per level (default: --requests decides)")
     g.add_argument("--warmup", type=int, default=1, help="requests sent one by one before measuring (default 1)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="of every request (default 0: greedy)")
     g.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default 0)")
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
-                   help="SLOs for goodput, e.g. ttft:3000 itl:150 tpot:100 (milliseconds)")
-    o.add_argument("--json", dest="json_path", default=None, help="write the result here")
-    o.add_argument("--plot", default=None, help="write a PNG here (latency CDFs, ITL over time, goodput vs rate)")
-    o.add_argument("--no-progress", dest="progress", action="store_false", help="no live progress bar")
+                   help="SLOs for goodput, e.g. ttft:3000 itl:150 tpot:100 (milliseconds; default: none, no goodput)")
+    o.add_argument("--json", dest="json_path", default=None, help="write the result here (default: only the table on stdout)")
+    o.add_argument("--plot", default=None, help="write a PNG here (latency CDFs, ITL over time, goodput vs rate; default: none)")
+    o.add_argument("--no-progress", dest="progress", action="store_false", help="no live progress bar (default: a bar on a terminal)")
     p.set_defaults(func=main)
     return p
 
@@ -116,7 +116,7 @@ def _stop(args: argparse.Namespace) -> Stop:
 
 def _tokenizer_spec(args: argparse.Namespace, model: str) -> str | None:
     """The model spec whose tokenizer sizes prompts: --tokenizer, else the served model when it is local."""
-    from engine.loader import ModelLoadError, resolve_model_path
+    from engine.model_files import ModelLoadError, resolve_model_path
 
     if args.tokenizer != "auto":
         return None if args.tokenizer == "none" else args.tokenizer
@@ -219,7 +219,7 @@ def _describe_load(load: dict[str, Any]) -> str:
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every level; returns the result document (raises ValueError / TargetError)."""
-    from engine.loader import load_text
+    from engine.model_files import load_text
 
     base_url = normalize_base_url(args.base_url)
     levels, stop, slo = _levels(args), _stop(args), parse_slo(args.goodput)

@@ -22,8 +22,9 @@ from collections.abc import Callable
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import DEFAULT_MODEL, load_model, resolve_model_path
-from engine.sampling import SamplingParams
+from engine.loader import load_model
+from engine.model_files import DEFAULT_MODEL, resolve_model_path
+from engine.params import SamplingParams
 
 DECODE_PROMPT = 64
 DECODE_STEPS = 16

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import DEFAULT_MODEL, LoadedModel, load_model
+from engine.loader import LoadedModel, load_model
 from engine.model import ForwardBatch, PrefillSpan
-from engine.sampling import SamplingParams
+from engine.model_files import DEFAULT_MODEL
+from engine.params import SamplingParams
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "perplexity.txt"
 WINDOW = 1024

@@ -26,6 +26,8 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
+from engine.params import SamplingParams
+
 SCHEMA_VERSION = 1
 
 #: NATS header carrying the request id of every request-scoped message.
@@ -70,6 +72,9 @@ class ErrorCode:
     HANDED_BACK = "handed_back"  # a draining worker gave the request back before its first token
     QUEUE_TIMEOUT = "queue_timeout"  # it did not start by its ``start_by`` time: dropped where it waited
     BUS_UNAVAILABLE = "bus_unavailable"  # the worker lost NATS while it streamed: tokens may be lost
+    # a request_id already served (or being served): a copy of one request, or a hand-written request reusing
+    # an id; the gateway never reuses ids, so to it this only says that a copy was dropped
+    DUPLICATE_REQUEST = "duplicate_request"
     INTERNAL = "internal"
 
 
@@ -87,27 +92,6 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 #: One (token id, logprob) pair, JSON ``[id, logprob]``.
 TopLogprob = tuple[int, float]
-
-
-class SamplingParams(_Part, kw_only=True):
-    """Sampling settings of one sequence (``n`` > 1 is fanned out by the gateway).
-
-    ``top_k`` 0 disables top-k; ``seed`` None means unseeded; ``stop`` strings are
-    matched on detokenized text by the decode worker, ``stop_token_ids`` on ids.
-    """
-
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
-    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: NonNegInt = 0
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[TokenId] = []
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logprobs: bool = False
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] = 0
-    ignore_eos: bool = False
 
 
 class KVDestination(_Part, kw_only=True):

@@ -92,7 +92,8 @@ class EmbeddedNats:
     ``max_payload`` (bytes) writes a small config that includes ``config`` if given.
     ``die_with_parent`` (Linux) asks the kernel to SIGTERM the server when the thread
     that started it exits, so a killed ``tandem up`` leaves no orphan. ``env`` is the server's
-    environment (default: this process's), e.g. the variables a config refers to.
+    environment (default: this process's), e.g. the variables a config refers to. ``monitor_port``
+    serves NATS monitoring (``/varz``, ``/jsz`` — what KEDA's JetStream scaler reads) on ``host``.
     """
 
     def __init__(
@@ -111,8 +112,10 @@ class EmbeddedNats:
         echo: bool = False,
         die_with_parent: bool = True,
         env: dict[str, str] | None = None,
+        monitor_port: int | None = None,
     ) -> None:
         self.requested_port = port
+        self.monitor_port = monitor_port
         self.host = host
         self.config = str(config) if config is not None else None
         self.max_payload = max_payload
@@ -198,7 +201,17 @@ class EmbeddedNats:
             cmd += ["-c", config]
         if self.server_name:
             cmd += ["-n", self.server_name]
+        if self.monitor_port:
+            cmd += ["-m", str(self.monitor_port)]
         return cmd + self.extra_args
+
+    @property
+    def monitor_url(self) -> str | None:
+        """``http://host:port`` of NATS monitoring, when it is on."""
+        if not self.monitor_port:
+            return None
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.monitor_port}"
 
     def _write_payload_config(self) -> str:
         """A config setting max_payload (which has no command-line flag)."""
@@ -385,8 +398,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--port", type=int, default=4222, help="client port (0 = any free port; default 4222)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--store-dir", default=None, help="JetStream store directory (default: a temporary one)")
-    p.add_argument("--config", default=None, help="nats-server config file (accounts, permissions, cluster)")
+    p.add_argument("--config", default=None, help="nats-server config file (accounts, permissions, cluster; default: none, an open server)")
     p.add_argument("--max-payload", type=int, default=None, help="max message size in bytes (default 1 MiB)")
+    p.add_argument("--nats-monitor-port", "--monitor-port", dest="monitor_port", type=int, default=None,
+                   help="serve NATS monitoring (/varz, /jsz: what KEDA's JetStream scaler reads) on this port "
+                        "(default: off)")
     return p
 
 
@@ -406,6 +422,7 @@ def run(args: argparse.Namespace) -> int:
         max_payload=args.max_payload,
         host=args.host,
         echo=True,
+        monitor_port=args.monitor_port,
     )
 
     def _on_term(signum: int, frame: object) -> None:
@@ -414,7 +431,8 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _on_term)
     try:
         srv.start()
-        print(f"nats-server ready at {srv.url} (JetStream store {srv.store_dir}); Ctrl-C to stop", flush=True)
+        monitor = f", monitoring {srv.monitor_url}" if srv.monitor_url else ""
+        print(f"nats-server ready at {srv.url} (JetStream store {srv.store_dir}{monitor}); Ctrl-C to stop", flush=True)
         while True:
             rc = srv.wait(timeout=0.5)
             if rc is not None:

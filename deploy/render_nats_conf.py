@@ -39,7 +39,7 @@ from bus.subjects import (  # noqa: E402
     ROLE_PREFILL_ONLY,
     Subjects,
 )
-from engine.loader import DEFAULT_MODEL  # noqa: E402
+from engine.model_files import DEFAULT_MODEL  # noqa: E402
 
 #: The account every tandem process lives in (KEDA's ``account`` trigger field names it).
 ACCOUNT = "TANDEM"

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import GrammarCompiler, GrammarState, check_grammar
 from engine.loader import LoadedModel
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams, TokenLogprob
+from engine.params import SamplingParams
+from engine.sampling import TokenLogprob
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
 from kv.blocks import BlockPool
@@ -84,6 +86,7 @@ class LLMEngine:
         self.layer_hooks: dict[str, Callable[[int], None]] = {}
         self.device = torch.device(self.cfg.device)
         self.last_plan_size = 0
+        self._grammars: GrammarCompiler | None = None  # built at the first grammar (it indexes the vocabulary)
 
     @staticmethod
     def layout_for(loaded: LoadedModel, cfg: EngineConfig) -> KVLayout:
@@ -109,6 +112,8 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.loaded.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary", "prompt")
+        if params.grammar is not None:
+            check_grammar(params.grammar)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     hold_blocks: bool = False, resume_ids: list[int] | None = None, shown_chars: int = 0) -> Sequence:
@@ -122,6 +127,9 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_ids, params)
         seq.hold_blocks = hold_blocks
         if resume_ids:
+            if seq.grammar is not None and not seq.grammar.accept_all(list(resume_ids)):
+                raise ValueError(f"the resumed tokens do not follow the request's grammar: {seq.grammar.error}",
+                                 "resume_ids")
             seq.output_ids = list(resume_ids)
             seq.detok.resume(seq.output_ids, shown_chars)
         self.seqs[request_id] = seq
@@ -131,7 +139,17 @@ class LLMEngine:
     def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         seq = Sequence(request_id, prompt_ids, params)
         seq.detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if params.grammar is not None:
+            seq.grammar = self._grammar(params)
         return seq
+
+    def _grammar(self, params: SamplingParams) -> GrammarState:
+        if self._grammars is None:
+            t0 = time.perf_counter()
+            self._grammars = GrammarCompiler(self.tokenizer.tok.to_str(), self.loaded.config.vocab_size,
+                                             sorted(self.tokenizer.eog_ids))
+            log.info("grammar tokenizer index built in %.2fs", time.perf_counter() - t0)
+        return self._grammars.compile(params.grammar)
 
     def release_held(self, request_id: str) -> None:
         seq = self.held.pop(request_id, None)
@@ -243,10 +261,11 @@ class LLMEngine:
             new_ids.append(tok)
             if info is not None:
                 seq.logprobs.append(info)
+            grammar_done = seq.grammar is not None and self._advance_grammar(seq, tok)
             at_length = len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= min(self.max_model_len,
                                                                                       self.pool_tokens)
-            text = seq.detok.add(seq.output_ids, final=at_length)
-            if seq.detok.stopped:
+            text = seq.detok.add(seq.output_ids, final=at_length or grammar_done)
+            if seq.detok.stopped or grammar_done:
                 seq.finish_reason = "stop"
             elif at_length:
                 seq.finish_reason = "length"
@@ -268,6 +287,17 @@ class LLMEngine:
             cached_tokens=seq.cached_prompt_tokens or 0,
             completion_tokens=len(seq.output_ids),
         )
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, tok: int) -> bool:
+        """Advance the sequence's grammar by ``tok``; True when the output is complete (only an end can follow).
+
+        The mask lets through only allowed tokens, so a refusal means a bug: the sequence ends there
+        rather than sampling from a matcher in error."""
+        if not seq.grammar.accept(tok):
+            log.error("request %s: token %d broke its grammar (%s); ending it", seq.request_id, tok, seq.grammar.error)
+            return True
+        return seq.grammar.finished
 
     # ------------------------------------------------------------ convenience
 

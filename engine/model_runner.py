@@ -123,7 +123,8 @@ class ModelRunner:
         if not sampled:
             return [], [], []
         tokens, infos = self.sampler(
-            logits, [s.params for s in sampled], [s.output_ids for s in sampled], [s.generator for s in sampled]
+            logits, [s.params for s in sampled], [s.output_ids for s in sampled], [s.generator for s in sampled],
+            [s.grammar for s in sampled],
         )
         return sampled, tokens, infos
 

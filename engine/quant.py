@@ -19,7 +19,7 @@ Two paths, chosen per row so that a token's result never depends on what else is
   other rows. Decode rows and short prefill chunks use it.
 - dequantize + MKL, for the rows of prefill chunks longer than ``KERNELS.kernel_max_chunk``, where
   the kernel is compute-bound and several times slower than a float32 GEMM: the weights are expanded
-  into a shared float32 workspace (transposed, in chunks of output rows) and multiplied in float32.
+  into a shared float32 workspace (in chunks of output rows) and multiplied in float32.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 GROUP = 32  # weights per int4 scale/offset group (GGUF's block size)
-QUANTIZATIONS = ("none", "fp16", "int8", "int4", "auto")
 KERNEL_DTYPE = torch.bfloat16  # activation dtype of the weight-only CPU kernels (fp16/fp32 run unvectorized)
 _DEQUANT_ROWS = 4096  # output rows expanded at once on the dequantize path (bounds the workspace)
 
@@ -147,31 +146,31 @@ class Int4Weight:
     def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
         return _split_call(self, x, dequant_rows)
 
-    def dequantize_t(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 W.T [K, stop - start] of output rows [start, stop) (multiples of 32), from the codes.
+    def dequantize_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 weights of output rows [start, stop) (multiples of 32), from the packed codes.
 
-        Transposed because that is the order the packed bytes come in: one fused multiply-add per
-        nibble half writes each value once (code * scale + (zero - 8 * scale)).
+        Each nibble half is one transposing copy (the packed bytes hold row j and row j + 16 of a block
+        of 32 for each column), then one scale and one offset per group of 32 along the row.
         """
         n, k, groups = stop - start, self.in_features, self.in_features // GROUP
         nb = n // 32
-        u = self.packed[start:stop].view(nb, groups, GROUP, 16)
+        u = self.packed[start:stop].view(nb, k, 16)
+        out = torch.empty(n, k, device=u.device) if out is None else out
+        halves = out.view(nb, 2, 16, k)
+        halves[:, 0].copy_((u & 15).transpose(1, 2))
+        halves[:, 1].copy_((u >> 4).transpose(1, 2))
         sz = self.scales_zeros[:, start:stop].float()  # [groups, n, 2]
-        scale = sz[..., 0].reshape(groups, 1, nb, 2, 16)
-        zero = (sz[..., 1] - 8 * sz[..., 0]).reshape(groups, 1, nb, 2, 16)
-        out = torch.empty(k, n, device=u.device) if out is None else out
-        dst = out.view(groups, GROUP, nb, 2, 16)
-        for half, codes in ((0, u & 15), (1, u >> 4)):  # low nibble: row j of a block of 32; high: j + 16
-            torch.addcmul(zero[:, :, :, half], codes.permute(1, 2, 0, 3), scale[:, :, :, half],
-                          out=dst[:, :, :, half])
+        scale = sz[..., 0].T.reshape(n, groups, 1)
+        zero = (sz[..., 1] - 8 * sz[..., 0]).T.reshape(n, groups, 1)
+        out.view(n, groups, GROUP).mul_(scale).add_(zero)
         return out
 
     def dequantize(self) -> torch.Tensor:
-        return self.dequantize_t(0, self.out_features).T
+        return self.dequantize_rows(0, self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         blocks = torch.unique(ids // 32)
-        found = torch.stack([self.dequantize_t(int(b) * 32, int(b) * 32 + 32).T for b in blocks])
+        found = torch.stack([self.dequantize_rows(int(b) * 32, int(b) * 32 + 32) for b in blocks])
         return found[torch.searchsorted(blocks, ids // 32), ids % 32]
 
     @property
@@ -209,13 +208,13 @@ class Int8Weight:
     def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
         return _split_call(self, x, dequant_rows)
 
-    def dequantize_t(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 W.T [K, stop - start] of output rows [start, stop)."""
-        out = torch.empty(self.in_features, stop - start, device=self.q.device) if out is None else out
-        return torch.mul(self.q[start:stop].T, self.scales[start:stop].float(), out=out)
+    def dequantize_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 weights of output rows [start, stop)."""
+        out = torch.empty(stop - start, self.in_features, device=self.q.device) if out is None else out
+        return torch.mul(self.q[start:stop], self.scales[start:stop].float().unsqueeze(1), out=out)
 
     def dequantize(self) -> torch.Tensor:
-        return self.dequantize_t(0, self.out_features).T
+        return self.dequantize_rows(0, self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.q[ids].float() * self.scales[ids].float().unsqueeze(1)
@@ -285,11 +284,11 @@ def _dequant_matmul(weight: Int4Weight | Int8Weight, x: torch.Tensor) -> torch.T
     n, k = weight.out_features, weight.in_features
     ws = weight.workspace or Workspace(x.device)
     if n <= _DEQUANT_ROWS:
-        return torch.mm(xf, weight.dequantize_t(0, n, ws.take(k, n))).to(x.dtype)
+        return dense_matmul(xf, weight.dequantize_rows(0, n, ws.take(n, k))).to(x.dtype)
     out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     for start in range(0, n, _DEQUANT_ROWS):
         stop = min(n, start + _DEQUANT_ROWS)
-        out[:, start:stop] = torch.mm(xf, weight.dequantize_t(start, stop, ws.take(k, stop - start)))
+        out[:, start:stop] = dense_matmul(xf, weight.dequantize_rows(start, stop, ws.take(stop - start, k)))
     return out.to(x.dtype)
 
 

@@ -1,6 +1,9 @@
-"""Sampling parameters and the batched sampler: penalties, temperature, top-k/top-p, seeds, logprobs.
+"""The batched sampler: grammar masks, penalties, temperature, top-k/top-p, seeds, logprobs.
 
-The sampler works on the whole batch with tensor ops. Each sampled row draws one uniform number
+The sampler works on the whole batch with tensor ops. Rows whose request has a grammar
+(structured output, tool calls) first lose every token the grammar does not allow: each such row's
+bitmask is filled by its :class:`~engine.grammar.GrammarState` and applied to all of them at once.
+Each sampled row draws one uniform number
 (from its own generator when the request has a seed) and picks its token by inverting the CDF of
 its distribution — over the vocabulary in id order, or, when top-k or top-p cut it, over the kept
 tokens from the most likely down — so a row's draw never depends on its batch neighbours.
@@ -8,46 +11,12 @@ tokens from the most likely down — so a row's draw never depends on its batch 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logprobs: bool = False
-    top_logprobs: int = 0
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        """Raise ValueError naming the bad field, so the API can answer 400 with `param`."""
-        checks = [
-            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
-            ("temperature", 0.0 <= self.temperature <= 2.0, "must be between 0 and 2"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 0, "must be 0 (off) or positive"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be between -2 and 2"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be between -2 and 2"),
-            ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be between 0 and 20"),
-            ("stop", len(self.stop) <= 16 and all(self.stop), "at most 16 non-empty strings"),
-            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit in a signed 64-bit integer"),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"{name} {why}", name)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+from engine.grammar import GrammarState
+from engine.params import SamplingParams
 
 
 @dataclass
@@ -69,12 +38,16 @@ class Sampler:
         params: list[SamplingParams],
         outputs: list[list[int]],
         generators: list[torch.Generator | None],
+        grammars: list[GrammarState | None] | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         logits = logits.float().cpu()  # per-request generators live on the CPU
         rows = logits.shape[0]
-        penalised = [i for i, p in enumerate(params) if (p.frequency_penalty or p.presence_penalty) and outputs[i]]
+        penalised = [i for i, p in enumerate(params) if _penalises(p) and outputs[i]]
         if penalised:
             logits = _apply_penalties(logits, penalised, params, outputs)
+        constrained = [i for i, g in enumerate(grammars or ()) if g is not None]
+        if constrained:
+            logits = _apply_grammars(logits, constrained, grammars)
         tokens = logits.argmax(dim=-1)
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
@@ -94,15 +67,37 @@ class Sampler:
         return token_list, infos
 
 
+def _penalises(p: SamplingParams) -> bool:
+    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0)
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
                      outputs: list[list[int]]) -> torch.Tensor:
-    """OpenAI's frequency (per occurrence) and presence (once) penalties, for all `rows` at once."""
+    """OpenAI's frequency (per occurrence) and presence (once) penalties and the repetition penalty
+    (a seen token's logit divided by it when positive, multiplied when negative), for all `rows` at once."""
     row_ids = torch.tensor([i for i in rows for _ in outputs[i]])
     token_ids = torch.tensor([t for i in rows for t in outputs[i]])
     counts = torch.zeros_like(logits).index_put_((row_ids, token_ids), torch.ones(len(token_ids)), accumulate=True)
+    seen = counts > 0
     freq = torch.tensor([params[i].frequency_penalty if i in rows else 0.0 for i in range(len(params))])
     pres = torch.tensor([params[i].presence_penalty if i in rows else 0.0 for i in range(len(params))])
-    return logits - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0)
+    rep = torch.tensor([params[i].repetition_penalty if i in rows else 1.0 for i in range(len(params))]).unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * seen
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def _apply_grammars(logits: torch.Tensor, rows: list[int], grammars: list[GrammarState | None]) -> torch.Tensor:
+    """Every token a row's grammar does not allow next gets -inf, for all constrained `rows` at once."""
+    words = grammars[rows[0]].words
+    bits = torch.zeros(len(rows), words, dtype=torch.int32)
+    for j, i in enumerate(rows):
+        grammars[i].fill_mask(bits[j].data_ptr())
+    allowed = ((bits.unsqueeze(-1) >> _BIT) & 1).view(len(rows), words * 32)[:, : logits.shape[1]].bool()
+    index = torch.tensor(rows)
+    return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
 
 
 def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -8,7 +8,9 @@ import time
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling import SamplingParams, TokenLogprob
+from engine.grammar import GrammarState
+from engine.params import SamplingParams
+from engine.sampling import TokenLogprob
 
 
 class SeqStatus(enum.Enum):
@@ -36,6 +38,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.detok: IncrementalDetokenizer | None = None  # set by the engine, which has the tokenizer
+        self.grammar: GrammarState | None = None  # set by the engine when the output follows a grammar
         self.preemptions = 0
         self.hold_blocks = False
         self.arrival = time.monotonic()

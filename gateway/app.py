@@ -1,24 +1,24 @@
-"""The FastAPI application: OpenAI-compatible endpoints over the tandem bus.
+"""The FastAPI application: the routes of the OpenAI-compatible API over the tandem bus.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
-(and ``/v1/models/{id}``), ``GET /health`` (the process is up), ``GET /ready`` (NATS is
-connected and a decode-capable worker of the model reported within ``alive_after``
-seconds), ``GET /metrics`` (Prometheus), ``/openapi.json``.
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
+``/v1/models/{id}``), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), ``GET /health``
+(the process is up), ``GET /ready`` (NATS is connected and a decode-capable worker of the model
+reported within ``alive_after`` seconds), ``GET /metrics`` (Prometheus), ``/openapi.json``.
 
-A streamed response starts only after every choice produced its first message (or
-``stream_start_wait`` passed), so errors a worker finds at once (unknown
-``target_endpoint``, no capacity) still arrive as an HTTP status; later ones arrive as an
-SSE error event, followed by ``data: [DONE]``. A client that goes away cancels its
-requests on the bus.
+Each route is short: the body is validated and turned into jobs by ``gateway.prepare``, run on the
+bus by ``gateway.run``, and printed by ``gateway.responses``. A streamed response starts only after
+every choice produced its first message (or ``STREAM_START_WAIT`` passed), so errors a worker finds
+at once (unknown ``target_endpoint``, no capacity) still arrive as an HTTP status; later ones arrive
+as an SSE error event, followed by ``data: [DONE]``. A client that goes away cancels its requests on
+the bus.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import secrets
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -28,15 +28,18 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bus.connection import BusOptions
 from bus.subjects import Subjects
 from gateway.bus_client import GatewayBus
 from gateway.errors import OpenAIError, install_handlers
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.front_door import FrontDoor
+from gateway.prepare import Prepared, chat_messages, prepare_chat, prepare_completion, render_chat, tool_set
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway.responses import DONE, StreamFormatter, chat_body, completion_body, sse
 from gateway.router import WorkerRegistry
-from gateway.service import Event, Gateway, Prepared, Run
+from gateway.run import Event, Run
+from gateway.service import Gateway
 from gateway.textmodel import TextModel, load_text_model
 from runtime.metrics import GatewayMetrics
 from runtime.settings import GatewayConfig
@@ -47,66 +50,8 @@ T = TypeVar("T")
 
 #: how long a streamed response waits for every choice's first message before sending headers
 STREAM_START_WAIT = 20.0
-_ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions"})
-
-
-class _FrontDoor:
-    """Pure ASGI middleware every /v1 request passes: API key, body size, then request metrics.
-
-    Why here and not in a route dependency: FastAPI parses the body before dependencies run,
-    so a client without a key would learn about its JSON before hearing 401. Pure ASGI also
-    leaves streaming and disconnect detection alone.
-    """
-
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body_bytes: int, api_keys: tuple[str, ...]) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
-        self.api_keys = [k.encode() for k in api_keys]
-
-    def _refuse(self, headers: dict[bytes, bytes]) -> OpenAIError | None:
-        if self.api_keys:
-            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            token = token.strip()
-            if scheme.lower() != "bearer" or not token:
-                return OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-            if not any(secrets.compare_digest(token.encode("latin-1"), k) for k in self.api_keys):
-                return OpenAIError(401, "incorrect API key provided", code="invalid_api_key")
-        length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            return OpenAIError(413, f"the request body is over {self.max_body_bytes} bytes", code="request_too_large")
-        return None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        if not path.startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        status = [500]
-
-        async def send_status(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        t0 = time.perf_counter()
-        try:
-            refused = self._refuse(dict(scope.get("headers") or []))
-            if refused is not None:
-                await refused.response()(scope, receive, send_status)
-                return
-            await self.app(scope, receive, send_status)
-        finally:
-            if path.startswith("/v1/models/"):
-                endpoint = "/v1/models/{id}"
-            else:  # one label per route, not per path a client made up
-                endpoint = path if path in _ROUTES else "other"
-            self.metrics.requests.labels(endpoint, str(status[0])).inc()
-            self.metrics.e2e.labels(endpoint).observe(time.perf_counter() - t0)
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+#: a client's X-Request-Id names the jobs when it is a plain token (it becomes part of NATS subjects)
+_JOB_SAFE = re.compile(r"^[A-Za-z0-9_-]{1,96}$")
 
 
 def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
@@ -136,11 +81,6 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
                 await pruner
             await bus.close()
 
-    async def _prune(registry: WorkerRegistry) -> None:
-        while True:
-            await asyncio.sleep(5.0)
-            registry.prune()
-
     app = FastAPI(
         title="tandem gateway",
         description="OpenAI-compatible API over prefill/decode workers on NATS",
@@ -148,14 +88,13 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_handlers(app)
+    app.add_middleware(FrontDoor, metrics=metrics, max_body_bytes=config.max_body_bytes, api_keys=config.api_keys)
 
     def gateway() -> Gateway:
         gw = state.get("gw")
         if gw is None:
             raise OpenAIError(503, "the gateway is starting", code="starting", retry_after=1)
         return gw
-
-    app.add_middleware(_FrontDoor, metrics=metrics, max_body_bytes=config.max_body_bytes, api_keys=config.api_keys)
 
     # ---- plain endpoints ---------------------------------------------------------------
     @app.get("/health", summary="the process is up")
@@ -195,11 +134,12 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
 
     def _model_card(gw: Gateway) -> dict[str, Any]:
         return {
-            "id": gw.text.name,
+            "id": gw.served_name,
             "object": "model",
             "created": gw.created,
             "owned_by": "tandem",
             "max_model_len": gw.text.max_position,
+            "sampling_defaults": gw.sampling_defaults,
         }
 
     @app.get("/v1/models", summary="the served model")
@@ -212,34 +152,73 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
         gw.check_model(model_id)
         return _model_card(gw)
 
+    # ---- tokenizer ---------------------------------------------------------------------
+    @app.post("/tokenize", summary="token ids of a prompt or of chat messages (vLLM's shape)")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        gw = gateway()
+        if body.model is not None:
+            gw.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "send either prompt or messages", param="prompt", code="invalid_value")
+        if body.messages is not None:
+            chat = ChatCompletionRequest(model=gw.text.name, messages=body.messages, tools=body.tools)
+            prompt = render_chat(gw, chat_messages(chat), tool_set(chat), body.add_generation_prompt)
+        else:
+            prompt = body.prompt
+        ids = await asyncio.to_thread(gw.text.tokenizer.encode, prompt)
+        strs = [gw.token_bytes(t)[0] for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": gw.text.max_position, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize", summary="the text of token ids (vLLM's shape)")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        gw = gateway()
+        if body.model is not None:
+            gw.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < gw.text.vocab_size]
+        if bad:
+            raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens", code="invalid_value")
+        return {"prompt": gw.text.tokenizer.decode(body.tokens, skip_special=False)}
+
     # ---- completions -------------------------------------------------------------------
     @app.post("/v1/chat/completions", summary="chat completion")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gw = gateway()
         gw.check_accepting()
-        prep = await gw.prepare_chat(body, _target(body.target_endpoint, request), gw.timeout_of(
-            request.headers.get("x-request-timeout")))
+        prep = await prepare_chat(gw, body, _target(body.target_endpoint, request),
+                                  gw.timeout_of(request.headers.get("x-request-timeout")))
         return await _serve(gw, prep, request, f"chatcmpl-{uuid.uuid4().hex}")
 
     @app.post("/v1/completions", summary="text completion")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gw = gateway()
         gw.check_accepting()
-        prep = await gw.prepare_completion(body, _target(body.target_endpoint, request), gw.timeout_of(
-            request.headers.get("x-request-timeout")))
+        prep = await prepare_completion(gw, body, _target(body.target_endpoint, request),
+                                        gw.timeout_of(request.headers.get("x-request-timeout")))
         return await _serve(gw, prep, request, f"cmpl-{uuid.uuid4().hex}")
 
     def _target(body_value: str | None, request: Request) -> str | None:
         return body_value or request.headers.get("x-target-endpoint") or None
 
+    def _client_id(request: Request, rid: str) -> tuple[str, str]:
+        """(the X-Request-Id answered, the prefix of the jobs' ids): the client's id when it sent one
+        (its jobs get a short random part too, so two requests reusing an id never share a job id)."""
+        given = request.headers.get("x-request-id", "").strip()
+        if not given:
+            return rid, rid
+        if _JOB_SAFE.match(given):
+            return given, f"{given}-{uuid.uuid4().hex[:6]}"
+        log.info("X-Request-Id %r cannot name bus subjects; its jobs are named %s", given, rid)
+        return given, rid
+
     async def _serve(gw: Gateway, prep: Prepared, request: Request, rid: str) -> Response:
-        run = Run(gw, prep, rid)
+        header_id, jobs_id = _client_id(request, rid)
+        run = Run(gw, prep, jobs_id)
         try:
             await run.start()
         except BaseException:
             run.close("dispatch failed")
             raise
-        headers = {"X-Request-Id": rid}
+        headers = {"X-Request-Id": header_id}
         if prep.stream:
             return await _stream(gw, run, request, rid, headers)
         try:
@@ -249,7 +228,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
             raise
         run.close("done")
         _observe(run)
-        body = _chat_body(gw, run, rid) if prep.kind == "chat" else _completion_body(gw, run, rid)
+        body = chat_body(gw.token_bytes, run, rid) if prep.kind == "chat" else completion_body(gw.token_bytes, run, rid)
         # where each choice ran (debugging, tests): decode worker and how its prompt was prefilled
         headers["X-Tandem-Decode-Worker"] = ",".join(j.decode_worker for j in run.jobs)
         headers["X-Tandem-Prefill"] = ",".join(j.prefill for j in run.jobs)
@@ -285,7 +264,6 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
 
     # ---- streaming ---------------------------------------------------------------------
     async def _stream(gw: Gateway, run: Run, request: Request, rid: str, headers: dict[str, str]) -> Response:
-        prep = run.prep
         buffered: list[Event] = []
 
         async def first_events() -> None:
@@ -307,56 +285,15 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
         except BaseException:
             run.close("failed before streaming")
             raise
-        created = int(time.time())
-        chat = prep.kind == "chat"
-
-        def chunk(choices: list[dict[str, Any]], usage: Any = None, with_usage: bool = True) -> str:
-            obj: dict[str, Any] = {
-                "id": rid,
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created,
-                "model": prep.model,
-                "choices": choices,
-            }
-            if prep.include_usage and with_usage:
-                obj["usage"] = usage
-            return _sse(obj)
-
-        def render(ev: Event) -> str | None:
-            j = ev.job
-            if ev.kind == "tokens":
-                if not ev.text and not (prep.logprobs and ev.logprobs):
-                    return None
-                lp = None
-                if prep.logprobs and ev.logprobs is not None:
-                    if chat:
-                        lp = gw.chat_logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs or [])
-                    else:
-                        offset = len(prep.prompt_texts[j.prompt_index]) if prep.echo else 0
-                        lp = gw.completion_logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs or [],
-                                                    offset + len(j.text) - len(ev.text), prep.top_logprobs > 0)
-                if chat:
-                    return chunk([{"index": j.index, "delta": {"content": ev.text}, "logprobs": lp,
-                                   "finish_reason": None}])
-                return chunk([{"index": j.index, "text": ev.text, "logprobs": lp, "finish_reason": None}])
-            if chat:
-                delta = {"content": ev.text} if ev.text else {}
-                return chunk([{"index": j.index, "delta": delta, "logprobs": None, "finish_reason": j.finish_reason}])
-            return chunk([{"index": j.index, "text": ev.text, "logprobs": None, "finish_reason": j.finish_reason}])
+        out = StreamFormatter(gw.token_bytes, run, rid)
 
         async def body() -> AsyncIterator[str]:
             try:
-                for j in run.jobs:
-                    if chat:
-                        yield chunk([{"index": j.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
-                    elif prep.echo:
-                        yield chunk([{"index": j.index, "text": prep.prompt_texts[j.prompt_index],
-                                      "logprobs": None, "finish_reason": None}])
+                for line in out.opening():
+                    yield line
                 for ev in buffered:
-                    out = render(ev)
-                    if out:
-                        yield out
+                    for line in out.render(ev):
+                        yield line
                 while not run.finished:
                     try:
                         ev = await run.next_event(idle=gw.config.sse_keepalive)
@@ -367,19 +304,17 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
                             log.exception("stream %s crashed after it started", rid)
                         log.info("stream %s failed after it started: %s %s", rid, err.status, err.message)
                         metrics.stream_errors.labels(err.code or str(err.status)).inc()
-                        yield err.sse()
-                        yield "data: [DONE]\n\n"
+                        yield sse(err.body())
+                        yield DONE
                         return
                     if ev is None:
                         yield ": keep-alive\n\n"
                         continue
-                    out = render(ev)
-                    if out:
-                        yield out
-                if prep.include_usage:
-                    yield chunk([], usage=run.usage())
+                    for line in out.render(ev):
+                        yield line
                 _observe(run)
-                yield "data: [DONE]\n\n"
+                for line in out.closing():
+                    yield line
             finally:
                 # normal end, error, or the client went away (this task is cancelled): never awaits
                 run.close("client disconnected" if not run.finished else "done")
@@ -393,54 +328,15 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
     return app
 
 
+async def _prune(registry: WorkerRegistry) -> None:
+    while True:
+        await asyncio.sleep(5.0)
+        registry.prune()
+
+
 async def _disconnected(request: Request) -> None:
     """Return when the client disconnects (the body has been read, so receive() waits for that)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def _chat_body(gw: Gateway, run: Run, rid: str) -> dict[str, Any]:
-    prep = run.prep
-    choices = []
-    for j in run.jobs:
-        lp = None
-        if prep.logprobs:
-            lp = gw.chat_logprobs(j.token_ids[: len(j.logprobs)], j.logprobs, j.top_logprobs)
-        choices.append({
-            "index": j.index,
-            "message": {"role": "assistant", "content": j.text, "refusal": None},
-            "logprobs": lp,
-            "finish_reason": j.finish_reason,
-        })
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": prep.model,
-        "choices": choices,
-        "usage": run.usage(),
-        "system_fingerprint": None,
-    }
-
-
-def _completion_body(gw: Gateway, run: Run, rid: str) -> dict[str, Any]:
-    prep = run.prep
-    choices = []
-    for j in run.jobs:
-        prefix = prep.prompt_texts[j.prompt_index] if prep.echo else ""
-        lp = None
-        if prep.logprobs:
-            lp = gw.completion_logprobs(j.token_ids[: len(j.logprobs)], j.logprobs, j.top_logprobs,
-                                        len(prefix), prep.top_logprobs > 0)
-        choices.append({"index": j.index, "text": prefix + j.text, "logprobs": lp, "finish_reason": j.finish_reason})
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": prep.model,
-        "choices": choices,
-        "usage": run.usage(),
-        "system_fingerprint": None,
-    }

@@ -3,12 +3,11 @@
 Why one module: every failure — a bad field, an unknown model, a full queue, a worker's
 StreamError, a passed deadline — must reach the client in the same shape the ``openai``
 client parses, as an HTTP status before streaming starts and as an SSE ``error`` event
-after. ``Retry-After`` travels with 429 and 503.
+after (``gateway.responses.sse`` of :meth:`OpenAIError.body`). ``Retry-After`` travels with 429 and 503.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -76,10 +75,6 @@ class OpenAIError(Exception):
     def response(self) -> JSONResponse:
         """The HTTP response of this error."""
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
-
-    def sse(self) -> str:
-        """The same error as one server-sent event (after streaming started)."""
-        return f"data: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

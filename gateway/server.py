@@ -31,16 +31,19 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``tandem gateway`` flags to ``p`` and make it run :func:`main`."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--model", default=None, help="model alias, .gguf file or HF directory (TANDEM_MODEL)")
-    p.add_argument("--nats-url", default=None, help="NATS server URL(s), comma-separated (TANDEM_NATS_URL)")
+    p.add_argument("--model", default=None,
+                   help="model alias, .gguf file or HF directory (TANDEM_MODEL; default smollm2-135m-instruct)")
+    p.add_argument("--nats-url", default=None, help="NATS server URL(s), comma-separated (TANDEM_NATS_URL; default nats://127.0.0.1:4222)")
     p.add_argument("--namespace", default=None, help="subject namespace (TANDEM_NAMESPACE, default tandem)")
     p.add_argument("--gateway-id", default=None, help="id in stream subjects (default gw-<random>)")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="default request deadline in seconds (TANDEM_REQUEST_TIMEOUT, default 600)")
     p.add_argument("--served-model-name", action="append", default=None,
-                   help="another name the model answers to (repeatable)")
+                   help="a name the model answers to, the first one also in /v1/models (repeatable; default: "
+                        "the model's own name)")
     p.add_argument("--queue-when-no-workers", action="store_true", default=None,
-                   help="queue requests on the pool even when no worker is alive (scale from zero)")
+                   help="queue requests on the pool even when no worker is alive (scale from zero; "
+                        "TANDEM_GATEWAY_QUEUE_WHEN_NO_WORKERS; default off: 503)")
     p.add_argument("--drain-timeout", type=float, default=None,
                    help="SIGTERM: seconds running requests get to finish before they end with an error "
                         "(TANDEM_GATEWAY_DRAIN_TIMEOUT, default 30)")
@@ -50,8 +53,31 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--migration-limit", type=int, default=None,
                    help="times a request may move to another decode worker when its worker dies after tokens "
                         "were sent (TANDEM_GATEWAY_MIGRATION_LIMIT, default 1; 0: never, it fails with 503)")
+    add_sampling_default_flags(p)
     p.set_defaults(func=main)
     return p
+
+
+#: --default-<name> flags: the sampling a request gets when it leaves the field out
+SAMPLING_FLAGS = (("temperature", float), ("top_p", float), ("top_k", int), ("repetition_penalty", float))
+
+
+def add_sampling_default_flags(p: argparse.ArgumentParser) -> None:
+    """``--default-temperature`` etc., shared by ``tandem gateway`` and ``tandem up``."""
+    for name, kind in SAMPLING_FLAGS:
+        p.add_argument(f"--default-{name.replace('_', '-')}", type=kind, default=None,
+                       help=f"{name} of a request that leaves it out (default: the model's own, from its "
+                            "generation_config.json or, for the built-in model, its card)")
+
+
+def sampling_default_args(args: argparse.Namespace) -> list[str]:
+    """The ``--default-*`` flags given, as command-line words (``tandem up`` passes them to the gateway)."""
+    out: list[str] = []
+    for name, _ in SAMPLING_FLAGS:
+        value = getattr(args, f"default_{name}", None)
+        if value is not None:
+            out += [f"--default-{name.replace('_', '-')}", str(value)]
+    return out
 
 
 def gateway_server(app: Any, config: Any, **uvicorn_kw: Any) -> Any:
@@ -111,7 +137,7 @@ async def drain_then_exit(app: Any, timeout: float, server: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the gateway until SIGINT/SIGTERM; 2 on a configuration error, 3 when start-up fails."""
-    from engine.loader import ModelLoadError
+    from engine.model_files import ModelLoadError
     from gateway.app import create_app
     from gateway.textmodel import load_text_model
     from runtime.settings import GatewayConfig
@@ -128,6 +154,7 @@ def main(args: argparse.Namespace) -> int:
             drain_timeout=args.drain_timeout,
             max_queue_wait=args.max_queue_wait,
             migration_limit=args.migration_limit,
+            **{f"default_{name}": getattr(args, f"default_{name}") for name, _ in SAMPLING_FLAGS},
         )
         text = load_text_model(config.model)
     except (ValueError, ModelLoadError) as e:
@@ -140,8 +167,10 @@ def main(args: argparse.Namespace) -> int:
         log_level=level if level in ("critical", "error", "warning", "info", "debug") else "warning",
         timeout_graceful_shutdown=5, access_log=False,
     )
+    defaults = {**text.sampling_defaults, **config.sampling_overrides()}
+    said = ", ".join(f"{k} {v:g}" for k, v in defaults.items()) or "none"
     print(f"tandem gateway {config.gateway_id}: http://{args.host}:{args.port}/v1 (model {text.name}, "
-          f"NATS {config.nats_url})", file=sys.stderr, flush=True)
+          f"NATS {config.nats_url}; sampling defaults: {said})", file=sys.stderr, flush=True)
     server.run()
     if not server.started:
         print("error: the gateway failed to start (see the log above)", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 Why: the gateway tokenizes and applies the chat template itself (so it can route by prefix
 and refuse over-long prompts before any worker is bothered), but it must never load or
-dequantize weights. `engine.loader.load_text` reads the same metadata the workers use, cached
+dequantize weights. `engine.model_files.load_text` reads the same metadata the workers use, cached
 as JSON after the first parse.
 """
 
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine.chat_template import ChatTemplate
-from engine.loader import load_text, model_name
+from engine.model_files import load_text, model_name
 from engine.tokenizer import TextTokenizer
 
 log = logging.getLogger("tandem.gateway.textmodel")
@@ -33,6 +34,8 @@ class TextModel:
     vocab_size: int
     load_seconds: float = 0.0
     from_cache: bool = False
+    #: sampling the model recommends (SamplingParams field -> value) for requests that leave a field out
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def load_text_model(spec: str) -> TextModel:
@@ -40,7 +43,8 @@ def load_text_model(spec: str) -> TextModel:
     t0 = time.perf_counter()
     text = load_text(spec)
     tm = TextModel(model_name(spec), spec, text.path, text.tokenizer, text.chat_template,
-                   text.config.max_position, text.config.vocab_size, time.perf_counter() - t0, text.from_cache)
+                   text.config.max_position, text.config.vocab_size, time.perf_counter() - t0, text.from_cache,
+                   dict(text.sampling_defaults))
     log.info(
         "text model %s: vocab %d, context %d, loaded in %.2fs%s",
         tm.name, tm.vocab_size, tm.max_position, tm.load_seconds, " (cached)" if tm.from_cache else "",

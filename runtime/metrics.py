@@ -6,7 +6,7 @@ a metric that does not apply to a role simply stays at zero there.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -84,9 +84,3 @@ def observe_transfer(engine: str, nbytes: int, seconds: float) -> None:
     TRANSFER_SECONDS.labels(engine).observe(seconds)
     if seconds > 0:
         TRANSFER_RATE.labels(engine).set(nbytes / seconds)
-
-
-def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
-    """Expose /metrics on `port` (0: no server) from a background thread."""
-    if port:
-        start_http_server(port, addr=host, registry=REGISTRY)

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from bus.subjects import check_token
-from engine.loader import DEFAULT_MODEL
-from engine.quant import QUANTIZATIONS
+from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS
 from runtime.placement import check_device, format_cpus, parse_cpus
 
 ROLES = ("prefill_and_decode", "prefill_only", "decode_only")
@@ -23,7 +22,8 @@ class Settings:
     worker_id: str = ""
     namespace: str = "tandem"
     nats_url: str = "nats://127.0.0.1:4222"
-    metrics_port: int = 0  # 0: no metrics server
+    metrics_port: int = 0  # 0: no metrics server (/metrics, /health, /ready)
+    metrics_host: str = "0.0.0.0"  # where it listens (tandem up: the gateway's host, 127.0.0.1 by default)
     # this worker's address as peers see it (metrics URL, KV over TCP); "" = the TCP bind host,
     # or this machine's hostname when that is 0.0.0.0 (containers: the name peers resolve)
     advertise_host: str = ""
@@ -185,6 +185,17 @@ class GatewayConfig:
     max_queue_wait: float = 30.0
     #: times a request may move to another decode worker when its worker dies after tokens were sent
     migration_limit: int = 1
+    #: sampling for requests that leave a field out; None: the model's own default (generation_config.json)
+    default_temperature: float | None = None
+    default_top_p: float | None = None
+    default_top_k: int | None = None
+    default_repetition_penalty: float | None = None
+
+    def sampling_overrides(self) -> dict[str, float]:
+        """The ``--default-*`` flags given, by SamplingParams field."""
+        flags = {"temperature": self.default_temperature, "top_p": self.default_top_p,
+                 "top_k": self.default_top_k, "repetition_penalty": self.default_repetition_penalty}
+        return {k: v for k, v in flags.items() if v is not None}
 
     def __post_init__(self) -> None:
         check_token(self.gateway_id, "gateway id")

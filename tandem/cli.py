@@ -7,25 +7,27 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
-from engine.loader import DEFAULT_MODEL, ModelLoadError
-from engine.quant import QUANTIZATIONS
+from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS, ModelLoadError
+from runtime.settings import ROLES, Settings
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="alias, .gguf file or Hugging Face directory")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"alias, .gguf file or Hugging Face directory (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="activations and KV cache (default float32)")
     p.add_argument("--quantization", default=os.environ.get("TANDEM_QUANTIZATION", "auto"),
                    choices=QUANTIZATIONS, help="how the weights are held (TANDEM_QUANTIZATION; default auto)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.engine import EngineConfig, LLMEngine
     from engine.loader import load_model
-    from engine.sampling import SamplingParams
+    from engine.params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
@@ -83,58 +85,67 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "WARNING"),
-                        help="DEBUG, INFO, WARNING or ERROR (TANDEM_LOG_LEVEL)")
-    parser.add_argument("--log-format", default=os.environ.get("TANDEM_LOG_FORMAT", "text"), choices=["text", "json"])
+                        help="DEBUG, INFO, WARNING or ERROR (TANDEM_LOG_LEVEL; default WARNING)")
+    parser.add_argument("--log-format", default=os.environ.get("TANDEM_LOG_FORMAT", "text"), choices=["text", "json"],
+                        help="one line per event as text or JSON (TANDEM_LOG_FORMAT; default text)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion locally (no server)")
-    g.add_argument("message")
+    g.add_argument("message", help="the user message (or, with --raw, the whole prompt)")
     _add_model_args(g)
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--num-blocks", type=int, default=512)
-    g.add_argument("--raw", action="store_true", help="send MESSAGE as-is, without the chat template")
-    g.add_argument("--json", action="store_true", help="print prompt/output ids, text and finish reason as JSON")
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the draws (default: none, unseeded)")
+    g.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks of 16 tokens (default 512)")
+    g.add_argument("--raw", action="store_true",
+                   help="send MESSAGE as-is, without the chat template (default: through the template)")
+    g.add_argument("--json", action="store_true",
+                   help="print prompt/output ids, text and finish reason as JSON (default: the text as it comes)")
     g.set_defaults(func=cmd_generate)
 
     sv = sub.add_parser("serve", help="run one worker (a pipeline role) on the bus")
-    sv.add_argument("--pipeline-role", dest="role", default=None,
-                    choices=["prefill_and_decode", "prefill_only", "decode_only"])
-    sv.add_argument("--model", default=None)
-    sv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="activations and KV cache (TANDEM_DTYPE; default float32)")
-    sv.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                    help="how the weights are held (TANDEM_QUANTIZATION; default auto: a GGUF's own Q4_0/Q4_1 "
-                         "as int4, its other quantized types as int8, float weights dense)")
-    sv.add_argument("--device", default=None, help="cpu, cuda or cuda:N (TANDEM_DEVICE)")
-    sv.add_argument("--cpus", default=None,
-                    help="pin this worker to these cores, e.g. 0 or 2-3 (TANDEM_CPUS); its torch threads "
-                         "default to their count")
-    sv.add_argument("--threads", type=int, default=None,
-                    help="torch threads (TANDEM_THREADS; default: one per --cpus core, else torch's default)")
-    sv.add_argument("--nats-url", default=None)
-    sv.add_argument("--namespace", default=None)
-    sv.add_argument("--worker-id", default=None)
-    sv.add_argument("--metrics-port", type=int, default=None)
-    sv.add_argument("--advertise-host", default=None, help="this worker's address as peers see it")
-    sv.add_argument("--kv-tcp-host", default=None, help="TCP KV engine listen address (default 127.0.0.1)")
-    sv.add_argument("--max-batch", type=int, default=None)
-    sv.add_argument("--num-blocks", type=int, default=None)
-    sv.add_argument("--block-size", type=int, default=None)
-    sv.add_argument("--max-step-tokens", type=int, default=None)
-    sv.add_argument("--kv-transfer", default=None, choices=["auto", "nixl", "shm", "tcp", "cuda_ipc"])
-    sv.add_argument("--nixl-backend", default=None, choices=["ucx", "libfabric", "uccl"])
-    sv.add_argument("--local-prefill-max-tokens", type=int, default=None)
-    sv.add_argument("--remote-prefill-fallback", default=None, choices=["local", "error"])
-    sv.add_argument("--prefill-timeout", type=float, default=None)
-    sv.add_argument("--drain-timeout", type=float, default=None,
-                    help="SIGTERM: seconds to finish in-flight requests before leaving (default 30)")
-    sv.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false", default=None)
-    sv.add_argument("--layerwise-transfer", default=None, choices=["auto", "on", "off"],
-                    help="prefill: send each layer's KV while the next computes (auto: unless the peer is "
-                         "reached through same-host shared memory)")
+    d = Settings()
+
+    def opt(flag: str, what: str, **kw: Any) -> None:
+        """A serve flag: None means the TANDEM_* variable, else the settings' default (said in its help)."""
+        name = kw.pop("dest", flag.lstrip("-").replace("-", "_"))
+        default = getattr(d, name)
+        shown = kw.pop("shown", None) or (f"{default}" if default not in ("", 0) or isinstance(default, float)
+                                           else "none")
+        sv.add_argument(flag, dest=name, default=None, help=f"{what} (TANDEM_{name.upper()}; default {shown})", **kw)
+
+    opt("--pipeline-role", "the worker's role", dest="role", choices=list(ROLES))
+    opt("--model", "alias, .gguf file or Hugging Face directory")
+    opt("--dtype", "activations and KV cache", choices=["float32", "bfloat16", "float16"])
+    opt("--quantization", "how the weights are held: auto keeps a GGUF's own Q4_0/Q4_1 as int4, its other "
+        "quantized types as int8, float weights dense", choices=QUANTIZATIONS)
+    opt("--device", "cpu, cuda or cuda:N")
+    opt("--cpus", "pin this worker to these cores, e.g. 0 or 2-3; its torch threads default to their count",
+        shown="any core")
+    opt("--threads", "torch threads", type=int, shown="one per --cpus core, else torch's default")
+    opt("--nats-url", "NATS server URL(s), comma-separated")
+    opt("--namespace", "subject namespace")
+    opt("--worker-id", "this worker's id on the bus", shown="<role>-<random>")
+    opt("--metrics-port", "port of /metrics, /health and /ready", type=int, shown="0: none")
+    opt("--metrics-host", "address that port listens on (tandem up: the gateway's --host)")
+    opt("--advertise-host", "this worker's address as peers see it", shown="the --kv-tcp-host, or the hostname")
+    opt("--kv-tcp-host", "TCP KV engine listen address")
+    opt("--max-batch", "most sequences decoding at once", type=int)
+    opt("--num-blocks", "KV cache blocks", type=int)
+    opt("--block-size", "tokens per KV block", type=int)
+    opt("--max-step-tokens", "most tokens one engine step computes (prefill chunks)", type=int)
+    opt("--kv-transfer", "how KV bytes move to a peer", choices=["auto", "nixl", "shm", "tcp", "cuda_ipc"])
+    opt("--nixl-backend", "NIXL's transport", choices=["ucx", "libfabric", "uccl"])
+    opt("--local-prefill-max-tokens", "decode_only: prefill locally at or below this many uncached tokens", type=int)
+    opt("--remote-prefill-fallback", "after two failed remote prefills: prefill locally, or fail",
+        choices=["local", "error"])
+    opt("--prefill-timeout", "seconds a decode worker waits for a remote prefill", type=float)
+    opt("--drain-timeout", "SIGTERM: seconds to finish in-flight requests before leaving", type=float)
+    sv.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false", default=None,
+                    help="turn the prefix cache off (TANDEM_ENABLE_PREFIX_CACHE; default on)")
+    opt("--layerwise-transfer", "prefill: send each layer's KV while the next computes (auto: unless the peer is "
+        "reached through same-host shared memory)", choices=["auto", "on", "off"])
     sv.set_defaults(func=cmd_serve)
 
     from bus.server import build_parser as nats_parser
@@ -167,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _SERVE_FIELDS = ("role", "model", "dtype", "quantization", "device", "cpus", "threads", "nats_url", "namespace", "worker_id",
-                 "metrics_port", "advertise_host", "kv_tcp_host",
+                 "metrics_port", "metrics_host", "advertise_host", "kv_tcp_host",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
                  "local_prefill_max_tokens", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",
                  "layerwise_transfer", "drain_timeout")
@@ -175,7 +186,6 @@ _SERVE_FIELDS = ("role", "model", "dtype", "quantization", "device", "cpus", "th
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from actors.serve import serve
-    from runtime.settings import Settings
 
     try:
         settings = Settings.from_env(**{f: getattr(args, f) for f in _SERVE_FIELDS})

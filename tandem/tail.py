@@ -31,7 +31,7 @@ TERMINAL_KINDS = frozenset({"stream_finish", "stream_error"})
 
 def load_tokenizer(model: str) -> Any:
     """The model's tokenizer alone (no weights; cached metadata after the first load)."""
-    from engine.loader import load_text
+    from engine.model_files import load_text
 
     return load_text(model).tokenizer
 
@@ -212,7 +212,7 @@ async def _run(args: argparse.Namespace) -> int:
     subject = args.subject or f"{namespace}.>"
     decode = None
     if args.decode:
-        from engine.loader import DEFAULT_MODEL, ModelLoadError
+        from engine.model_files import DEFAULT_MODEL, ModelLoadError
 
         model = args.model or os.environ.get("TANDEM_MODEL") or DEFAULT_MODEL
         try:

@@ -36,6 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from gateway.server import add_sampling_default_flags, sampling_default_args
 from runtime.placement import WorkerPlacement, available_cpus, format_cpus, plan_layout
 from runtime.processes import ChildError, ChildProcess, GiveUp, RestartPolicy, Supervisor, stop_all
 
@@ -57,28 +58,32 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=None, help="prefill_only workers (default 1; none with --aggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--aggregated", action="store_true",
-                   help="run --decode prefill_and_decode workers and no prefill workers")
-    p.add_argument("--nats-url", default=None, help="join this NATS instead of starting an embedded one")
+                   help="run --decode prefill_and_decode workers and no prefill workers (default off: disaggregated)")
+    p.add_argument("--nats-url", default=None, help="join this NATS instead of starting an embedded one (default: an embedded nats-server -js)")
     p.add_argument("--nats-port", type=int, default=DEFAULT_NATS_PORT,
                    help="embedded NATS client port (default 4222; a free one if busy; 0 = any)")
+    p.add_argument("--nats-monitor-port", type=int, default=None,
+                   help="embedded NATS: serve its monitoring (/varz, /jsz: what KEDA's JetStream scaler reads) "
+                        "on this port (default: off)")
     p.add_argument("--namespace", default=None, help="subject namespace (TANDEM_NAMESPACE, default tandem)")
     p.add_argument("--metrics-port-base", type=int, default=DEFAULT_METRICS_BASE,
                    help="workers get the first free metrics ports from here (default 9400; 0 = any free)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="activations and KV cache of the workers (TANDEM_DTYPE; default float32)")
     p.add_argument("--quantization", default=None, choices=["none", "fp16", "int8", "int4", "auto"],
                    help="how workers hold the weights (TANDEM_QUANTIZATION; default auto: the GGUF's own)")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] for the workers")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] for the workers (default cpu)")
     p.add_argument("--prefill-cpus", default=None,
                    help="cores for the prefill workers, e.g. 0 or 0-3, split among them (default: see --no-pin)")
     p.add_argument("--decode-cpus", default=None,
-                   help="cores for the decode (or --aggregated) workers, split among them")
-    p.add_argument("--prefill-devices", default=None, help="GPUs for the prefill workers, e.g. cuda:0 (split)")
-    p.add_argument("--decode-devices", default=None, help="GPUs for the decode workers, e.g. cuda:1 (split)")
+                   help="cores for the decode (or --aggregated) workers, split among them (default: see --no-pin)")
+    p.add_argument("--prefill-devices", default=None, help="GPUs for the prefill workers, e.g. cuda:0 (split; default: none, CPU)")
+    p.add_argument("--decode-devices", default=None, help="GPUs for the decode workers, e.g. cuda:1 (split; default: none, CPU)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not give workers their own cores (default on a CPU host: prefill and decode "
                         "workers on disjoint cores when there are enough, one torch thread per core)")
-    p.add_argument("--worker-args", default="", help="extra flags for every `tandem serve`, e.g. '--max-batch 8'")
-    p.add_argument("--gateway-args", default="", help="extra flags for `tandem gateway`, e.g. '--max-queue-wait 10'")
+    p.add_argument("--worker-args", default="", help="extra flags for every `tandem serve`, e.g. '--max-batch 8' (default: none)")
+    p.add_argument("--gateway-args", default="", help="extra flags for `tandem gateway`, e.g. '--max-queue-wait 10' (default: none)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /ready (default 300)")
     p.add_argument("--restart", default="on-failure", choices=["on-failure", "never"],
                    help="restart a child that dies (default on-failure); never: any death stops everything")
@@ -91,8 +96,13 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--stop-timeout", type=float, default=10.0,
                    help="seconds a child gets beyond its drain time after SIGTERM before SIGKILL (default 10)")
     p.add_argument("--ready-file", default=None,
-                   help="write the cluster's URLs and PIDs here as JSON once ready, again after each restart")
-    p.add_argument("--quiet", action="store_true", help="do not echo the children's output")
+                   help="write the cluster's URLs and PIDs here as JSON once ready, again after each restart (default: none)")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="a name the model answers to, the first one also in /v1/models (repeatable; default: "
+                        "the model's own name)")
+    add_sampling_default_flags(p)
+    p.add_argument("--quiet", action="store_true",
+                   help="do not echo the children's output (default: echoed, start-up phases included)")
     p.set_defaults(func=main)
     return p
 
@@ -152,6 +162,7 @@ class Plan:
     gateway_args: list[str]
     placements: dict[str, WorkerPlacement] = field(default_factory=dict)  # worker id -> cores/device
     placement_note: str = ""
+    served_name: str = ""  # what clients call the model: the first --served-model-name, else model_name
 
 
 def _tandem(*args: str) -> list[str]:
@@ -300,7 +311,7 @@ def _gateway_port(args: argparse.Namespace, warn: Callable[[str], None]) -> int:
 
 
 def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None]) -> Plan:
-    from engine.loader import DEFAULT_MODEL, model_name
+    from engine.model_files import DEFAULT_MODEL, model_name
     from runtime.settings import Settings
 
     s = Settings.from_env()
@@ -315,6 +326,9 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         raise UpError("--prefill must not be negative")
     _check_port("--port", args.port)
     _check_port("--nats-port", args.nats_port)
+    _check_port("--nats-monitor-port", args.nats_monitor_port)
+    if args.nats_monitor_port and args.nats_url:
+        raise UpError("--nats-monitor-port is for the embedded NATS; with --nats-url, use that server's monitoring")
     _check_port("--metrics-port-base", args.metrics_port_base, args.decode + prefill)
     for flag, value in (("--drain-timeout", args.drain_timeout), ("--stop-timeout", args.stop_timeout)):
         if not value >= 0:
@@ -345,7 +359,9 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         serve_args += ["--quantization", args.quantization]
     if args.device:
         serve_args += ["--device", args.device]
-    serve_args += ["--drain-timeout", f"{args.drain_timeout:g}", *shlex.split(args.worker_args)]
+    # workers' /metrics, /health and /ready listen where the gateway does (127.0.0.1 by default)
+    serve_args += ["--metrics-host", args.host, "--drain-timeout", f"{args.drain_timeout:g}",
+                   *shlex.split(args.worker_args)]
     return Plan(
         model=model,
         model_name=model_name(model),
@@ -355,9 +371,12 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         workers=[(wid, role, p) for (wid, role), p in zip(specs, ports)],
         serve_args=serve_args,
         gateway_args=["--model", model, "--namespace", namespace, "--host", args.host, "--port", str(port),
-                      "--drain-timeout", f"{args.drain_timeout:g}", *shlex.split(args.gateway_args)],
+                      "--drain-timeout", f"{args.drain_timeout:g}",
+                      *[w for name in args.served_model_name or () for w in ("--served-model-name", name)],
+                      *sampling_default_args(args), *shlex.split(args.gateway_args)],
         placements=placements,
         placement_note=layout.note,
+        served_name=(args.served_model_name or [model_name(model)])[0],
     )
 
 
@@ -384,6 +403,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
     from bus.connection import BusConnectError
     from bus.server import EmbeddedNats, NatsServerError
     from bus.streams import StreamConfigError
+    from engine.model_files import load_text
 
     cluster = Cluster(out, err, args.drain_timeout, args.stop_timeout)
     previous = {s: signal.signal(s, cluster.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -397,13 +417,18 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
         policy = RestartPolicy(mode=args.restart, delay=args.restart_delay, max_delay=args.restart_max_delay)
         own_nats = not args.nats_url
         plan = _plan(args, own_nats, cluster.warn)
+        # 0. the model, once: a bad one is one message here, not one per child
+        text = load_text(plan.model)
+        cluster.say(f"tandem up: model {plan.model_name} ({text.path}): {text.config.num_layers} layers, context "
+                    f"{text.config.max_position}, vocabulary {text.config.vocab_size}")
         # 1. NATS
         if own_nats:
             nport = args.nats_port
             if nport and not port_free(nport):
                 cluster.warn(f"tandem up: port {nport} is busy; the embedded NATS takes a free port instead")
                 nport = 0
-            cluster.nats = EmbeddedNats(port=nport, die_with_parent=True, server_name="nats")
+            cluster.nats = EmbeddedNats(port=nport, die_with_parent=True, server_name="nats",
+                                        monitor_port=args.nats_monitor_port)
             cluster.nats.start()
             nats_url = cluster.nats.url
         else:
@@ -504,11 +529,13 @@ async def _unless_stopped(cluster: Cluster, work: Coroutine[Any, Any, Any], time
 
 
 def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
-    body = json.dumps({"model": plan.model_name,
+    body = json.dumps({"model": plan.served_name,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-    cluster.say(f"tandem is up: model {plan.model_name}")
+    cluster.say(f"tandem is up: model {plan.served_name}")
     cluster.say(f"  OpenAI API  {url}/v1")
     cluster.say(f"  NATS        {nats_url}   (watch: nats sub '{plan.namespace}.>' -s {nats_url})")
+    if cluster.nats is not None and cluster.nats.monitor_url:
+        cluster.say(f"  monitoring  {cluster.nats.monitor_url}/jsz?consumers=true   (what KEDA's scaler reads)")
     for m in cluster.members:
         where = f"metrics :{m.metrics_port}" if m.metrics_port else f"metrics {url}/metrics"
         place = plan.placements[m.name].describe() if m.name in plan.placements else "any core"
@@ -528,7 +555,7 @@ def _write_ready_file(path: Path, cluster: Cluster, plan: Plan, url: str, nats_u
         "url": url,
         "base_url": f"{url}/v1",
         "nats_url": nats_url,
-        "model": plan.model_name,
+        "model": plan.served_name,
         "namespace": plan.namespace,
         "pid": os.getpid(),
         "nats_pid": cluster.nats.pid if cluster.nats is not None else None,

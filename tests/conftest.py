@@ -21,7 +21,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm():
-    from engine.loader import DEFAULT_MODEL, load_model
+    from engine.loader import load_model
+    from engine.model_files import DEFAULT_MODEL
 
     return load_model(DEFAULT_MODEL, "float32")
 

@@ -13,6 +13,7 @@ import pytest
 
 from bench.cluster import Client, start_workers
 from bus.server import EmbeddedNats
+from bus.subjects import Subjects
 from tests.conftest import chat_ids
 
 pytestmark = pytest.mark.timeout(600)
@@ -314,6 +315,41 @@ def test_bad_pool_messages_do_not_stop_intake(cluster, smollm):
     assert "finish" in after, after
 
 
+def test_docs_hand_written_request_twice_and_on_the_wrong_subject(cluster):
+    """docs/nats.md's JSON works as written; sent again with the same request_id it gets a clear 409 on its
+    stream subject (not silence); a generate request published on the prefill pool by mistake is answered.
+    (Before the tests that stop workers: the prefill pool needs a live prefill worker.)"""
+    url, _ = cluster
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    body = json.dumps({"request_id": rid, "stream_subject": f"tandem.stream.me.{rid}",
+                       "prompt": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+                       "sampling": {"max_tokens": 32, "temperature": 0}}).encode()
+
+    async def go():
+        nc = await nats.connect(url)
+        sub = await nc.subscribe(f"tandem.stream.me.{rid}")
+        js = nc.jetstream()
+        s = Subjects("smollm2-135m-instruct")
+        await js.publish(s.generate_pool, body)
+        first = []
+        while not first or first[-1]["kind"] == "stream_tokens":
+            first.append(json.loads((await sub.next_msg(timeout=120)).data))
+        await js.publish(s.generate_pool, body)
+        again = json.loads((await sub.next_msg(timeout=60)).data)
+        wrong_sub = await nc.subscribe("tandem.stream.me.wrong")
+        await js.publish(s.prefill_pool, json.dumps({"request_id": "wrong", "stream_subject": "tandem.stream.me.wrong",
+                                                     "prompt": "hi"}).encode())
+        wrong = json.loads((await wrong_sub.next_msg(timeout=60)).data)
+        await nc.close()
+        return first, again, wrong
+
+    first, again, wrong = run(go())
+    assert first[-1]["kind"] == "stream_finish" and "Paris" in "".join(m.get("text", "") for m in first)
+    assert again["kind"] == "stream_error" and again["code"] == "duplicate_request" and again["status"] == 409
+    assert rid in again["message"] and "new request_id" in again["message"]
+    assert wrong["kind"] == "stream_error" and wrong["status"] == 400 and "generate" in wrong["message"]
+
+
 def test_cancel_that_overtakes_its_queued_request(cluster, smollm):
     """A client gone while its request still sat in the pool: the worker that pulls it drops it."""
     url, _ = cluster
@@ -450,3 +486,4 @@ def test_sigterm_hands_back_a_request_before_its_first_token(cluster, smollm):
     assert admitted["kind"] == "stream_tokens" and admitted["token_ids"] == [] and admitted["worker_id"] == "d2"
     assert after["kind"] == "stream_error" and after["code"] == "handed_back" and after["status"] == 503, after
     assert workers["d2"].proc.wait(60) == 0  # then it leaves cleanly
+

@@ -24,7 +24,7 @@ from bench.datasets import FileDataset, PromptBuilder, SyntheticDataset, is_long
 from bench.loadgen import Load, Options, RequestRecord, Stop, arrival_gaps, chunk_gaps, run_level, send
 from bench.results import SCHEMA, latency_stats, meets, parse_slo, summarize
 from bench.target import Target, identify, normalize_base_url
-from engine.loader import DEFAULT_MODEL, load_text
+from engine.model_files import DEFAULT_MODEL, load_text
 from runtime.placement import available_cpus, format_cpus, plan_layout
 
 pytestmark = pytest.mark.timeout(300)

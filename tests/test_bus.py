@@ -605,11 +605,16 @@ def test_decode_errors_are_clear() -> None:
         m.decode(m.encode(m.Cancel(request_id="r")), m.StreamTokens)
     with pytest.raises(m.MessageError, match="newer"):
         m.decode(b'{"kind":"cancel","v":99,"request_id":"r"}', m.Cancel)
-    with pytest.raises(m.MessageError, match="temperature"):
-        m.decode(b'{"request_id":"r","stream_subject":"s","sampling":{"temperature":-1}}', m.GenerateRequest)
+    with pytest.raises(m.MessageError, match="temperature"):  # types are the bus's check
+        m.decode(b'{"request_id":"r","stream_subject":"s","sampling":{"temperature":"hot"}}', m.GenerateRequest)
+    # ranges are the one schema's own check (engine.params), which the worker runs on what it takes
+    bad = m.decode(b'{"request_id":"r","stream_subject":"s","sampling":{"temperature":-1}}', m.GenerateRequest)
+    with pytest.raises(ValueError, match="temperature") as e:
+        bad.sampling.validate()
+    assert e.value.args[1] == "temperature"
     # hand-written JSON (nats CLI): kind optional for a known type, unknown fields ignored
     req = m.decode(b'{"request_id":"r","prompt":"Hello","stream_subject":"s","extra":1}', m.GenerateRequest)
-    assert req.prompt == "Hello" and req.sampling.max_tokens == 16
+    assert req.prompt == "Hello" and req.sampling.max_tokens == 256
 
 
 def test_raw_subscriber_sees_json_and_request_id_header(server: EmbeddedNats) -> None:

@@ -51,7 +51,7 @@ from bus.subjects import (
     ROLE_PREFILL_ONLY,
     Subjects,
 )
-from engine.loader import DEFAULT_MODEL, model_name
+from engine.model_files import DEFAULT_MODEL, model_name
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -567,6 +567,22 @@ def test_keda_scaled_objects_name_the_codes_streams(k8s: K8s) -> None:
     # from zero: a trigger with activation 0 on the prefill pool, and one on the generate backlog
     prefill_triggers = {t["metadata"]["consumer"] for t in seen[ROLE_PREFILL_ONLY]["spec"]["triggers"]}
     assert prefill_triggers == {PREFILL_CONSUMER, GENERATE_CONSUMER}
+
+
+def test_k8s_workers_probe_health_and_ready_and_keep_the_prewarmed_cache(k8s: K8s) -> None:
+    """Probes ask the worker's own /health and /ready (runtime/health.py); KEDA alone sets the replica
+    count; nothing is mounted over TANDEM_CACHE_DIR, where a PREWARM=1 image keeps its weights."""
+    cache = re.search(r"TANDEM_CACHE_DIR=(\S+)", (DEPLOY / "Dockerfile").read_text()).group(1)
+    for so in k8s.of("ScaledObject"):
+        dep = k8s.get("Deployment", so["spec"]["scaleTargetRef"]["name"])
+        assert "replicas" not in dep["spec"], dep["metadata"]["name"]
+    for deployment in ROLE_OF_DEPLOYMENT:
+        c = k8s.tandem_container(deployment)
+        paths = {probe: dig(c, f"{probe}.httpGet.path") for probe in ("startupProbe", "readinessProbe",
+                                                                       "livenessProbe")}
+        assert paths == {"startupProbe": "/ready", "readinessProbe": "/ready", "livenessProbe": "/health"}
+        mounts = [m["mountPath"] for m in c.get("volumeMounts") or []]
+        assert cache not in mounts, f"{deployment}: a volume hides the image's weight cache at {cache}"
 
 
 # ------------------------------------------------------------------------- Docker Compose

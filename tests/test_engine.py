@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from tests.conftest import chat_ids
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -23,7 +23,8 @@ NEAR_TIE = 1.0
 @pytest.fixture(scope="module", params=["none", "auto"])
 def model(request, smollm):
     """The default model with float32 weights (exact invariants) and with its own quantization (default)."""
-    from engine.loader import DEFAULT_MODEL, load_model
+    from engine.loader import load_model
+    from engine.model_files import DEFAULT_MODEL
 
     return smollm if request.param == "auto" else load_model(DEFAULT_MODEL, "float32", "none")
 

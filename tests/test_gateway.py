@@ -45,7 +45,7 @@ from bus.publish import publish
 from bus.server import EmbeddedNats
 from bus.streams import ensure_streams, fetch_one, pull_subscription
 from bus.subjects import ROLE_PREFILL_AND_DECODE, Subjects
-from engine.loader import DEFAULT_MODEL
+from engine.model_files import DEFAULT_MODEL
 from gateway.app import create_app
 from gateway.router import Route, WorkerRegistry
 from gateway.textmodel import TextModel, TokenBytes, load_text_model
@@ -1255,12 +1255,17 @@ def test_null_means_default(gw: ServerThread) -> None:
 def test_unsupported_openai_features_are_400(gw: ServerThread) -> None:
     url = f"{gw.url}/v1/chat/completions"
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    for extra, param in (({"tools": [tool]}, "tools"),
-                         ({"tool_choice": "required"}, "tool_choice"),
-                         ({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"logit_bias": {"42": 5}}, "logit_bias"),
+    for extra, param in (({"logit_bias": {"42": 5}}, "logit_bias"),
                          ({"functions": [tool["function"]]}, "functions")):
         assert_error(httpx.post(url, json=chat_body("x", **extra)), 400, param=param, code="unsupported_parameter")
+    # tools and response_format are implemented; what makes no sense is still refused
+    assert_error(httpx.post(url, json=chat_body("x", tool_choice="required")), 400, param="tool_choice")
+    assert_error(httpx.post(url, json=chat_body("x", tools=[tool], tool_choice={"type": "function",
+                                                                                "function": {"name": "g"}})),
+                 400, param="tool_choice")
+    assert_error(httpx.post(url, json=chat_body("x", response_format={"type": "json_schema", "json_schema": {
+        "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}})),
+                 400, param="response_format.json_schema.schema")
     assert_error(httpx.post(f"{gw.url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "x",
                                                                 "logit_bias": {"1": -100}}),
                  400, param="logit_bias", code="unsupported_parameter")
@@ -1439,9 +1444,9 @@ def test_stalled_stream_reader_is_cancelled_at_the_deadline(gw: ServerThread, wo
 def test_pool_job_nobody_pulls_fails_when_the_queue_drops_it(nats_srv: EmbeddedNats, text_model: TextModel,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """JetStream drops a queued request after its max_age; the client hears so then, not at its deadline."""
-    import gateway.service
+    import gateway.run
 
-    monkeypatch.setattr(gateway.service, "POOL_MAX_AGE_S", 0.5)
+    monkeypatch.setattr(gateway.run, "POOL_MAX_AGE_S", 0.5)
     srv = ServerThread(create_app(make_config(nats_srv.url, namespace="nopull", queue_when_no_workers=True),
                                   text_model)).start()
     try:
@@ -1452,3 +1457,57 @@ def test_pool_job_nobody_pulls_fails_when_the_queue_drops_it(nats_srv: EmbeddedN
         assert "Retry-After" in r.headers
     finally:
         srv.stop()
+
+
+def test_sampling_defaults_fill_what_a_request_leaves_out(nats_srv: EmbeddedNats, worker: FakeWorker,
+                                                          text_model: TextModel) -> None:
+    """The model's defaults (the default model's card: temperature 0.2, top_p 0.9) apply to fields a request
+    leaves out, the --default-* flags override them, and a field the request sets wins over both."""
+    def sent(url: str, **kw: Any) -> m.SamplingParams:
+        before = len(worker.requests)
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat_body("x", max_tokens=3, **kw), timeout=30)
+        assert r.status_code == 200, r.text
+        return worker.requests[before][1].sampling
+
+    assert text_model.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}
+    plain = ServerThread(create_app(make_config(nats_srv.url), text_model)).start()
+    tuned = ServerThread(create_app(make_config(nats_srv.url, default_temperature=0.0, default_top_k=5,
+                                                default_repetition_penalty=1.1), text_model)).start()
+    try:
+        for srv in (plain, tuned):
+            wait_for(lambda s=srv: httpx.get(f"{s.url}/ready").status_code == 200, 10, "/ready")
+        got = sent(plain.url)
+        assert (got.temperature, got.top_p, got.top_k, got.repetition_penalty) == (0.2, 0.9, 0, 1.0)
+        got = sent(tuned.url)
+        assert (got.temperature, got.top_p, got.top_k, got.repetition_penalty) == (0.0, 0.9, 5, 1.1)
+        got = sent(tuned.url, temperature=1.3, top_p=0.5, top_k=0, repetition_penalty=1.0)
+        assert (got.temperature, got.top_p, got.top_k, got.repetition_penalty) == (1.3, 0.5, 0, 1.0)
+        card = httpx.get(f"{tuned.url}/v1/models").json()["data"][0]
+        assert card["sampling_defaults"] == {"temperature": 0.0, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.1}
+        assert_error(httpx.post(f"{plain.url}/v1/chat/completions", json=chat_body("x", repetition_penalty=3.0)),
+                     400, param="repetition_penalty", code="invalid_value")
+    finally:
+        plain.stop()
+        tuned.stop()
+
+
+def test_a_reused_client_request_id_never_shares_jobs(gw: ServerThread, worker: FakeWorker) -> None:
+    """Two requests with one X-Request-Id are two requests (the workers' duplicate check is by job id); the
+    header comes back as sent, and `tandem tail --request <id>` still finds their jobs by prefix."""
+    before = len(worker.requests)
+    for _ in range(2):
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("x", max_tokens=2),
+                       headers={"X-Request-Id": "retry-7"}, timeout=30)
+        assert r.status_code == 200 and r.headers["x-request-id"] == "retry-7"
+    ids = [req.request_id for _, req in worker.requests[before:]]
+    assert len(set(ids)) == 2 and all(i.startswith("retry-7-") for i in ids)
+
+
+def test_the_gateway_imports_no_torch() -> None:
+    """The gateway needs the tokenizer and template only; torch (seconds of import, GBs with CUDA) stays out."""
+    import subprocess
+    import sys
+
+    code = "import sys, gateway.server, gateway.app; from gateway.server import main; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr

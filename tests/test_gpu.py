@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from tests.conftest import chat_ids
 
 pytestmark = pytest.mark.gpu
@@ -42,7 +42,8 @@ def test_cuda_capital_of_france(smollm, cuda_engine_factory):
 
 def test_cuda_logits_match_cpu(smollm):
     """The same float32 weights on both devices (the CPU's int4 kernel rounds activations to bfloat16)."""
-    from engine.loader import DEFAULT_MODEL, load_model
+    from engine.loader import load_model
+    from engine.model_files import DEFAULT_MODEL
     from tests.test_model_reference import engine_logits
 
     dense = load_model(DEFAULT_MODEL, "float32", "none")

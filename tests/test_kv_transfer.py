@@ -732,3 +732,37 @@ def test_gpu_round_trip(kind: str) -> None:
             p.join(10)
             if p.is_alive():
                 p.kill()
+
+
+def test_missing_nixl_warns_only_where_it_is_the_only_path(caplog: pytest.LogCaptureFixture,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto without NIXL says so quietly at start (shm and TCP serve every peer); a peer that only NIXL could
+    reach gets a warning and an error naming the package that would fix it."""
+    import logging
+
+    import kv.transfer.nixl
+
+    def missing(*args: Any, **kw: Any) -> None:
+        raise ImportError("NIXL is not installed (pip install nixl-cu12): no module named nixl")
+
+    monkeypatch.setattr(kv.transfer.nixl, "NixlEngine", missing)
+
+    with caplog.at_level(logging.INFO, logger="kv.transfer"):
+        engine = create_engine("auto", LAYOUT, 4, "cpu", "w-nixl-test")
+    try:
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert any("nixl-cu12" in r.getMessage() for r in caplog.records)  # the INFO line names it
+        caplog.clear()
+        peer = {**engine.metadata(), "worker_id": "far", "incarnation": "i", "host_id": "another-host",
+                "mechanisms": {"nixl": {"backend": "ucx"}}}
+        with caplog.at_level(logging.WARNING, logger="kv.transfer"), pytest.raises(TransferError,
+                                                                                        match="pip install nixl-cu12"):
+            engine.add_peer(peer)
+        assert any("nixl-cu12" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+        tcp_peer = {**engine.metadata(), "worker_id": "near", "incarnation": "j", "host_id": "another-host",
+                    "mechanisms": {k: v for k, v in engine.metadata()["mechanisms"].items() if k == "tcp"}}
+        caplog.clear()
+        engine.add_peer(tcp_peer)  # reachable without NIXL: no warning
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        engine.close()

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import ModelLoadError, load_model, load_text
+from engine.loader import load_model
 from engine.model import ForwardBatch, PrefillSpan
+from engine.model_files import ModelLoadError, load_text
 from tests.reference_models import write_gguf_from_hf, write_hf_llama
 
 transformers = pytest.importorskip("transformers")
@@ -251,7 +252,8 @@ def test_missing_model_errors():
 
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers(smollm):
-    """The real default model: transformers dequantizes the same GGUF independently."""
+    """The real default model: transformers dequantizes the same GGUF independently. Float32 weights
+    match it to 1e-2; the default int4 weights (bfloat16 activations in the kernel) stay within 2."""
     path = smollm.path
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -260,7 +262,10 @@ def test_smollm2_logits_match_transformers(smollm):
     ids = chat_ids(smollm, "What is the capital of France?")
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0].float()
-    engine = LLMEngine(smollm, EngineConfig(num_blocks=16))
-    got = engine_logits(engine, ids)
+    dense = load_model(str(path), "float32", "none")
+    got = engine_logits(LLMEngine(dense, EngineConfig(num_blocks=16)), ids)
     assert (got - expected).abs().max().item() < 1e-2
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    quantized = engine_logits(LLMEngine(smollm, EngineConfig(num_blocks=16)), ids)
+    assert (quantized - expected).abs().max().item() < 2.0
+    assert (quantized.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9

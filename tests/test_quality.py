@@ -9,7 +9,8 @@ from bench.quality import PROMPTS, agreement, score
 
 @pytest.fixture(scope="module")
 def float32_model():
-    from engine.loader import DEFAULT_MODEL, load_model
+    from engine.loader import load_model
+    from engine.model_files import DEFAULT_MODEL
 
     return load_model(DEFAULT_MODEL, "float32", "none")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from tests.conftest import chat_ids
 
 

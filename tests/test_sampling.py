@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.sampling import Sampler, SamplingParams
+from engine.params import SamplingParams
+from engine.sampling import Sampler
 
 # Token probabilities deliberately out of index order, so sorting/scattering mistakes show.
 PROBS = [0.15, 0.5, 0.05, 0.3]  # ranks: token 1 > token 3 > token 0 > token 2

@@ -153,7 +153,7 @@ def test_status_unreachable_nats_is_a_clear_error() -> None:
 
 def chat_prompt_ids(question: str) -> list[int]:
     """The default model's chat-template prompt, tokenized (tokenizer and template only)."""
-    from engine.loader import load_text
+    from engine.model_files import load_text
 
     text = load_text(MODEL)
     return text.tokenizer.encode(text.chat_template.render([{"role": "user", "content": question}]))

@@ -86,10 +86,11 @@ def test_stop_all_terminates_then_kills() -> None:
 
 
 def test_up_reports_the_child_that_died(tmp_path) -> None:
-    """A worker that cannot start (bad model) stops the whole cluster; up names it and its error."""
+    """A worker that cannot start (a setting it refuses) stops the whole cluster; up names it and its error.
+    (A bad model never gets this far: tandem up checks it once before starting anything, tests/test_startup.py.)"""
     t0 = time.monotonic()
     p = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "up", "--model", str(tmp_path / "missing.gguf"), "--port", "0",
+        [sys.executable, "-m", "tandem.cli", "up", "--worker-args", "--num-blocks 0", "--port", "0",
          "--nats-port", "0", "--metrics-port-base", "0", "--quiet", "--stop-timeout", "5",
          "--ready-file", str(tmp_path / "ready.json")],
         capture_output=True, text=True, timeout=90,
@@ -97,7 +98,7 @@ def test_up_reports_the_child_that_died(tmp_path) -> None:
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert "exit code 2 during start-up: it refused its configuration, so restarting cannot help; " \
            "stopping everything" in p.stderr, p.stderr
-    assert "neither a known alias" in p.stderr  # the child's own last words are shown
+    assert "--num-blocks must be at least 1" in p.stderr  # the child's own last words are shown
     assert "restarting it in" not in p.stderr
     assert not (tmp_path / "ready.json").exists()
     assert time.monotonic() - t0 < 60
@@ -236,3 +237,15 @@ def test_supervisor_rules_for_clean_exits_bad_config_and_never() -> None:
         sup.check()
     with pytest.raises(ValueError, match="--restart must be on-failure or never"):
         RestartPolicy(mode="always")
+
+
+def test_plan_binds_worker_metrics_to_the_gateway_host_and_passes_names_and_defaults() -> None:
+    from tandem.cli import build_parser
+
+    args = build_parser().parse_args(["up", "--host", "127.0.0.2", "--port", "0", "--served-model-name", "chat",
+                                      "--served-model-name", "other", "--default-temperature", "0"])
+    plan = tandem.up._plan(args, True, lambda line: None)
+    assert plan.serve_args[plan.serve_args.index("--metrics-host") + 1] == "127.0.0.2"
+    gw = plan.gateway_args
+    assert [gw[i + 1] for i, w in enumerate(gw) if w == "--served-model-name"] == ["chat", "other"]
+    assert gw[gw.index("--default-temperature") + 1] == "0.0" and plan.served_name == "chat"

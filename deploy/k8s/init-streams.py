@@ -23,7 +23,7 @@ import nats.errors
 from bus.connection import BusConnectError, BusOptions, connect
 from bus.streams import DEFAULT_GENERATE, DEFAULT_PREFILL, StreamConfigError, ensure_streams
 from bus.subjects import Subjects
-from engine.loader import DEFAULT_MODEL, model_name
+from engine.model_files import DEFAULT_MODEL, model_name
 
 
 async def init_streams() -> int:

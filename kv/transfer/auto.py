@@ -83,10 +83,12 @@ class AutoEngine(TransferEngine):
 
     name = "auto"
 
-    def __init__(self, pool: KVPool, worker_id: str, incarnation: str, engines: list[TransferEngine]):
+    def __init__(self, pool: KVPool, worker_id: str, incarnation: str, engines: list[TransferEngine],
+                 nixl_missing: str = ""):
         super().__init__(pool, worker_id, incarnation)
         self.engines = {e.name: e for e in engines}
         self.choice: dict[str, str] = {}
+        self.nixl_missing = nixl_missing  # why NIXL is not among the engines ("" when it is, or was not tried)
 
     def mechanisms(self) -> dict[str, dict[str, Any]]:
         merged: dict[str, dict[str, Any]] = {}
@@ -98,7 +100,15 @@ class AutoEngine(TransferEngine):
         return {}
 
     def _connect(self, meta: dict[str, Any]) -> None:
-        mech = choose_engine(self.metadata(), meta)
+        try:
+            mech = choose_engine(self.metadata(), meta)
+        except TransferError as e:
+            if self.nixl_missing and "nixl" in meta["mechanisms"]:  # NIXL would have been the path to this peer
+                log.warning("kv transfer to %s needs NIXL, which is unavailable here (%s): pip install nixl-cu12",
+                            meta["worker_id"], self.nixl_missing)
+                raise TransferError("auto", meta["worker_id"], 0, f"{e.reason}; NIXL would reach it but is "
+                                    f"unavailable here ({self.nixl_missing}): pip install nixl-cu12") from e
+            raise
         self.engines[mech].add_peer(meta)
         self.choice[meta["worker_id"]] = mech
         log.info(
@@ -220,9 +230,13 @@ def create_engine(
     else:
         pool, seg = shm_pool(layout, num_blocks, worker_id)
         engines.append(ShmEngine(pool, worker_id, incarnation, segment=seg))
+    missing = ""
     try:
         engines.append(nixl(pool))
     except Exception as e:  # any NIXL failure (plugin, UCX) leaves the other mechanisms working
-        log.warning("auto: NIXL unavailable (%s); peers on other hosts will use TCP", e)
+        missing = str(e)
+        # not a warning: shm (same host) and TCP serve every peer; it becomes one where NIXL is the only path
+        log.info("auto: NIXL unavailable (%s); same-host peers use shm, others TCP (pip install nixl-cu12 for NIXL)",
+                 e)
     engines.append(tcp(pool))
-    return AutoEngine(pool, worker_id, incarnation, engines)
+    return AutoEngine(pool, worker_id, incarnation, engines, missing)

@@ -164,6 +164,9 @@ def test_decode_worker_killed_mid_stream_the_stream_moves_and_reads_as_if_it_had
     async def go() -> tuple[dict[str, Any], dict[str, Any]]:
         async with httpx.AsyncClient(timeout=300) as client:
             reference = await stream_chat(client, up.url, question, max_tokens=160, ignore_eos=True)
+            # the reference's worker may still report it running for a heartbeat: the victim must be
+            # the worker of the stream below, so wait until no worker reports work first
+            await asyncio.to_thread(wait_idle, up)
             task = asyncio.create_task(stream_chat(client, up.url, question, max_tokens=160, ignore_eos=True))
             victim = await asyncio.to_thread(busy_worker, up, "decode_only")
             await asyncio.sleep(1.0)  # some tokens went out

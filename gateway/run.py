@@ -1,0 +1,389 @@
+"""The running request: its jobs on the bus, their streams turned into events, until each ends.
+
+Why apart from the endpoints: chat and text completions differ only in how the prompt is built
+(``gateway.prepare``) and how a choice is printed (``gateway.responses``); routing, the per-request
+queue, deadlines, worker loss and migration, cancellation and usage are the same. :class:`Run` owns
+the bus side of one HTTP request, one :class:`Job` per prompt × ``n``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from bus.messages import ErrorCode, GenerateRequest, StreamError, StreamFinish, StreamTokens, Usage
+from bus.streams import DEFAULT_GENERATE
+from engine.params import SamplingParams
+from gateway.bus_client import BUS_LOST, NoResponders, Unreadable
+from gateway.errors import OpenAIError
+
+if TYPE_CHECKING:
+    from gateway.prepare import Prepared
+    from gateway.service import Gateway
+
+log = logging.getLogger("tandem.gateway")
+
+#: JetStream drops a generate request nobody pulled for this long
+POOL_MAX_AGE_S = DEFAULT_GENERATE.max_age
+#: worker errors that mean "the request is fine, this worker is not": re-sent elsewhere before any token
+_GIVEN_BACK = {
+    ErrorCode.HANDED_BACK: "is draining and handed the request back",
+    ErrorCode.BUS_UNAVAILABLE: "lost its NATS connection",
+}
+#: a pool request not taken this long after its ``start_by`` fails here (the worker that pulls it drops it)
+START_GRACE_S = 2.0
+
+
+@dataclass
+class Job:
+    """One generated sequence: a prompt and one of its ``n`` choices."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    hashes: list[bytes]
+    sampling: SamplingParams
+    request_id: str = ""
+    worker_id: str | None = None
+    worker_incarnation: str = ""  # the process of ``worker_id`` holding the job, when known
+    route_reason: str = ""
+    retried: bool = False
+    migrations: int = 0  # times it moved to another decode worker mid-stream
+    queued: bool = False  # when dispatched, every place was taken: it had to wait (admission's measurements)
+    next_seq: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    decode_worker: str = ""
+    prefill: str = ""  # "remote:<prefill worker>", "local" or "aggregate"
+    done: bool = False
+    started: float = field(default_factory=time.monotonic)
+    start_by: float = 0.0  # epoch seconds: not begun by then, it is dropped where it waits
+    first_token_s: float | None = None
+    last_token_at: float | None = None
+    token_gaps: list[float] = field(default_factory=list)  # seconds between token messages
+
+    @property
+    def text(self) -> str:
+        """The completion so far."""
+        return "".join(self.text_parts)
+
+
+@dataclass
+class Event:
+    """Something that happened to one job: new tokens, or its end."""
+
+    kind: Literal["tokens", "finish"]
+    job: Job
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Run:
+    """The bus side of one HTTP request: dispatch its jobs, turn their streams into events."""
+
+    def __init__(self, gw: Gateway, prep: Prepared, client_id: str) -> None:
+        self.gw = gw
+        self.prep = prep
+        self.client_id = client_id  # the id the client sees (X-Request-Id); jobs are named after it
+        self.jobs = prep.jobs
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.deadline = time.time() + prep.timeout
+        self.accepted_at = time.monotonic()  # TTFT counts from here, across re-sends
+        self._give_up_at = time.monotonic() + prep.timeout + gw.config.deadline_grace
+        self._counted = 0
+        self._next_check = time.monotonic() + 1.0
+        self.closed = False
+        self._deadline_timer: asyncio.TimerHandle | None = None
+
+    # ---- dispatch ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Check capacity and publish every job (raises OpenAIError: 429/503/400)."""
+        gw = self.gw
+        gw.check_ready()
+        need = len(self.jobs)
+        if gw.inflight + need > gw.config.max_inflight:
+            raise OpenAIError(
+                429, f"too many requests in flight at this gateway ({gw.inflight}); retry later",
+                code="too_many_requests",
+            )
+        if gw.registry.alive():
+            gw.admit(self.jobs)
+        gw.inflight += need
+        self._counted = need
+        gw.runs.add(self)
+        # next_event enforces the deadline, but only while someone asks for events: a streaming
+        # client that stops reading must not hold the jobs and the capacity past it
+        self._deadline_timer = asyncio.get_running_loop().call_later(
+            self._give_up_at - time.monotonic() + 1.0, self.close, "deadline passed")
+        for job in self.jobs:
+            await self._dispatch(job)
+
+    async def _dispatch(self, job: Job, exclude: frozenset[str] = frozenset()) -> None:
+        gw = self.gw
+        if self.closed:  # the deadline timer closed this run while it was sending
+            raise self._deadline_passed()
+        reg = gw.registry
+        # "<client id>-<choice>", "-r1" for a re-send, "-m<k>" for a migration: `tandem tail --request
+        # <client id>` finds them all
+        job.request_id = (f"{self.client_id}-{job.index}" + ("-r1" if job.retried else "")
+                          + (f"-m{job.migrations}" if job.migrations else ""))
+        bs = gw.config.block_size
+        blocks = (len(job.prompt_ids) + bs - 1) // bs
+        route = reg.choose(job.hashes, blocks, exclude)
+        live = [w for w in reg.alive() if w.worker_id not in exclude]
+        if route.worker_id is None and not live and not gw.config.queue_when_no_workers:
+            raise OpenAIError(503, f"no decode worker for model {gw.text.name} is alive; retry later",
+                              code="no_workers", retry_after=5)
+        subject = gw.bus.open(job.request_id, self.queue, job.index)
+        job.next_seq = 0
+        req = GenerateRequest(
+            request_id=job.request_id,
+            prompt_ids=job.prompt_ids,
+            sampling=job.sampling,
+            stream_subject=subject,
+            gateway_id=gw.config.gateway_id,
+            deadline=self.deadline,
+            start_by=time.time() + gw.config.max_queue_wait if gw.config.max_queue_wait else 0.0,
+            target_endpoint=self.prep.target_endpoint,
+            model=gw.text.name,
+            resume_ids=list(job.token_ids) if job.migrations else [],
+            shown_chars=len(job.text) if job.migrations else 0,
+        )
+        try:
+            await gw.bus.submit(req, route.worker_id)
+        except BaseException:
+            gw.bus.close_request(job.request_id)
+            raise
+        job.worker_id = route.worker_id
+        job.worker_incarnation = reg.incarnation(route.worker_id) if route.worker_id else ""
+        job.route_reason = route.reason
+        job.started = time.monotonic()
+        job.start_by = req.start_by
+        reg.dispatched(route.worker_id, job.hashes, blocks, job.request_id)
+        log.info("request %s -> %s (%s, %d cached blocks)", job.request_id,
+                 route.worker_id or "pool", route.reason, route.matched_blocks, extra={"request_id": job.request_id})
+
+    # ---- events ------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        """Every job ended."""
+        return all(j.done for j in self.jobs)
+
+    async def next_event(self, idle: float | None = None) -> Event | None:
+        """The next event of any job; None after ``idle`` seconds without one.
+
+        Raises OpenAIError: the worker's error, 504 past the deadline, 503 when the worker
+        holding a job stopped reporting after it sent tokens.
+        """
+        idle_until = None if idle is None else time.monotonic() + idle
+        while True:
+            now = time.monotonic()
+            if now >= self._give_up_at:
+                raise self._deadline_passed()
+            if now >= self._next_check:  # also while other jobs of this request keep streaming
+                self._next_check = now + 1.0
+                await self._check_workers()
+            wait = min(1.0, self._give_up_at - now)
+            if idle_until is not None:
+                if now >= idle_until:
+                    return None
+                wait = min(wait, idle_until - now)
+            try:
+                idx, msg = await asyncio.wait_for(self.queue.get(), wait)
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(msg, OpenAIError):  # abort(): this run ends here
+                raise msg
+            job = self.jobs[idx]
+            if job.done:
+                continue
+            if isinstance(msg, NoResponders):
+                if job.worker_id is not None and msg.request_id == job.request_id:
+                    await self._lost(job, job.worker_id, "is not listening (stopped or draining)")
+                continue
+            if isinstance(msg, StreamError) and msg.code == ErrorCode.DUPLICATE_REQUEST:
+                continue  # a copy of this job was dropped by a worker: the job itself runs on
+            if (isinstance(msg, StreamError) and msg.code in _GIVEN_BACK
+                    and msg.request_id == job.request_id):
+                await self._lost(job, job.worker_id or "?", _GIVEN_BACK[msg.code])
+                continue
+            event = self._apply(job, msg)
+            if event is not None:
+                return event
+
+    def _apply(self, job: Job, msg: Any) -> Event | None:
+        gw = self.gw
+        if isinstance(msg, StreamTokens):
+            if msg.request_id != job.request_id:
+                return None  # a late message of a job that was re-dispatched
+            if msg.seq < job.next_seq:
+                return None  # duplicate
+            if msg.seq > job.next_seq:
+                raise OpenAIError(
+                    502, f"lost part of the token stream (expected message {job.next_seq}, got {msg.seq})",
+                    code="stream_gap",
+                )
+            job.next_seq = msg.seq + 1
+            if msg.worker_id and job.worker_id is None:  # a pool job's worker, watched from now on
+                job.worker_id = msg.worker_id
+            if msg.incarnation and msg.worker_id == job.worker_id:
+                job.worker_incarnation = msg.incarnation
+            if not msg.token_ids and not msg.text:  # the worker's admission notice
+                return None
+            if msg.token_ids:
+                now = time.monotonic()
+                if job.first_token_s is None:
+                    job.first_token_s = now - self.accepted_at
+                    gw.admission.started(now - job.started, job.queued)
+                elif job.last_token_at is not None:
+                    job.token_gaps.append(now - job.last_token_at)
+                job.last_token_at = now
+            job.token_ids.extend(msg.token_ids)
+            if msg.text:
+                job.text_parts.append(msg.text)
+            lps = tops = None
+            if msg.logprobs is not None:
+                lps = list(msg.logprobs)
+                job.logprobs.extend(lps)
+                tops = [[(int(t), float(lp)) for t, lp in row] for row in (msg.top_logprobs or [[] for _ in lps])]
+                job.top_logprobs.extend(tops)
+            return Event("tokens", job, msg.text, list(msg.token_ids), lps, tops)
+        if isinstance(msg, StreamFinish):
+            if msg.request_id != job.request_id:
+                return None
+            if msg.seq > job.next_seq and msg.finish_reason != "cancelled":
+                raise OpenAIError(
+                    502, f"lost the end of the token stream (expected message {job.next_seq}, got {msg.seq})",
+                    code="stream_gap",
+                )
+            job.done = True
+            gw.bus.close_request(job.request_id)
+            gw.registry.finished(job.request_id)
+            if job.last_token_at is not None and job.first_token_s is not None:
+                gw.admission.finished(job.last_token_at - (self.accepted_at + job.first_token_s))
+            if msg.finish_reason == "cancelled":
+                raise OpenAIError(503, "the request was cancelled by the worker", code="cancelled", retry_after=1)
+            job.finish_reason = msg.finish_reason if msg.finish_reason in ("stop", "length") else "stop"
+            job.usage = msg.usage
+            job.decode_worker = msg.decode_worker_id
+            job.prefill = msg.prefill_mode or ""
+            if msg.prefill_worker_id:
+                job.prefill += f":{msg.prefill_worker_id}"
+            if msg.text:
+                job.text_parts.append(msg.text)
+            if msg.decode_worker_id and job.worker_id is None:
+                gw.registry.remember(msg.decode_worker_id, job.hashes)
+            return Event("finish", job, msg.text, [])
+        if isinstance(msg, StreamError):
+            if msg.request_id != job.request_id:
+                return None
+            job.done = True
+            gw.bus.close_request(job.request_id)
+            gw.registry.finished(job.request_id)
+            raise OpenAIError(msg.status, msg.message, code=msg.code)
+        if isinstance(msg, Unreadable):
+            if msg.request_id != job.request_id:
+                return None
+            raise OpenAIError(502, f"a worker sent a message this gateway cannot read: {msg.error}",
+                              code="bad_worker_message")
+        if msg is BUS_LOST:
+            raise OpenAIError(503, "the gateway lost its NATS connection while the request ran; retry",
+                              code="bus_unavailable", retry_after=2)
+        return None
+
+    def _deadline_passed(self) -> OpenAIError:
+        return OpenAIError(504, f"the request's deadline of {self.prep.timeout:g}s passed", code="deadline_exceeded")
+
+    async def _check_workers(self) -> None:
+        """Jobs whose worker went silent or restarted are handled by :meth:`_lost`; a job the
+        pool dropped unread (JetStream ``max_age``) fails."""
+        reg = self.gw.registry
+        for job in self.jobs:
+            if job.done:
+                continue
+            if job.worker_id is None:
+                waited = time.monotonic() - job.started
+                if waited > POOL_MAX_AGE_S + 5.0 or (job.start_by and time.time() > job.start_by + START_GRACE_S):
+                    raise OpenAIError(503, f"no worker took the request from the queue in {waited:.0f}s; retry later",
+                                      code="queue_timeout", retry_after=5)
+                continue
+            # a worker that never said it took the job is given up on as soon as it looks dead
+            # (not only when NATS says nobody listens: another subscriber, e.g. `tandem tail`, hides that)
+            silent = self.gw.config.alive_after if job.next_seq == 0 else self.gw.config.worker_lost_after
+            if not reg.is_alive(job.worker_id, within=silent):
+                await self._lost(job, job.worker_id, "stopped reporting")
+            elif job.worker_incarnation and reg.incarnation(job.worker_id) not in ("", job.worker_incarnation):
+                await self._lost(job, job.worker_id, "restarted")
+
+    async def _lost(self, job: Job, worker: str, why: str) -> None:
+        """The worker holding ``job`` is gone: before any token, re-send the job once elsewhere; after
+        tokens, move it to another worker with the tokens so far (up to ``migration_limit`` times); else fail."""
+        started = bool(job.token_ids or job.text_parts)
+        if not started and not job.retried:
+            log.warning("request %s: worker %s %s; re-sending the request", job.request_id, worker, why)
+            self.gw.bus.cancel_soon(job.request_id, f"worker {worker} {why}")
+            self.gw.registry.finished(job.request_id)
+            job.retried = True
+            await self._dispatch(job, exclude=frozenset({worker}))
+            return
+        if started and job.migrations < self.gw.config.migration_limit:
+            log.warning("request %s: worker %s %s after %d tokens; moving the stream to another worker",
+                        job.request_id, worker, why, len(job.token_ids))
+            self.gw.bus.cancel_soon(job.request_id, f"worker {worker} {why}")
+            job.migrations += 1
+            await self._dispatch(job, exclude=frozenset({worker}))
+            return
+        raise OpenAIError(503, f"decode worker {worker} {why}", code="worker_lost", retry_after=1)
+
+    async def collect(self) -> None:
+        """Wait until every job ended (raises the first error)."""
+        while not self.finished:
+            await self.next_event()
+
+    def abort(self, error: OpenAIError) -> None:
+        """Make whoever reads this run's events get ``error`` next (never awaits)."""
+        self.queue.put_nowait((-1, error))
+
+    def close(self, reason: str) -> None:
+        """Cancel every job still running (never awaits: safe in a cancelled task) and release capacity."""
+        if self.closed:
+            return
+        self.closed = True
+        self.gw.runs.discard(self)
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        for job in self.jobs:
+            if job.request_id and not job.done:
+                self.gw.bus.cancel_soon(job.request_id, reason)
+            elif job.request_id:
+                self.gw.bus.close_request(job.request_id)
+            if job.request_id:
+                self.gw.registry.finished(job.request_id)
+        self.gw.inflight -= self._counted
+        self._counted = 0
+
+    # ---- usage -------------------------------------------------------------------------
+    def usage(self) -> dict[str, Any]:
+        """OpenAI ``usage``: prompts counted once each, completions summed over choices."""
+        prompt = sum(len(p) for p in self.prep.prompts)
+        completion = 0
+        cached: dict[int, int] = {}
+        for j in self.jobs:
+            completion += j.usage.completion_tokens if j.usage and j.usage.completion_tokens else len(j.token_ids)
+            if j.usage:
+                cached[j.prompt_index] = max(cached.get(j.prompt_index, 0), j.usage.cached_tokens)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+        }

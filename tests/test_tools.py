@@ -1,0 +1,82 @@
+"""gateway/tools.py: the generic tool format, the forced-call grammar and the call parser (unit tests;
+the real model's calls are tested in tests/test_api_cluster.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.chat_template import CHATML, ChatTemplate
+from engine.grammar import GrammarCompiler, check_grammar
+from gateway.tools import CallStream, ToolSet, parse_calls, render_generic, template_takes_tools
+
+WEATHER = {"name": "get_weather", "description": "weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_parse_calls_takes_blocks_out_of_the_text() -> None:
+    content, calls = parse_calls(f"Let me look.\n{CALL}\n")
+    assert content == "Let me look."
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris"})]
+    assert calls[0]["id"].startswith("call_")
+    assert parse_calls("no calls here") == ("no calls here", [])
+    assert parse_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert parse_calls(f"{CALL}\n{CALL}")[0] is None and len(parse_calls(f"{CALL}\n{CALL}")[1]) == 2
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 11, 20])
+def test_call_stream_holds_back_what_may_be_a_call(cut: int) -> None:
+    text = f"Sure. {CALL}\n{CALL}"
+    stream = CallStream()
+    shown, calls = "", []
+    for i in range(0, len(text), cut):
+        part, got = stream.feed(text[i:i + cut])
+        assert "<" not in part or not part.rstrip().endswith("<")  # no half-marker leaks
+        shown += part
+        calls += got
+    shown += stream.finish()
+    assert shown.strip() == "Sure." and [c["function"]["name"] for c in calls] == ["get_weather"] * 2
+    plain = CallStream()
+    assert plain.feed("a <b> c <tool") == ("a <b> c ", []) and plain.finish() == "<tool"
+
+
+def test_forced_grammars_compile_and_accept_only_calls(smollm) -> None:
+    tok = smollm.tokenizer
+    compiler = GrammarCompiler(tok.tok.to_str(), smollm.config.vocab_size, sorted(tok.eog_ids))
+    good = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    for choice, text, ok in (("required", good, True), ("get_time", good, False), ("get_weather", good, True),
+                             ("required", "Hello", False)):
+        grammar = ToolSet([WEATHER, TIME], choice).grammar()
+        check_grammar(grammar)
+        state = compiler.compile(grammar)
+        assert state.accept_all(tok.encode(text)) is ok, (choice, text)
+    assert ToolSet([WEATHER], "auto").grammar() is None and ToolSet([WEATHER], "none").grammar() is None
+
+
+def test_generic_rendering_of_tools_calls_and_results() -> None:
+    tools = ToolSet([WEATHER], "auto")
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "21 C, sunny"}]
+    out = render_generic(messages, tools)
+    assert out[0]["role"] == "system" and '"get_weather"' in out[0]["content"] and "<tool_call>" in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content": CALL.replace('"city": "Paris"', '"city": "Paris"')}
+    assert out[3]["role"] == "user" and json.loads(out[3]["content"].split("\n")[1]) == {
+        "name": "get_weather", "content": "21 C, sunny"}
+    assert render_generic(messages[:1], ToolSet([WEATHER], "none")) == messages[:1]  # none: no tools shown
+    with_system = render_generic([{"role": "system", "content": "Be brief."}, messages[0]], tools)
+    assert with_system[0]["content"].startswith("Be brief.\n\n") and len(with_system) == 2
+    prompt = ChatTemplate(CHATML).render(out)
+    assert "<|im_start|>user\n<tool_response>" in prompt
+
+
+def test_which_templates_take_tools() -> None:
+    assert not template_takes_tools(ChatTemplate(CHATML))
+    native = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert template_takes_tools(ChatTemplate(native))
