@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 
 from actors.base import WorkerActor, bad_messages
+from actors.prefill_choice import PrefillCosts, choose
 from actors.remote_prefill import CANCELLED, FAILED, LANDED, RemotePrefill, RemotePrefills, count_decision
 from bus.messages import (
     Cancel,
@@ -56,6 +57,8 @@ class Request:
     transfer_s: float = 0.0
     prefill_s: float = 0.0
     prefill_step_s: float = 0.0  # the engine step that computed the prompt (its last chunk), wherever it ran
+    uncached: int = 0  # prompt tokens not in this worker's prefix cache when the prefill was placed
+    local_started: float | None = None  # when a local prefill was handed to the engine (to learn its cost)
     in_engine: bool = False
     remote: RemotePrefill | None = None  # while a prefill worker computes the prompt
     cancelled: bool = False
@@ -68,6 +71,7 @@ class DecodeActor(WorkerActor):
         self.role = settings.role
         self.requests: dict[str, Request] = {}
         self.remote: RemotePrefills | None = None  # decode_only: prefill workers compute the prompts
+        self.costs = PrefillCosts()  # what prefills cost here and remotely, for the local/remote choice
         self.outbox: asyncio.Queue = asyncio.Queue()
 
     # ---------------------------------------------------------------- lifecycle
@@ -199,17 +203,17 @@ class DecodeActor(WorkerActor):
         if not alive:
             return "local", "no_prefill_worker", None
         cached = self.engine.blocks.peek_prefix(prefix_hashes(r.prompt_ids, self.s.block_size)) * self.s.block_size
-        uncached = len(r.prompt_ids) - cached
-        if uncached <= self.s.local_prefill_max_tokens:
-            return "local", "short_prompt", None
-        if all(st.queued + st.running >= 2 for st in alive.values()) and self.engine.num_running == 0:
-            return "local", "prefill_backlog", None
-        return "remote", "long_prompt", None
+        r.uncached = len(r.prompt_ids) - cached
+        jobs_ahead = min(st.queued + st.running for st in alive.values())
+        mode, reason = choose(r.uncached, self.s.local_prefill_max_tokens,
+                              self.costs.estimate(r.uncached, jobs_ahead), self.s.prefill_stall_budget_ms / 1000)
+        return mode, reason, None
 
     async def _start_local(self, r: Request) -> None:
         if r.cancelled:  # dropped while a remote attempt was winding down: nothing may run for it
             return
         r.in_engine = True
+        r.local_started = time.time()
         try:
             await self.runner.call(lambda e: e.add_request(r.req.request_id, r.prompt_ids,
                                                            r.req.sampling,
@@ -243,6 +247,7 @@ class DecodeActor(WorkerActor):
             r.transfer_s = done.timings.get("transfer", 0.0)
             r.prefill_step_s = done.timings.get("step", 0.0)
             r.prefill_s = time.time() - t0
+            self.costs.saw_remote(r.uncached, done.timings, r.prefill_s)
             info = None
             if done.first_logprob is not None:
                 info = TokenLogprob(done.first_token, done.first_logprob, list(done.first_top_logprobs or []))
@@ -290,6 +295,8 @@ class DecodeActor(WorkerActor):
             if r.first_token_at is None:
                 r.first_token_at = now
                 r.prefill_step_s = r.prefill_step_s or step_s
+                if r.local_started is not None and not r.req.resume_ids:
+                    self.costs.saw_local(r.uncached, now - r.local_started)
                 metrics.WORKER_TTFT.observe(now - r.accepted)
             metrics.WORKER_GENERATED_TOKENS.labels(self.role).inc(len(out.token_ids))
             msg = StreamTokens(request_id=rid, seq=r.seq, token_ids=out.token_ids, text=out.text)
