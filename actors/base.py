@@ -339,7 +339,8 @@ class WorkerActor:
         """NATS went away: what was published since may be lost."""
 
 
-    def on_outputs(self, outputs: list[StepOutput]) -> None:
+    def on_outputs(self, outputs: list[StepOutput], step_s: float) -> None:
+        """One engine step's outputs (``step_s``: its wall seconds; 0 for outputs a call made)."""
         raise NotImplementedError
 
     async def on_cancel(self, request_id: str, reason: str) -> None:
@@ -369,10 +370,10 @@ class WorkerActor:
 
     # ---------------------------------------------------------------- plumbing
 
-    def _outputs_from_thread(self, outputs: list[StepOutput]) -> None:
+    def _outputs_from_thread(self, outputs: list[StepOutput], step_s: float) -> None:
         self.check_runner()
         if outputs:
-            self.on_outputs(outputs)
+            self.on_outputs(outputs, step_s)
 
     async def _on_cancel_msg(self, msg: Msg) -> None:
         """Remember the cancel and start acting on it, without waiting for the model thread: cancels

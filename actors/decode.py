@@ -8,33 +8,27 @@ here), then streams tokens to the gateway's stream subject, one message per engi
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
-from actors.base import SeenIds, WorkerActor, bad_messages
+from actors.base import WorkerActor, bad_messages
+from actors.prefill_choice import PrefillCosts, choose
+from actors.remote_prefill import CANCELLED, FAILED, LANDED, RemotePrefill, RemotePrefills, count_decision
 from bus.messages import (
     Cancel,
     ErrorCode,
     GenerateRequest,
-    KVDestination,
-    MessageError,
-    PrefillAccepted,
-    PrefillDone,
-    PrefillJob,
     StreamError,
     StreamFinish,
     StreamTokens,
     Timings,
     Usage,
     WorkerStats,
-    decode,
 )
-from bus.publish import js_publish, publish
+from bus.publish import publish
 from bus.subjects import check_subject, check_token
 from engine.engine import LLMEngine, StepOutput
 from engine.sampling import TokenLogprob
@@ -43,10 +37,6 @@ from kv.blocks import prefix_hashes
 from runtime import metrics
 
 log = logging.getLogger(__name__)
-
-PREFILL_ALIVE_S = 3.0  # a prefill worker whose stats are older than this is not offered new work
-PREFILL_DEAD_S = 5.0  # ... and one silent this long is presumed dead with our job
-QUARANTINE_GRACE_S = 5.0
 
 
 class RequestFailed(Exception):
@@ -66,18 +56,13 @@ class Request:
     first_token_at: float | None = None
     transfer_s: float = 0.0
     prefill_s: float = 0.0
+    prefill_step_s: float = 0.0  # the engine step that computed the prompt (its last chunk), wherever it ran
+    uncached: int = 0  # prompt tokens not in this worker's prefix cache when the prefill was placed
+    local_started: float | None = None  # when a local prefill was handed to the engine (to learn its cost)
     in_engine: bool = False
-    attempt: int = 0
-    job_sent: bool = False  # this attempt's PrefillJob went out: a writer may know its blocks
-    attempt_deadline: float = 0.0
+    remote: RemotePrefill | None = None  # while a prefill worker computes the prompt
     cancelled: bool = False
-    done: bool = False
     begun: bool = False  # computing started once (a prefill worker took a job, or the engine placed it)
-
-    @property
-    def attempt_tag(self) -> str:
-        """``<request>:<attempt>``: the current prefill attempt's key (and its KV write's notify tag)."""
-        return f"{self.req.request_id}:{self.attempt}"
 
 
 class DecodeActor(WorkerActor):
@@ -85,23 +70,17 @@ class DecodeActor(WorkerActor):
         super().__init__(settings, loaded, health)
         self.role = settings.role
         self.requests: dict[str, Request] = {}
-        self.prefill_waits: dict[str, asyncio.Future] = {}  # by "<request>:<attempt>"
-        self.prefill_takers: dict[str, str] = {}  # "<request>:<attempt>" → the prefill worker that took it
-        self.quarantined: dict[str, list[int]] = {}  # blocks a prefill attempt may still write
-        self.attempts_over = SeenIds()  # attempts whose writer said it writes no more
-        self.prefill_workers: dict[str, tuple[WorkerStats, float]] = {}
-        self.landed = SeenIds()  # notify tags of KV writes that have fully arrived
-        self.decisions: Counter = Counter()
+        self.remote: RemotePrefills | None = None  # decode_only: prefill workers compute the prompts
+        self.costs = PrefillCosts()  # what prefills cost here and remotely, for the local/remote choice
         self.outbox: asyncio.Queue = asyncio.Queue()
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         if self.role == "decode_only":
-            await self.nc.subscribe(self.subjects.prefill_done_of_worker(self.worker_id), cb=self._on_prefill_done)
-            await self.nc.subscribe(f"{self.s.namespace}.stats.prefill_only.*", cb=self._on_prefill_stats)
-            await self._discover_prefill()
-            self.spawn(self._landing_poller())
+            self.remote = RemotePrefills(self.nc, self.subjects, self.s, self.runner, self.transfer, self.layout,
+                                         self.worker_id, self.incarnation, self.model, self.spawn)
+            await self.remote.start()
         self.spawn(self._emitter())
         self.spawn(self._deadline_watch())
         await self.take_work("generate", self.subjects.generate_worker(self.worker_id))
@@ -153,10 +132,11 @@ class DecodeActor(WorkerActor):
         await publish(self.nc, req.stream_subject,
                       StreamTokens(request_id=req.request_id, seq=0, token_ids=[], worker_id=self.worker_id,
                                    incarnation=self.incarnation))
-        self.count_decision(mode, reason)
+        count_decision(mode, reason)
         log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids), extra={"request_id": req.request_id})
         if mode == "remote":
-            self.spawn(self._remote_prefill_or_fail(r, target))
+            r.remote = self.remote.prefill(req, r.prompt_ids, req.sampling, target)
+            self.spawn(self._prefill_remotely(r))
         else:
             await self._start_local(r)
 
@@ -182,10 +162,6 @@ class DecodeActor(WorkerActor):
             request_id=rid if isinstance(rid, str) else "", seq=0, code=ErrorCode.BAD_REQUEST, status=400,
             message=f"malformed generate request: {error}"))
 
-    def count_decision(self, mode: str, reason: str) -> None:
-        self.decisions[(mode, reason)] += 1
-        metrics.PREFILL_DECISIONS.labels(mode, reason).inc()
-
     def _validate(self, r: Request) -> None:
         req = r.req
         if not r.prompt_ids and req.prompt:
@@ -198,10 +174,7 @@ class DecodeActor(WorkerActor):
             raise RequestFailed(ErrorCode.BAD_REQUEST, str(e.args[0]), 400) from e
 
     def alive_prefill_workers(self) -> dict[str, WorkerStats]:
-        """Prefill workers that reported lately and take jobs (a draining one gets none)."""
-        now = time.monotonic()
-        return {w: st for w, (st, seen) in self.prefill_workers.items()
-                if now - seen < PREFILL_ALIVE_S and not st.draining}
+        return self.remote.workers.alive() if self.remote is not None else {}
 
     def _resolve_target(self, target: str) -> str:
         alive = self.alive_prefill_workers()
@@ -230,17 +203,17 @@ class DecodeActor(WorkerActor):
         if not alive:
             return "local", "no_prefill_worker", None
         cached = self.engine.blocks.peek_prefix(prefix_hashes(r.prompt_ids, self.s.block_size)) * self.s.block_size
-        uncached = len(r.prompt_ids) - cached
-        if uncached <= self.s.local_prefill_max_tokens:
-            return "local", "short_prompt", None
-        if all(st.queued + st.running >= 2 for st in alive.values()) and self.engine.num_running == 0:
-            return "local", "prefill_backlog", None
-        return "remote", "long_prompt", None
+        r.uncached = len(r.prompt_ids) - cached
+        jobs_ahead = min(st.queued + st.running for st in alive.values())
+        mode, reason = choose(r.uncached, self.s.local_prefill_max_tokens,
+                              self.costs.estimate(r.uncached, jobs_ahead), self.s.prefill_stall_budget_ms / 1000)
+        return mode, reason, None
 
     async def _start_local(self, r: Request) -> None:
         if r.cancelled:  # dropped while a remote attempt was winding down: nothing may run for it
             return
         r.in_engine = True
+        r.local_started = time.time()
         try:
             await self.runner.call(lambda e: e.add_request(r.req.request_id, r.prompt_ids,
                                                            r.req.sampling,
@@ -252,76 +225,43 @@ class DecodeActor(WorkerActor):
 
     # ---------------------------------------------------------------- remote prefill
 
-    async def _remote_prefill_or_fail(self, r: Request, target: str | None) -> None:
-        """Run the remote prefill; an unexpected error fails the request instead of leaving it to hang."""
+    async def _prefill_remotely(self, r: Request) -> None:
+        """Have a prefill worker compute the prompt, then join the batch, fail, or prefill it here."""
         rid = r.req.request_id
+        t0 = time.time()
         try:
-            await self._remote_prefill(r, target)
-        except Exception as e:
+            outcome = await r.remote.run()
+        except Exception as e:  # an unexpected error fails the request instead of leaving it to hang
             log.exception("request %s: remote prefill crashed", rid, extra={"request_id": rid})
             if await self._drop(rid) is not None:
                 await self._fail(r, ErrorCode.INTERNAL, f"remote prefill failed: {type(e).__name__}: {e}", 500)
-
-    async def _remote_prefill(self, r: Request, target: str | None) -> None:
-        rid = r.req.request_id
-        params = r.req.sampling
-        tried: list[str] = []
-        t0 = time.time()
-        for attempt in range(2):
-            if r.cancelled:
-                return
-            r.attempt, r.job_sent = attempt, False
-            reserved = await self.runner.call(lambda e: e.reserve_remote(rid, r.prompt_ids, params))
-            if reserved is None:
-                self.count_decision("local", "no_blocks_for_remote")
-                break
-            seq, fresh = reserved
-            if r.cancelled:  # the cancel's abandon_remote ran after this reservation
-                return
-            first_index = seq.num_cached
-            t_attempt = time.time()
-            try:
-                done = await self._run_prefill_job(r, fresh, first_index, target)
-            except RequestFailed as f:
-                await self.runner.call(lambda e: e.abandon_remote(rid, quarantine=False))
-                await self._fail(r, f.code, f.message, f.status)
-                return
-            finally:
-                taker = self.prefill_takers.pop(r.attempt_tag, None)
-            if r.cancelled:
-                return
-            if done is not None and done.ok:
-                metrics.REMOTE_PREFILL_WAIT.observe(time.time() - t_attempt)
-                r.prefill_worker = done.prefill_worker_id
-                r.transfer_s = done.timings.get("transfer", 0.0)
-                r.prefill_s = time.time() - t0
-                info = None
-                if done.first_logprob is not None:
-                    info = TokenLogprob(done.first_token, done.first_logprob, list(done.first_top_logprobs or []))
-                r.in_engine = True
-                await self.runner.call(self._first_token_on_model_thread, rid, done.first_token, info)
-                return
-            # Failed or timed out: after a timeout, or a failure once writing began, the prefill
-            # side may still write into these blocks.
-            timed_out = done is None
-            blocks = await self.runner.call(LLMEngine.abandon_remote, rid, timed_out or done.wrote)
-            self._quarantine(r.attempt_tag, blocks, r.attempt_deadline)
-            why = "timed out" if timed_out else f"failed: {done.error}"
-            log.warning("request %s: remote prefill attempt %d %s", rid, attempt, why, extra={"request_id": rid})
-            self.count_decision("remote_failed", "timeout" if timed_out else done.error_code or "error")
-            worker = done.prefill_worker_id if done is not None else taker or target
-            if worker:
-                tried.append(worker)
-            others = [w for w in self.alive_prefill_workers() if w not in tried and w != target]
-            target = others[0] if others else None
-            if target is None and not self.alive_prefill_workers():
-                break
-        if r.cancelled:
             return
+        if r.cancelled or outcome.kind == CANCELLED:
+            return
+        if outcome.kind == FAILED:
+            await self._fail(r, outcome.code, outcome.message, outcome.status)
+            return
+        if outcome.kind == LANDED:
+            done = outcome.done
+            r.prefill_worker = done.prefill_worker_id
+            r.transfer_s = done.timings.get("transfer", 0.0)
+            r.prefill_step_s = done.timings.get("step", 0.0)
+            r.prefill_s = time.time() - t0
+            self.costs.saw_remote(r.uncached, done.timings, r.prefill_s)
+            info = None
+            if done.first_logprob is not None:
+                info = TokenLogprob(done.first_token, done.first_logprob, list(done.first_top_logprobs or []))
+            r.in_engine = True
+            try:
+                await self.runner.call(self._first_token_on_model_thread, rid, done.first_token, info)
+            finally:
+                r.remote = None
+            return
+        r.remote = None
         if self.s.remote_prefill_fallback == "error":
             await self._fail(r, ErrorCode.WORKER_LOST, "remote prefill failed twice", 503)
             return
-        self.count_decision("local", "remote_fallback")
+        count_decision("local", "remote_fallback")
         log.info("request %s: falling back to local prefill", rid, extra={"request_id": rid})
         r.mode = "local"
         await self._start_local(r)
@@ -330,179 +270,33 @@ class DecodeActor(WorkerActor):
         """Handed out by the model thread itself, so it cannot fall behind the next step's token."""
         self.runner.hand_out([engine.complete_remote(rid, token, info)])
 
-    async def _run_prefill_job(self, r: Request, fresh: list[int], first_index: int,
-                               target: str | None) -> PrefillDone | None:
-        """Publish the job and wait for its PrefillDone and for the KV to land. None on timeout."""
-        rid = r.req.request_id
-        deadline = time.time() + self.s.prefill_timeout
-        if r.req.deadline:
-            deadline = min(deadline, r.req.deadline)
-        tag = r.attempt_tag
-        r.attempt_deadline = deadline
-        job = PrefillJob(
-            request_id=rid, prompt_ids=r.prompt_ids, sampling=r.req.sampling,
-            layout_fingerprint=self.layout.fingerprint(), layout=self.layout.to_dict(),
-            dst=KVDestination(engine=self.transfer.name, worker_id=self.worker_id, incarnation=self.incarnation,
-                              block_ids=fresh, first_token_index=first_index,
-                              endpoint=self.subjects.kv_meta(self.worker_id)),
-            reply_subject=self.subjects.prefill_done(self.worker_id, rid), deadline=deadline,
-            decode_worker_id=self.worker_id, attempt=r.attempt, model=self.model,
-        )
-        fut = asyncio.get_running_loop().create_future()
-        self.prefill_waits[tag] = fut
-        try:
-            r.job_sent = True
-            if target:
-                await publish(self.nc, self.subjects.prefill_worker(target), job)
-            else:
-                await js_publish(self.nc, self.subjects.prefill_pool, job, msg_id=tag)
-            done = await self._wait_done(fut, deadline, target, tag)
-        finally:
-            self.prefill_waits.pop(tag, None)
-        if done is None:
-            return None
-        if not done.ok:
-            if done.error_code == ErrorCode.LAYOUT_MISMATCH:
-                raise RequestFailed(done.error_code, done.error or "KV layout mismatch", 500)
-            return done
-        # The writer saw its transfer complete; wait until the bytes are visible here too.
-        while tag not in self.landed:
-            if time.time() > deadline or r.cancelled:
-                return None
-            await asyncio.sleep(0.002)
-        self.landed.discard(tag)
-        return done
-
-    async def _wait_done(self, fut: asyncio.Future, deadline: float, target: str | None,
-                         tag: str) -> PrefillDone | None:
-        """The PrefillDone, or None at the deadline or once the worker doing job ``tag`` stops reporting.
-
-        That worker is the target, or for a pool job the one whose PrefillAccepted came
-        back; a pool job nobody took is given up when no prefill worker is alive.
-        """
-        while True:
-            left = deadline - time.time()
-            if left <= 0:
-                return None
-            try:
-                return await asyncio.wait_for(asyncio.shield(fut), timeout=min(left, 0.5))
-            except asyncio.TimeoutError:
-                pass
-            worker = target or self.prefill_takers.get(tag)
-            if worker is None and not self.alive_prefill_workers():
-                log.warning("no prefill worker is alive to take pool job %s; giving up on it", tag)
-                return None
-            if worker in self.prefill_workers:
-                _, seen = self.prefill_workers[worker]
-                if time.monotonic() - seen > PREFILL_DEAD_S:
-                    log.warning("prefill worker %s stopped reporting; giving up on its job", worker)
-                    return None
-
-    def _quarantine(self, tag: str, blocks: list[int], deadline: float) -> None:
-        """Hold blocks until attempt `tag` answers (it has stopped writing) or its deadline passes.
-
-        The answer may already be here: a cancel and the writer's PrefillDone race.
-        """
-        if not blocks:
-            return
-        self.quarantined.setdefault(tag, []).extend(blocks)
-        over = tag in self.attempts_over
-        delay = 0.0 if over else max(0.0, deadline - time.time()) + QUARANTINE_GRACE_S
-        self.spawn(self._release_after(tag, delay))
-
-    async def _release_after(self, tag: str, delay: float) -> None:
-        await asyncio.sleep(delay)
-        await self._release_quarantine(tag)
-
-    async def _release_quarantine(self, tag: str) -> None:
-        blocks = self.quarantined.pop(tag, None)
-        if blocks:
-            await self.runner.call(lambda e: e.release_quarantine(blocks))
-
-    async def _landing_poller(self) -> None:
-        """Collect completion notices; NIXL without a progress thread needs this polling."""
-        while True:
-            waiting = any(r.mode == "remote" and not r.in_engine for r in self.requests.values())
-            try:
-                for tag in await asyncio.to_thread(self.transfer.completed):
-                    self.landed.add(tag)
-            except Exception:  # this loop must outlive one bad read, or no remote prefill lands again
-                log.exception("reading KV transfer completions failed")
-                await asyncio.sleep(0.5)
-            await asyncio.sleep(0.001 if waiting else 0.02)
-
-    async def _on_prefill_done(self, msg: Msg) -> None:
-        try:
-            done = decode(msg.data, PrefillAccepted | PrefillDone)
-        except MessageError as e:
-            bad_messages.warning("prefill reply", "bad prefill reply on %s: %s", msg.subject, e)
-            return
-        tag = f"{done.request_id}:{done.attempt}"
-        if isinstance(done, PrefillAccepted):
-            if tag in self.prefill_waits:
-                self.prefill_takers[tag] = done.prefill_worker_id
-                r = self.requests.get(done.request_id)
-                if r is not None:
-                    r.begun = True
-            return
-        fut = self.prefill_waits.get(tag)
-        if fut is not None and not fut.done():
-            fut.set_result(done)
-        if done.ok or not done.wrote:  # that attempt writes no more
-            self.attempts_over.add(tag)
-            await self._release_quarantine(tag)
-
-    async def _discover_prefill(self, wait: float = 0.3) -> None:
-        """Ask NATS micro discovery for live prefill workers, so we need not wait for their stats."""
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
-        await self.nc.publish("$SRV.INFO.tandem-prefill-only", b"", reply=inbox)
-        deadline = time.monotonic() + wait
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                reply = await sub.next_msg(timeout=left)
-            except Exception:  # nats TimeoutError: discovery window over
-                break
-            if not reply.data:  # "no responders" status: nobody registered yet
-                break
-            md = json.loads(reply.data).get("metadata", {})
-            if md.get("model") == self.model and md.get("worker_id"):
-                st = WorkerStats(role="prefill_only", worker_id=md["worker_id"], model=self.model)
-                self.prefill_workers.setdefault(md["worker_id"], (st, time.monotonic()))
-        await sub.unsubscribe()
-        log.info("discovered prefill workers: %s", ", ".join(self.prefill_workers) or "none")
-
-    async def _on_prefill_stats(self, msg: Msg) -> None:
-        try:
-            st = decode(msg.data, WorkerStats)
-        except MessageError:
-            return
-        self.prefill_workers[st.worker_id] = (st, time.monotonic())
-
     # ---------------------------------------------------------------- streaming out
 
-    def on_outputs(self, outputs: list[StepOutput]) -> None:
-        self.outbox.put_nowait(outputs)
+    def on_outputs(self, outputs: list[StepOutput], step_s: float) -> None:
+        self.outbox.put_nowait((outputs, step_s))
 
     async def _emitter(self) -> None:
         """One task publishes everything, so a request's messages leave in order."""
         while True:
-            outputs = await self.outbox.get()
+            outputs, step_s = await self.outbox.get()
             for out in outputs:
                 r = self.requests.get(out.request_id)
                 if r is None or r.cancelled:
                     continue
                 try:
-                    await self._emit(r, out)
+                    await self._emit(r, out, step_s)
                 except Exception as e:  # one bad publish must not stop the others' streams
                     log.error("stream publish for %s failed: %s", out.request_id, e, extra={"request_id": out.request_id})
 
-    async def _emit(self, r: Request, out: StepOutput) -> None:
+    async def _emit(self, r: Request, out: StepOutput, step_s: float) -> None:
         rid = r.req.request_id
         now = time.time()
         if out.token_ids or out.text:
             if r.first_token_at is None:
                 r.first_token_at = now
+                r.prefill_step_s = r.prefill_step_s or step_s
+                if r.local_started is not None and not r.req.resume_ids:
+                    self.costs.saw_local(r.uncached, now - r.local_started)
                 metrics.WORKER_TTFT.observe(now - r.accepted)
             metrics.WORKER_GENERATED_TOKENS.labels(self.role).inc(len(out.token_ids))
             msg = StreamTokens(request_id=rid, seq=r.seq, token_ids=out.token_ids, text=out.text)
@@ -518,7 +312,7 @@ class DecodeActor(WorkerActor):
                 usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                             cached_tokens=out.cached_tokens),
                 timings=Timings(queue=max(0.0, r.accepted - r.req.created), prefill=r.prefill_s or first - r.accepted,
-                                transfer=r.transfer_s, decode=now - first),
+                                transfer=r.transfer_s, decode=now - first, prefill_step=r.prefill_step_s),
                 prefill_mode=r.mode if self.role == "decode_only" else "aggregate",
                 prefill_worker_id=r.prefill_worker, decode_worker_id=self.worker_id,
             )
@@ -564,10 +358,8 @@ class DecodeActor(WorkerActor):
         r.cancelled = True
         if r.in_engine:
             await self.runner.call(lambda e: e.abort(request_id))
-        elif r.mode == "remote":
-            tag, deadline = r.attempt_tag, r.attempt_deadline or time.time() + self.s.prefill_timeout
-            blocks = await self.runner.call(LLMEngine.abandon_remote, request_id, r.job_sent)
-            self._quarantine(tag, blocks, deadline)
+        elif r.remote is not None:
+            await r.remote.abandon()
         return r
 
     async def _deadline_watch(self) -> None:
@@ -592,7 +384,9 @@ class DecodeActor(WorkerActor):
     def _begun(self, r: Request) -> bool:
         """Whether ``r`` has begun computing (ever): a token, a prefill worker took a job of it, or the
         engine placed it. A request that began is never dropped for its ``start_by``."""
-        if not r.begun and r.first_token_at is None and not (r.mode == "remote" and not r.in_engine):
+        if r.remote is not None:
+            r.begun = r.begun or r.remote.begun
+        elif not r.begun and r.first_token_at is None:
             seq = self.engine.seqs.get(r.req.request_id)  # read from this thread: one dict lookup, two fields
             r.begun = seq is not None and (seq.status is not SeqStatus.WAITING or seq.num_computed > 0)
         return r.begun or r.first_token_at is not None
@@ -602,7 +396,7 @@ class DecodeActor(WorkerActor):
         r = await self._drop(rid)
         if r is None:
             return
-        if r.mode == "remote" and r.job_sent and not r.in_engine:
+        if r.remote is not None and r.remote.job_sent and not r.in_engine:
             await publish(self.nc, self.subjects.cancel(rid), Cancel(request_id=rid, reason=code))
         await self._fail(r, code, message, status)
 

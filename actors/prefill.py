@@ -116,10 +116,10 @@ class PrefillActor(WorkerActor):
                            layout_fingerprint=self.layout.fingerprint())
         held = False
         stream: LayerStream | None = None
-        whole_write = False
         try:
             await publish(self.nc, job.reply_subject,
-                          PrefillAccepted(request_id=rid, attempt=job.attempt, prefill_worker_id=self.worker_id))
+                          PrefillAccepted(request_id=rid, attempt=job.attempt, prefill_worker_id=self.worker_id,
+                                          transfer=self._mechanism_to(job)))
             self._check_cancel(rid)
             if job.deadline and time.time() > job.deadline:
                 raise _JobError(ErrorCode.DEADLINE_EXCEEDED, "prefill job deadline passed before it started")
@@ -135,27 +135,18 @@ class PrefillActor(WorkerActor):
             fut = asyncio.get_running_loop().create_future()
             self.first_tokens[key] = fut
             deadline_mono = time.monotonic() + max(0.0, (job.deadline or time.time() + 60) - time.time())
-            stream = LayerStream(self, job, deadline_mono) if self._layerwise(job.dst.worker_id) else None
+            stream = LayerStream(self, job, deadline_mono, self._layerwise(job.dst.worker_id))
             await self.runner.call(self._admit, job, params, stream)
             held = True
             remaining = (job.deadline - time.time()) if job.deadline else self.s.prefill_timeout
-            out: StepOutput = await asyncio.wait_for(fut, timeout=max(0.0, remaining))
+            out, timings["step"] = await asyncio.wait_for(fut, timeout=max(0.0, remaining))
             t_computed = time.time()
             timings["compute"] = t_computed - t_start
             self._check_cancel(rid)
-            if stream is not None:  # layers went out during compute; wait for them, then notify
-                await asyncio.to_thread(stream.finish)
-                handle = self.transfer.write(job.dst.worker_id, [], [], notify=key, deadline=deadline_mono,
-                                             incarnation=job.dst.incarnation)
-            else:
-                local = self._local_blocks(self.engine.held[key].block_table, job)
-                whole_write = True
-                handle = self.transfer.write(job.dst.worker_id, local, list(job.dst.block_ids),
-                                             notify=key, deadline=deadline_mono, incarnation=job.dst.incarnation)
-            await asyncio.to_thread(handle.wait)
+            await stream.finish()
             timings["transfer"] = time.time() - t_computed
             nbytes = len(job.dst.block_ids) * self.layout.block_bytes
-            observe_transfer(self.transfer.mechanism(job.dst.worker_id), nbytes, timings["transfer"] + (stream.seconds if stream else 0.0))
+            observe_transfer(self.transfer.mechanism(job.dst.worker_id), nbytes, stream.seconds)
             lp = out.logprobs[0] if out.logprobs else None
             done.ok = True
             done.first_token = out.token_ids[0]
@@ -180,9 +171,9 @@ class PrefillActor(WorkerActor):
         finally:
             self.first_tokens.pop(key, None)
             if stream is not None and not done.ok:
-                stream.cancel()  # from this thread, at once: no layer write starts after this
+                stream.cancel()  # from this thread, at once: no write starts after this
         # The answer leaves now, not after the model thread's current step: its blocks are let go below.
-        done.wrote = whole_write or bool(stream and stream.handles)
+        done.wrote = bool(stream and stream.handles)
         metrics.PREFILL_JOBS.labels("ok" if done.ok else done.error_code or "error").inc()
         if not done.ok:
             bad_messages.warning(f"prefill failed {done.error_code}", "prefill %s failed (%s): %s", rid,
@@ -195,6 +186,11 @@ class PrefillActor(WorkerActor):
             self._start_next()
             if held:
                 await self.runner.call(self._let_go, key)
+
+    def _mechanism_to(self, job: PrefillJob) -> str:
+        """The mechanism that will carry this job's KV, if this worker knows the decode worker already."""
+        known = self.peer_incarnations.get(job.dst.worker_id) == job.dst.incarnation
+        return self.transfer.mechanism(job.dst.worker_id) if known else ""
 
     def _layerwise(self, peer: str) -> bool:
         mode = self.s.layerwise_transfer
@@ -209,11 +205,10 @@ class PrefillActor(WorkerActor):
                                                    f"needs {len(local)} from token {job.dst.first_token_index}")
         return local
 
-    def _admit(self, engine, job: PrefillJob, params, stream: LayerStream | None) -> None:
+    def _admit(self, engine, job: PrefillJob, params, stream: LayerStream) -> None:
         """On the model thread: queue the prompt, holding its blocks for the transfer."""
         engine.add_request(job_key(job), job.prompt_ids, params, hold_blocks=True)
-        if stream is not None:
-            engine.layer_hooks[job_key(job)] = stream.on_layer
+        engine.layer_hooks[job_key(job)] = stream.on_layer
 
     @staticmethod
     def _let_go(engine, key: str) -> None:
@@ -226,11 +221,11 @@ class PrefillActor(WorkerActor):
         if rid in self.cancelled_ids:
             raise _JobError(ErrorCode.CANCELLED, "request was cancelled")
 
-    def on_outputs(self, outputs: list[StepOutput]) -> None:
+    def on_outputs(self, outputs: list[StepOutput], step_s: float) -> None:
         for out in outputs:
             fut = self.first_tokens.get(out.request_id)
             if fut is not None and not fut.done() and out.finish_reason is not None:
-                fut.set_result(out)
+                fut.set_result((out, step_s))
 
     async def on_cancel(self, request_id: str, reason: str) -> None:
         """Stop the request's jobs here; one that arrives later is refused by _check_cancel (cancelled_ids)."""
@@ -246,11 +241,18 @@ def job_key(job: PrefillJob) -> str:
 
 
 class LayerStream:
-    """Ships each layer's KV as soon as the model has written it (``on_layer`` runs on the model thread;
-    ``cancel`` may come from the event loop at any time: the lock makes "no write starts after it" hold)."""
+    """Ships the job's KV from the model thread while the step that completes the prompt runs.
 
-    def __init__(self, actor: PrefillActor, job: PrefillJob, deadline: float):
-        self.actor, self.job, self.deadline = actor, job, deadline
+    Layer-wise, each layer's slices go out as soon as the model has written them (then a
+    notify-only write once all have landed); whole, one write of every layer starts right after
+    the last layer, carrying the notify tag itself, while the model still samples the first
+    token. ``on_layer`` runs on the model thread; ``cancel`` may come from the event loop at any
+    time: the lock makes "no write starts after it" hold.
+    """
+
+    def __init__(self, actor: PrefillActor, job: PrefillJob, deadline: float, layerwise: bool):
+        self.actor, self.job, self.deadline, self.layerwise = actor, job, deadline, layerwise
+        self.last_layer = actor.layout.num_layers - 1
         self.handles: list = []
         self.error: Exception | None = None
         self.local: list[int] | None = None
@@ -260,6 +262,8 @@ class LayerStream:
         self._lock = threading.Lock()
 
     def on_layer(self, layer: int) -> None:
+        if not self.layerwise and layer != self.last_layer:
+            return
         with self._lock:
             if self.error is not None or self.cancelled:
                 return
@@ -268,26 +272,38 @@ class LayerStream:
                     self.started = time.time()
                     table = self.actor.engine.seqs[job_key(self.job)].block_table
                     self.local = PrefillActor._local_blocks(table, self.job)
-                self.handles.append(self.actor.transfer.write(
-                    self.job.dst.worker_id, self.local, list(self.job.dst.block_ids), notify="",
-                    layers=(layer, layer + 1), deadline=self.deadline, incarnation=self.job.dst.incarnation))
+                layers, notify = ((layer, layer + 1), "") if self.layerwise else (None, job_key(self.job))
+                self.handles.append(self._write(self.local, list(self.job.dst.block_ids), notify, layers))
             except Exception as e:  # reported by finish(); the model thread must keep running
                 self.error = e
 
-    def finish(self) -> None:
-        """Wait for every layer's write; on the first failure cancel the rest (so none lands later) and raise it."""
+    def _write(self, local: list[int], remote: list[int], notify: str, layers: tuple[int, int] | None):
+        return self.actor.transfer.write(self.job.dst.worker_id, local, remote, notify=notify, layers=layers,
+                                         deadline=self.deadline, incarnation=self.job.dst.incarnation)
+
+    async def finish(self) -> None:
+        """Wait for every write (woken by the engine, the loop never blocks), then, layer-wise, send the
+        notify; on the first failure cancel the rest (so none lands later) and raise it."""
         try:
             if self.error is not None:
                 raise self.error
+            if not self.handles:
+                raise _JobError(ErrorCode.INTERNAL, "the prompt's last step wrote no KV")
             for h in self.handles:
-                h.wait()
+                await h.wait_async()
+            if self.layerwise:
+                with self._lock:
+                    if self.cancelled:
+                        raise _JobError(ErrorCode.CANCELLED, "request was cancelled")
+                    bell = self._write([], [], job_key(self.job), None)
+                await bell.wait_async()
         except Exception:
             self.cancel()
             raise
         self.seconds = time.time() - self.started if self.started else 0.0
 
     def cancel(self) -> None:
-        """Stop every layer write still in flight and start none: the job failed, none of its bytes may land later."""
+        """Stop every write still in flight and start none: the job failed, none of its bytes may land later."""
         with self._lock:
             self.cancelled = True
             handles = list(self.handles)

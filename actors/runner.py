@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 class EngineRunner:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
-                 on_outputs: Callable[[list[StepOutput]], None]):
+                 on_outputs: Callable[[list[StepOutput], float], None]):
         self.engine = engine
         self.loop = loop
         self.on_outputs = on_outputs
@@ -39,9 +40,10 @@ class EngineRunner:
         self.calls.put((fn, args, fut))
         return fut
 
-    def hand_out(self, outputs: list[StepOutput]) -> None:
-        """Give outputs to the event loop; from the model thread, so they keep the order they were made in."""
-        self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+    def hand_out(self, outputs: list[StepOutput], step_s: float = 0.0) -> None:
+        """Give outputs to the event loop; from the model thread, so they keep the order they were made in.
+        ``step_s``: wall seconds of the engine step that made them (0 for outputs made by a call)."""
+        self.loop.call_soon_threadsafe(self.on_outputs, outputs, step_s)
 
     def _resolve(self, fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
         if fut.done():
@@ -84,10 +86,11 @@ class EngineRunner:
                         return
                     self._run_call(item)
                 if self.engine.has_work():
+                    started = time.perf_counter()
                     outputs = self.engine.step()
                     if outputs:
-                        self.hand_out(outputs)
+                        self.hand_out(outputs, time.perf_counter() - started)
         except BaseException as e:  # the model thread died: make it loud, the actor exits
             log.exception("model thread failed")
             self.failure = e
-            self.loop.call_soon_threadsafe(self.on_outputs, [])
+            self.loop.call_soon_threadsafe(self.on_outputs, [], 0.0)

@@ -1,6 +1,7 @@
 """Experiment 1 of issue 10: prefill/decode split against aggregated serving on the same two cores.
 
     python -m bench.pd_vs_aggregated [--rates 0.25,0.5,1] [--duration 60] [--write]
+    python -m bench.pd_vs_aggregated --local-prefill-max-tokens 0,32,64,128,256 [--stall-budget-ms 50]
 
 Each layout is a fresh ``tandem up`` measured by ``tandem bench`` under ``mixed`` load — short
 chats (``--input-len`` tokens in, ``--output-len`` out) with an evenly spaced ``--long-share`` of
@@ -11,6 +12,10 @@ chats (``--input-len`` tokens in, ``--output-len`` out) with an evenly spaced ``
 - ``aggregated-512`` / ``aggregated-128``: one prefill_and_decode worker on both cores, step
   token budget 512 or 128 (``--max-step-tokens``);
 - ``aggregated-2x``: two prefill_and_decode workers, one per core.
+
+``--local-prefill-max-tokens A,B,...`` sweeps that floor of conditional disaggregation instead:
+one ``disaggregated-lp<N>`` layout per value (``--layouts`` picks others to add), to set its
+default from measurements.
 
 It reports, per layout and rate, the short requests' ITL p99, TTFT p90 of short and long
 requests, and goodput at the SLOs (default TTFT ≤ 3 s, ITL ≤ 150 ms), and checks the issue's
@@ -34,11 +39,17 @@ from bench.cluster import TandemUp
 from runtime.placement import available_cpus
 
 
-def layouts() -> dict[str, list[str]]:
-    """``tandem up`` flags of each layout, on this machine's first two cores."""
+def layouts(floors: list[int] | None = None, stall_budget_ms: float | None = None) -> dict[str, list[str]]:
+    """``tandem up`` flags of each layout, on this machine's first two cores; with ``floors``, one
+    disaggregated layout per ``--local-prefill-max-tokens`` value."""
     first, second = available_cpus()[:2]
+    split = ["--prefill-cpus", str(first), "--decode-cpus", str(second)]
+    budget = "" if stall_budget_ms is None else f" --prefill-stall-budget-ms {stall_budget_ms:g}"
+    sweep = {f"disaggregated-lp{n}": [*split, "--worker-args", f"--local-prefill-max-tokens {n}{budget}"]
+             for n in floors or []}
     return {
-        "disaggregated": ["--prefill-cpus", str(first), "--decode-cpus", str(second)],
+        **sweep,
+        "disaggregated": split,
         "aggregated-512": ["--aggregated", "--decode-cpus", f"{first},{second}", "--worker-args",
                            "--max-step-tokens 512"],
         "aggregated-128": ["--aggregated", "--decode-cpus", f"{first},{second}", "--worker-args",
@@ -154,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-output-len", type=int, default=16)
     p.add_argument("--slo-ttft", type=float, default=3000.0, help="ms (default 3000)")
     p.add_argument("--slo-itl", type=float, default=150.0, help="ms (default 150)")
-    p.add_argument("--layouts", default=",".join(layouts()), help="comma-separated subset (default all)")
+    p.add_argument("--layouts", default=None, help="comma-separated subset (default all, or with "
+                   "--local-prefill-max-tokens only its sweep)")
+    p.add_argument("--local-prefill-max-tokens", default=None,
+                   help="sweep this floor, comma-separated (default: no sweep)")
+    p.add_argument("--stall-budget-ms", type=float, default=None,
+                   help="--prefill-stall-budget-ms of the sweep's workers (default: the workers' default)")
     p.add_argument("--out", default=None, help="folder for logs and raw results (default a temp folder)")
     p.add_argument("--write", action="store_true", help="update docs/benchmarks.md and its plots")
     args = p.parse_args(argv)
@@ -162,8 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.pd_vs_aggregated needs two cores", file=sys.stderr)
         return 2
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="tandem-pd-"))
-    all_layouts = layouts()
-    chosen = [n.strip() for n in args.layouts.split(",")]
+    floors = [int(x) for x in args.local_prefill_max_tokens.split(",")] if args.local_prefill_max_tokens else []
+    all_layouts = layouts(floors, args.stall_budget_ms)
+    sweep = [f"disaggregated-lp{n}" for n in floors]
+    if args.layouts is None:
+        chosen = sweep or [n for n in all_layouts if not n.startswith("disaggregated-lp")]
+    else:
+        chosen = sweep + [n.strip() for n in args.layouts.split(",") if n.strip() not in sweep]
     unknown = [n for n in chosen if n not in all_layouts]
     if unknown:
         print(f"unknown layout {', '.join(unknown)}; choose from {', '.join(all_layouts)}", file=sys.stderr)

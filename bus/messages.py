@@ -122,12 +122,18 @@ class Usage(_Part, kw_only=True):
 
 
 class Timings(_Part, kw_only=True):
-    """Seconds spent per phase of one request (0 where a phase did not happen)."""
+    """Seconds spent per phase of one request (0 where a phase did not happen).
+
+    ``prefill_step`` is the engine step that computed the prompt (its last chunk) and sampled the
+    first token, on whichever worker prefilled it: ``prefill`` minus it is the time spent around
+    the compute (bus hops, hand-offs to the model thread, the KV transfer).
+    """
 
     queue: float = 0.0
     prefill: float = 0.0
     transfer: float = 0.0
     decode: float = 0.0
+    prefill_step: float = 0.0
 
 
 class GenerateRequest(_Msg, tag="generate_request", kw_only=True):
@@ -187,12 +193,14 @@ class PrefillAccepted(_Msg, tag="prefill_accepted", kw_only=True):
 
     Why: a job from the pool names no worker; this tells the decode worker whose
     liveness to watch, so a worker that dies mid-job is noticed within seconds, not at
-    the job's deadline.
+    the job's deadline. ``transfer`` names the mechanism that will carry the KV ("" when
+    not known yet): the decode worker polls for landings only through one that needs it.
     """
 
     request_id: str
     attempt: NonNegInt = 0
     prefill_worker_id: str
+    transfer: str = ""
 
 
 class PrefillDone(_Msg, tag="prefill_done", kw_only=True):

@@ -225,6 +225,10 @@ class Subjects:
         """``tandem.stream.<gateway>.*``: one subscription for all of a gateway's requests."""
         return f"{self.namespace}.stream.{check_token(gateway_id, 'gateway id')}.*"
 
+    def stats_of_role(self, role: str) -> str:
+        """``tandem.stats.<role>.*``: the load reports of every worker of one role."""
+        return f"{self.namespace}.stats.{check_token(role, 'role')}.*"
+
     def prefill_done_of_worker(self, worker_id: str) -> str:
         """``tandem.prefill.done.<worker>.*``: one subscription for a decode worker's prefills."""
         return f"{self.namespace}.prefill.done.{check_token(worker_id, 'worker id')}.*"

@@ -44,6 +44,9 @@ class Settings:
     # peer is reached through same-host shared memory, where a whole-prompt copy is cheaper (docs/benchmarks.md).
     layerwise_transfer: str = "auto"
     local_prefill_max_tokens: int = 32  # decode_only: prefill locally at or below this many uncached tokens
+    # decode_only: above that floor, prefill remotely when a local prefill would hold the decode batch longer than
+    # this (or when remote is faster), unless the prefill workers' queue is longer still (actors/prefill_choice.py)
+    prefill_stall_budget_ms: float = 50.0
     remote_prefill_fallback: str = "local"  # local|error
     prefill_timeout: float = 60.0  # seconds a decode worker waits for a remote prefill
     request_timeout: float = 600.0  # default deadline of a request
@@ -94,7 +97,7 @@ class Settings:
         for name in ("prefill_timeout", "request_timeout", "stats_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("drain_timeout", "restarts"):
+        for name in ("drain_timeout", "restarts", "prefill_stall_budget_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.metrics_port <= 65535:

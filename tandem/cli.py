@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--kv-transfer", "how KV bytes move to a peer", choices=["auto", "nixl", "shm", "tcp", "cuda_ipc"])
     opt("--nixl-backend", "NIXL's transport", choices=["ucx", "libfabric", "uccl"])
     opt("--local-prefill-max-tokens", "decode_only: prefill locally at or below this many uncached tokens", type=int)
+    opt("--prefill-stall-budget-ms", "decode_only: above that, prefill remotely when a local prefill would hold "
+        "the decode batch longer than this, unless the prefill queue is longer still", type=float)
     opt("--remote-prefill-fallback", "after two failed remote prefills: prefill locally, or fail",
         choices=["local", "error"])
     opt("--prefill-timeout", "seconds a decode worker waits for a remote prefill", type=float)
@@ -180,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 _SERVE_FIELDS = ("role", "model", "dtype", "quantization", "device", "cpus", "threads", "nats_url", "namespace", "worker_id",
                  "metrics_port", "metrics_host", "advertise_host", "kv_tcp_host",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
-                 "local_prefill_max_tokens", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",
+                 "local_prefill_max_tokens", "prefill_stall_budget_ms", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",
                  "layerwise_transfer", "drain_timeout")
 
 

@@ -45,7 +45,7 @@ async def hear_prefill_reports(url: str) -> None:
             for _ in range(2):
                 await c.stats("prefill_only", worker_id, timeout=30)
 
-    await asyncio.gather(twice("tandem", "p1"), twice("tandem", "p2"), twice("mm", "mp1"))
+    await asyncio.gather(twice("tandem", "p1"), twice("tandem", "p2"), twice("mm", "mp1"), twice("cd", "cp1"))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     with EmbeddedNats() as srv:
         # Room for a retry while a dead worker's blocks sit in quarantine.
-        disagg = ["--local-prefill-max-tokens", "0", "--max-batch", "4", "--prefill-timeout", "90",
+        disagg = ["--local-prefill-max-tokens", "0", "--prefill-stall-budget-ms", "0", "--max-batch", "4", "--prefill-timeout", "90",
                   "--num-blocks", "400"]
         workers = start_workers([
             ("prefill_only", "p1", "--layerwise-transfer", "on"),  # p1 streams layer by layer, p2 sends whole
@@ -65,7 +65,11 @@ def cluster(tmp_path_factory):
             # A decode worker whose KV layout differs from its prefill worker's (block size 32 vs 16).
             ("prefill_only", "mp1", "--namespace", "mm", "--num-blocks", "64"),
             ("decode_only", "md1", "--namespace", "mm", "--block-size", "32", "--num-blocks", "64",
-             "--local-prefill-max-tokens", "0"),
+             "--local-prefill-max-tokens", "0", "--prefill-stall-budget-ms", "0"),
+            # Conditional disaggregation by estimated cost alone (no length floor, a 300 ms stall budget).
+            ("prefill_only", "cp1", "--namespace", "cd", "--num-blocks", "128"),
+            ("decode_only", "cd1", "--namespace", "cd", "--num-blocks", "128", "--local-prefill-max-tokens", "0",
+             "--prefill-stall-budget-ms", "300"),
         ], srv.url, logs)
         by_id = {w.worker_id: w for w in workers}
         try:
@@ -235,6 +239,22 @@ def test_layout_mismatch_names_both_layouts(cluster):
     assert accepted["kind"] == "prefill_accepted" and accepted["prefill_worker_id"] == "p1"
     assert done["ok"] is False and done["error_code"] == "layout_mismatch"
     assert "block_size=32" in done["error"] and "block_size=16" in done["error"]
+
+
+def test_decode_worker_weighs_where_to_prefill(cluster, smollm):
+    """A prompt whose local prefill fits the stall budget stays local (remote adds a hand-off); one that would
+    hold the decode batch longer goes to the idle prefill worker, though both are above the length floor."""
+    url, _ = cluster
+
+    async def go(prompt):
+        async with Client(url, "cd") as c:
+            return await c.generate(rid(), chat_ids(smollm, prompt), max_tokens=2, timeout=120)
+
+    short = run(go("hi"))
+    assert short["finish"]["prefill_mode"] == "local", short
+    long = run(go(LONG_CONTEXT + " Summarize."))
+    assert long["finish"]["prefill_mode"] == "remote", long
+    assert long["finish"]["prefill_worker_id"] == "cp1"
 
 
 def test_layout_mismatch_between_workers_reaches_the_client(cluster, smollm):

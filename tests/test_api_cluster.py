@@ -52,7 +52,7 @@ TIME = {"type": "function", "function": {
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
     cluster = TandemUp(tmp_path_factory.mktemp("up"), "--served-model-name", "my-model",
-                       "--worker-args", "--num-blocks 256 --local-prefill-max-tokens 0").start(300)
+                       "--worker-args", "--num-blocks 256 --local-prefill-max-tokens 0 --prefill-stall-budget-ms 0").start(300)
     try:
         yield cluster
     finally:

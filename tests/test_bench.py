@@ -365,3 +365,14 @@ def test_bench_bad_input_is_one_clear_line(args: list[str], message: str, code: 
                          text=True, timeout=120)
     assert res.returncode == code and message in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_pd_bench_sweeps_the_local_prefill_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.pd_vs_aggregated as pd
+
+    monkeypatch.setattr(pd, "available_cpus", lambda: [4, 5])
+    sweep = pd.layouts([0, 64], stall_budget_ms=25)
+    assert sweep["disaggregated-lp0"] == ["--prefill-cpus", "4", "--decode-cpus", "5", "--worker-args",
+                                          "--local-prefill-max-tokens 0 --prefill-stall-budget-ms 25"]
+    assert sweep["disaggregated-lp64"][-1] == "--local-prefill-max-tokens 64 --prefill-stall-budget-ms 25"
+    assert "disaggregated-lp0" not in pd.layouts()

@@ -1,4 +1,5 @@
-"""Unit tests of the decode actor's bookkeeping: quarantined blocks, dropped requests, work that arrives while draining.
+"""Unit tests of the decode actor's bookkeeping and of its remote prefills (actors/remote_prefill.py):
+quarantined blocks, events that end a wait, dropped requests, work that arrives while draining.
 
 A cancel reaches the decode worker and the prefill worker at once; the prefill worker's
 "I wrote nothing" answer can be handled before the decode worker has finished quarantining
@@ -14,7 +15,22 @@ from types import SimpleNamespace
 
 from actors.base import SeenIds
 from actors.decode import DecodeActor, Request
-from bus.messages import ErrorCode, GenerateRequest, PrefillDone, StreamError, WorkerStats, decode, encode
+from actors.remote_prefill import CANCELLED, LANDED, PrefillWorkers, RemotePrefills
+from bus.messages import (
+    ErrorCode,
+    GenerateRequest,
+    PrefillAccepted,
+    PrefillDone,
+    PrefillJob,
+    StreamError,
+    WorkerStats,
+    decode,
+    encode,
+)
+from bus.subjects import Subjects
+from kv.layout import KVLayout
+from kv.transfer import create_engine
+from runtime.settings import Settings
 
 
 class RecordingRunner:
@@ -29,64 +45,113 @@ class RecordingRunner:
         return fn(self.engine, *args)
 
 
+class RecordingNats:
+    """Stands in for the NATS client: keeps what is published."""
+
+    max_payload = 1 << 20
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject: str, data: bytes, reply: str = "", headers: dict | None = None) -> None:
+        self.published.append((subject, data))
+
+
+class QuietTransfer:
+    """A transfer engine that sees no landings and needs no polling."""
+
+    name = "shm"
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def completion_fds(self) -> list[int]:
+        return []
+
+    def completed(self) -> list[str]:
+        self.reads += 1
+        return []
+
+    def needs_polling_for(self, mechanism: str) -> bool:
+        return False
+
+
+def bare_remote(runner=None, transfer=None, **settings) -> RemotePrefills:
+    tasks: set = set()
+
+    def spawn(coro):
+        task = asyncio.get_running_loop().create_task(coro)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return task
+
+    hub = RemotePrefills(RecordingNats(), Subjects("m"), Settings(**settings), runner or RecordingRunner(),
+                         transfer or QuietTransfer(), KVLayout(model="m", dtype="float32", block_size=16,
+                                                                num_layers=2, num_kv_heads=1, head_dim=8),
+                         "d9", "inc-d9", "m", spawn)
+    hub.tasks = tasks
+    return hub
+
+
 def bare_decode_actor() -> DecodeActor:
     actor = object.__new__(DecodeActor)
-    actor.quarantined, actor.prefill_waits, actor.prefill_takers = {}, {}, {}
-    actor.attempts_over = SeenIds()
     actor.tasks = set()
     actor.runner = RecordingRunner()
     return actor
 
 
-def done_msg(wrote: bool) -> SimpleNamespace:
-    return SimpleNamespace(data=encode(PrefillDone(request_id="r1", ok=False, attempt=0, error_code="cancelled",
-                                                   wrote=wrote)))
+def done_msg(wrote: bool, ok: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(data=encode(PrefillDone(request_id="r1", ok=ok, attempt=0, first_token=7 if ok else None,
+                                                   error_code=None if ok else "cancelled", wrote=wrote)))
 
 
-async def settle(actor: DecodeActor) -> None:
+async def settle(hub: RemotePrefills) -> None:
     for _ in range(5):
         await asyncio.sleep(0)
-    if actor.tasks:
-        await asyncio.wait_for(asyncio.gather(*list(actor.tasks)), timeout=5)
+    if hub.tasks:
+        await asyncio.wait_for(asyncio.gather(*list(hub.tasks)), timeout=5)
+
+
+def cancel_timers(hub: RemotePrefills) -> None:
+    for t in list(hub.tasks):
+        t.cancel()
 
 
 def test_answer_before_quarantine_frees_blocks_at_once():
     async def go():
-        actor = bare_decode_actor()
-        await actor._on_prefill_done(done_msg(wrote=False))
-        actor._quarantine("r1:0", [4, 5, 6], deadline=time.time() + 90)
-        await settle(actor)
-        return actor
+        hub = bare_remote()
+        await hub.on_reply(done_msg(wrote=False))
+        hub.quarantine("r1:0", [4, 5, 6], deadline=time.time() + 90)
+        await settle(hub)
+        return hub
 
-    actor = asyncio.run(go())
-    assert actor.runner.released == [4, 5, 6]
-    assert actor.quarantined == {}
+    hub = asyncio.run(go())
+    assert hub.runner.released == [4, 5, 6]
+    assert hub.quarantined == {}
 
 
 def test_answer_after_quarantine_frees_blocks():
     async def go():
-        actor = bare_decode_actor()
-        actor._quarantine("r1:0", [7, 8], deadline=time.time() + 90)
-        await actor._on_prefill_done(done_msg(wrote=False))
-        assert actor.runner.released == [7, 8]
-        for t in list(actor.tasks):  # the deadline timer has nothing left to free
-            t.cancel()
-        return actor
+        hub = bare_remote()
+        hub.quarantine("r1:0", [7, 8], deadline=time.time() + 90)
+        await hub.on_reply(done_msg(wrote=False))
+        assert hub.runner.released == [7, 8]
+        cancel_timers(hub)  # the deadline timer has nothing left to free
+        return hub
 
-    actor = asyncio.run(go())
-    assert actor.quarantined == {}
+    hub = asyncio.run(go())
+    assert hub.quarantined == {}
 
 
 def test_writer_that_began_writing_keeps_blocks_until_deadline():
     async def go():
-        actor = bare_decode_actor()
-        await actor._on_prefill_done(done_msg(wrote=True))
-        actor._quarantine("r1:0", [9], deadline=time.time() + 90)
+        hub = bare_remote()
+        await hub.on_reply(done_msg(wrote=True))
+        hub.quarantine("r1:0", [9], deadline=time.time() + 90)
         for _ in range(5):
             await asyncio.sleep(0)
-        held = (list(actor.runner.released), dict(actor.quarantined))
-        for t in list(actor.tasks):
-            t.cancel()
+        held = (list(hub.runner.released), dict(hub.quarantined))
+        cancel_timers(hub)
         return held
 
     released, quarantined = asyncio.run(go())
@@ -96,16 +161,160 @@ def test_writer_that_began_writing_keeps_blocks_until_deadline():
 
 def test_two_quarantines_under_one_tag_are_both_freed():
     async def go():
-        actor = bare_decode_actor()
-        actor._quarantine("r1:0", [1, 2], deadline=time.time() + 90)
-        actor._quarantine("r1:0", [3], deadline=time.time() + 90)
-        await actor._on_prefill_done(done_msg(wrote=False))
-        for t in list(actor.tasks):
-            t.cancel()
-        return actor
+        hub = bare_remote()
+        hub.quarantine("r1:0", [1, 2], deadline=time.time() + 90)
+        hub.quarantine("r1:0", [3], deadline=time.time() + 90)
+        await hub.on_reply(done_msg(wrote=False))
+        cancel_timers(hub)
+        return hub
 
-    actor = asyncio.run(go())
-    assert sorted(actor.runner.released) == [1, 2, 3]
+    hub = asyncio.run(go())
+    assert sorted(hub.runner.released) == [1, 2, 3]
+
+
+class RemoteEngine:
+    """The decode engine's remote-prefill calls, recorded: blocks 10-11 reserved, then landed or abandoned."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def reserve_remote(self, rid, prompt_ids, params):
+        self.calls.append(("reserve", rid))
+        return SimpleNamespace(num_cached=0), [10, 11]
+
+    def abandon_remote(self, rid, quarantine):
+        self.calls.append(("abandon", rid, quarantine))
+        return [10, 11] if quarantine else []
+
+    def release_quarantine(self, blocks):
+        self.calls.append(("release", list(blocks)))
+
+
+def remote_hub(**settings) -> tuple[RemotePrefills, RemoteEngine]:
+    engine = RemoteEngine()
+    runner = RecordingRunner()
+    runner.engine = engine
+    hub = bare_remote(runner, **settings)
+    hub.workers.heard(WorkerStats(role="prefill_only", worker_id="p1"))
+    return hub, engine
+
+
+def request(rid: str = "r1") -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_ids=[1, 2, 3], stream_subject=f"s.{rid}")
+
+
+async def job_sent(hub: RemotePrefills) -> PrefillJob:
+    while not any(subject.endswith(".prefill.p1") for subject, _ in hub.nc.published):
+        await asyncio.sleep(0)
+    return decode(hub.nc.published[-1][1], PrefillJob)
+
+
+def test_a_remote_prefill_lands_on_its_reply_and_its_landing_event():
+    """The PrefillDone and the transfer engine's notice end the wait (no poll of the engine: it needs none)."""
+    async def go():
+        hub, engine = remote_hub()
+        rp = hub.prefill(request(), [1, 2, 3], None, "p1")
+        running = asyncio.get_running_loop().create_task(rp.run())
+        job = await job_sent(hub)
+        await hub.on_reply(SimpleNamespace(data=encode(PrefillAccepted(request_id="r1", prefill_worker_id="p1",
+                                                                       transfer="shm"))))
+        await hub.on_reply(done_msg(wrote=True, ok=True))
+        hub.landings.collect(["r1:0"])
+        outcome = await asyncio.wait_for(running, timeout=30)
+        return outcome, job, engine, hub, rp
+
+    outcome, job, engine, hub, rp = asyncio.run(go())
+    assert outcome.kind == LANDED and outcome.done.first_token == 7
+    assert job.dst.block_ids == [10, 11] and job.reply_subject == "tandem.prefill.done.d9.r1"
+    assert engine.calls == [("reserve", "r1")]
+    assert rp.begun and hub.attempts == {} and hub.landings.polled == set()
+    assert hub.landings._poller is None and hub.transfer.reads == 0
+
+
+def test_abandon_wakes_a_waiting_remote_prefill_and_quarantines_its_blocks():
+    """A cancel ends the wait at once (not at the 10-minute deadline) and holds the blocks the job named."""
+    async def go():
+        hub, engine = remote_hub(prefill_timeout=600.0)
+        rp = hub.prefill(request(), [1, 2, 3], None, "p1")
+        running = asyncio.get_running_loop().create_task(rp.run())
+        await job_sent(hub)
+        await rp.abandon()
+        outcome = await asyncio.wait_for(running, timeout=30)
+        held = dict(hub.quarantined)
+        cancel_timers(hub)
+        return outcome, engine, held
+
+    outcome, engine, held = asyncio.run(go())
+    assert outcome.kind == CANCELLED
+    assert engine.calls == [("reserve", "r1"), ("abandon", "r1", True)]
+    assert held == {"r1:0": [10, 11]}
+
+
+def test_abandon_while_waiting_for_the_landing_wakes_that_wait_too():
+    async def go():
+        hub, engine = remote_hub(prefill_timeout=600.0)
+        rp = hub.prefill(request(), [1, 2, 3], None, "p1")
+        running = asyncio.get_running_loop().create_task(rp.run())
+        await job_sent(hub)
+        await hub.on_reply(done_msg(wrote=True, ok=True))  # answered, but the bytes have not landed
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert "r1:0" in hub.landings.waiters
+        await rp.abandon()
+        outcome = await asyncio.wait_for(running, timeout=30)
+        return outcome, engine, dict(hub.quarantined)
+
+    outcome, engine, held = asyncio.run(go())
+    assert outcome.kind == CANCELLED
+    # quarantined, and let go at once: the attempt said it writes no more (ok)
+    assert engine.calls[-2:] == [("abandon", "r1", True), ("release", [10, 11])]
+    assert held == {}
+
+
+def test_a_landing_wakes_its_wait_through_the_transfer_engines_descriptor():
+    """A real shared-memory engine pair: the write's notice wakes the waiting request, nothing polls."""
+    layout = KVLayout(model="m", dtype="float32", block_size=4, num_layers=2, num_kv_heads=1, head_dim=8)
+    ours = create_engine("shm", layout, 8, "cpu", "d9")
+    writer = create_engine("shm", layout, 8, "cpu", "p9")
+    reads: list[int] = []
+    completed = ours.completed
+
+    def counted() -> list[str]:
+        reads.append(1)
+        return completed()
+
+    ours.completed = counted
+
+    async def go() -> tuple[bool, bool]:
+        hub = bare_remote(transfer=ours)
+        watching = asyncio.get_running_loop().create_task(hub.landings.watch())
+        await asyncio.sleep(0)
+        hub.landings.expect("r1:0", "shm")
+        waiting = asyncio.get_running_loop().create_task(hub.landings.wait("r1:0", timeout=30))
+        await asyncio.sleep(0)
+        before = len(reads)
+        writer.add_peer(ours.metadata())
+        writer.write("d9", [0, 1], [2, 3], notify="r1:0").wait(30)
+        landed = await waiting
+        watching.cancel()
+        return landed, len(reads) - before
+
+    try:
+        landed, reads_after = asyncio.run(go())
+    finally:
+        writer.close()
+        ours.close()
+    assert landed
+    assert reads_after == 1  # read once, when its descriptor turned readable
+
+
+def test_a_landing_noticed_before_its_reply_is_kept_for_the_wait():
+    async def go():
+        hub, _ = remote_hub()
+        hub.landings.collect(["r1:0"])
+        return await hub.landings.wait("r1:0", timeout=30), await hub.landings.wait("r1:0", timeout=0)
+
+    assert asyncio.run(go()) == (True, False)
 
 
 def test_a_dropped_request_never_starts_a_local_prefill():
@@ -127,18 +336,6 @@ def test_a_dropped_request_never_starts_a_local_prefill():
     assert calls == [] and not r.in_engine
 
 
-class RecordingNats:
-    """Stands in for the NATS client: keeps what is published."""
-
-    max_payload = 1 << 20
-
-    def __init__(self) -> None:
-        self.published: list[tuple[str, bytes]] = []
-
-    async def publish(self, subject: str, data: bytes, reply: str = "", headers: dict | None = None) -> None:
-        self.published.append((subject, data))
-
-
 def test_a_request_that_arrives_while_draining_is_handed_back():
     """A targeted request on its way when the drain began goes back to its gateway, which re-sends it."""
     async def go():
@@ -158,11 +355,12 @@ def test_a_request_that_arrives_while_draining_is_handed_back():
 
 
 def test_draining_prefill_workers_get_no_jobs():
-    actor = bare_decode_actor()
+    workers = PrefillWorkers("m")
     now = time.monotonic()
-    actor.prefill_workers = {
+    workers.reports = {
         "p-leaving": (WorkerStats(role="prefill_only", worker_id="p-leaving", draining=True), now),
         "p-staying": (WorkerStats(role="prefill_only", worker_id="p-staying"), now),
         "p-silent": (WorkerStats(role="prefill_only", worker_id="p-silent"), now - 60),
     }
-    assert list(actor.alive_prefill_workers()) == ["p-staying"]
+    assert list(workers.alive()) == ["p-staying"]
+    assert workers.silent("p-silent") and not workers.silent("p-staying") and not workers.silent("p-unknown")

@@ -46,7 +46,7 @@ def secured() -> Iterator[tuple[str, dict[str, Proc]]]:
 
             try:
                 start("p1", "prefill_only", "prefill").wait_for("ready", timeout=180)
-                start("d1", "decode_only", "decode", "--local-prefill-max-tokens", "0")
+                start("d1", "decode_only", "decode", "--local-prefill-max-tokens", "0", "--prefill-stall-budget-ms", "0")
                 start("a1", "prefill_and_decode", "aggregate")
                 for w in ("d1", "a1"):
                     workers[w].wait_for("ready", timeout=180)

@@ -6,9 +6,11 @@ Each peer process runs a small command loop (like an actor): between commands it
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing as mp
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -434,6 +436,57 @@ def test_in_process_pair_small_chunks_strided_layers_and_cancel(
         h.cancel()
         with pytest.raises(TransferError, match="cancelled"):
             h.wait(5)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp", "auto"])
+def test_landings_wake_the_receivers_descriptor_and_the_writers_loop(kind: str) -> None:
+    """No polling on either side: the writer's event loop is woken by its write's end, the receiver's by a
+    completion descriptor that turns readable when the notice is there and quiet once it is read."""
+    a = create_engine(kind, LAYOUT, 32, "cpu", "a")
+    b = create_engine(kind, LAYOUT, 32, "cpu", "b")
+    try:
+        a.pool.tensor.copy_(torch.randn(a.pool.tensor.shape))
+        a.add_peer(json.loads(json.dumps(b.metadata())))
+        fds = b.completion_fds()
+        assert fds and not b.needs_polling_for(a.mechanism("b"))
+        assert select.select(fds, [], [], 0)[0] == []
+
+        async def landed() -> list[str]:
+            loop = asyncio.get_running_loop()
+            woken = asyncio.Event()
+            for fd in fds:
+                loop.add_reader(fd, woken.set)
+            try:
+                await asyncio.wait_for(a.write("b", [0, 1, 2], [4, 5, 6], "evented").wait_async(), 30)
+                await asyncio.wait_for(woken.wait(), 30)
+                return b.completed()
+            finally:
+                for fd in fds:
+                    loop.remove_reader(fd)
+
+        assert asyncio.run(landed()) == ["evented"]
+        assert select.select(fds, [], [], 0)[0] == []
+        assert torch.equal(b.pool.tensor[[4, 5, 6]], a.pool.tensor[[0, 1, 2]])
+        h = a.write("b", list(range(32)), list(range(32)), "cancelled")
+        h.cancel()
+        with pytest.raises(TransferError, match="cancelled"):
+            asyncio.run(h.wait_async())
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="needs NIXL")
+def test_nixl_without_a_progress_thread_says_it_needs_polling() -> None:
+    a = create_engine("nixl", LAYOUT, 8, "cpu", "a")
+    b = create_engine("auto", LAYOUT, 8, "cpu", "b")
+    try:
+        assert a.needs_polling and a.completion_fds() == []
+        assert b.needs_polling and b.needs_polling_for("nixl") and b.needs_polling_for("")
+        assert not b.needs_polling_for("shm") and not b.needs_polling_for("tcp")
     finally:
         a.close()
         b.close()

@@ -32,11 +32,13 @@ class SlowStepRunner:
 
     async def call(self, fn: Any, *args: Any) -> Any:
         if fn == self.actor._admit:
-            j = args[0]
+            j, _, stream = args
             key = f"{j.request_id}:{j.attempt}"
+            for layer in range(self.actor.layout.num_layers):  # the step's layers, each followed by its hook
+                stream.on_layer(layer)
             out = SimpleNamespace(request_id=key, finish_reason="length", token_ids=[42], logprobs=[],
                                   cached_tokens=0)
-            asyncio.get_running_loop().call_soon(self.actor.on_outputs, [out])
+            asyncio.get_running_loop().call_soon(self.actor.on_outputs, [out], 0.02)
             return None
         await self.step_over.wait()
         self.let_go.append(args[0])
@@ -50,11 +52,20 @@ def bare_prefill_actor() -> PrefillActor:
     actor.cancelled_ids, actor.seen = SeenIds(), SeenIds()
     actor.tasks = set()
     actor.draining = False
-    actor.layout = SimpleNamespace(fingerprint=lambda: "fp", block_bytes=64)
+    actor.layout = SimpleNamespace(fingerprint=lambda: "fp", block_bytes=64, num_layers=2)
     actor.s = SimpleNamespace(layerwise_transfer="off", prefill_timeout=60.0)
-    actor.transfer = SimpleNamespace(mechanism=lambda peer: "tcp", name="tcp",
-                                     write=lambda *a, **k: SimpleNamespace(wait=lambda: None))
-    actor.engine = SimpleNamespace(held={"r1:0": SimpleNamespace(block_table=[0, 1])})
+    actor.peer_incarnations = {}
+    actor.writes = []
+
+    async def landed() -> None:
+        return None
+
+    def write(*args: Any, **kw: Any) -> SimpleNamespace:
+        actor.writes.append((args, kw))
+        return SimpleNamespace(wait_async=landed, cancel=lambda: None)
+
+    actor.transfer = SimpleNamespace(mechanism=lambda peer: "tcp", name="tcp", write=write)
+    actor.engine = SimpleNamespace(seqs={"r1:0": SimpleNamespace(block_table=[0, 1])})
     actor.nc = None
     actor.runner = SlowStepRunner(actor)
 
@@ -90,8 +101,12 @@ def test_prefill_done_leaves_before_the_model_thread_lets_the_job_go(monkeypatch
     assert len(done) == 1
     subject, msg, let_go_then = done[0]
     assert subject == "tandem.prefill.done.d1.r1" and msg.ok and msg.first_token == 42
+    assert msg.timings["step"] == 0.02  # the step that computed the prompt, for the decode worker's timings
     assert let_go_then == []  # published while the step still ran
     assert actor.runner.let_go == ["r1:0"]  # and its blocks were let go afterwards
+    # one write of every layer, started from the model thread after the last layer, carrying the notify
+    [(args, kw)] = actor.writes
+    assert args == ("d1", [0, 1], [5, 6]) and kw["notify"] == "r1:0" and kw["layers"] is None
 
 
 def test_targeted_jobs_over_the_cap_wait_in_the_backlog(monkeypatch: Any) -> None:

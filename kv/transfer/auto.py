@@ -17,7 +17,8 @@ mechanism both sides support, logs the choice, and every write to that peer goes
   docs/benchmarks.md; shm also lands while the receiver is busy, where NIXL waits for it to poll);
 - other hosts: nixl, then tcp.
 
-`completed()` merges the notices of all sub-engines, so the receiving side polls one object.
+`completed()` merges the notices of all sub-engines and `completion_fds()` their wake-up descriptors,
+so the receiving side waits on one object.
 """
 
 from __future__ import annotations
@@ -146,6 +147,17 @@ class AutoEngine(TransferEngine):
             except Exception:
                 log.exception("kv %s engine: reading completion notices failed", mech)
         return tags
+
+    def completion_fds(self) -> list[int]:
+        return [fd for engine in self.engines.values() for fd in engine.completion_fds()]
+
+    @property
+    def needs_polling(self) -> bool:
+        return any(engine.needs_polling for engine in self.engines.values())
+
+    def needs_polling_for(self, mechanism: str) -> bool:
+        engine = self.engines.get(mechanism)
+        return engine.needs_polling if engine is not None else self.needs_polling
 
     def close(self) -> None:
         if self._closed:

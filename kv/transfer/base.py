@@ -5,9 +5,11 @@ reach that pool (a JSON-able dict the caller carries over NATS, at ``tandem.kv.m
 a peer passes it to `add_peer()` and then `write()`s blocks of its own pool into blocks of ours.
 Every engine pushes (the prefill side writes, the decode side receives), so the side that owns
 the destination blocks learns that bytes landed only through `completed()`, which returns the
-notify tags of writes that have fully landed. Poll on both sides: the receiver calls
-`completed()` in its loop and the writer polls or waits on its handles — NIXL without a progress
-thread moves bytes only while both do (DESIGN §5). A write's bytes may be used only after its
+notify tags of writes that have fully landed. A receiver need not poll for them: an engine's
+`completion_fds()` turn readable when `completed()` has news (an event loop waits on them); only an
+engine whose `needs_polling` is true (NIXL without a progress thread moves bytes only while both
+sides poll, DESIGN §5) must have `completed()` called while writes are expected. A writer waits on
+its handles (`wait()`, or `wait_async()` on an event loop). A write's bytes may be used only after its
 tag appears in `completed()`; after a failure or `cancel()` the destination blocks hold undefined
 bytes and a late write may still land, so the receiver quarantines them (DESIGN §4).
 
@@ -26,6 +28,7 @@ contiguous, so a run of adjacent blocks is one range and a layer range of one bl
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 import os
 import socket
@@ -126,6 +129,36 @@ def strided_groups(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, i
     return [(g[0], g[1], g[2], g[3], g[4], g[5]) for g in groups]
 
 
+class Doorbell:
+    """A socket pair that an engine's own threads ring when notices arrive and an event loop waits on."""
+
+    def __init__(self) -> None:
+        self._read, self._write = socket.socketpair()
+        self._read.setblocking(False)
+        self._write.setblocking(False)
+
+    def fileno(self) -> int:
+        return self._read.fileno()
+
+    def ring(self) -> None:
+        try:
+            self._write.send(b"\0")
+        except (BlockingIOError, InterruptedError):
+            return  # bytes are already waiting: the bell is rung
+
+    def clear(self) -> None:
+        """Swallow the rings so far (before taking the notices, so a later ring is never lost)."""
+        try:
+            while self._read.recv(4096):
+                continue
+        except (BlockingIOError, InterruptedError):
+            return
+
+    def close(self) -> None:
+        self._read.close()
+        self._write.close()
+
+
 class TransferHandle(abc.ABC):
     """One write in flight. `poll()` never blocks; `wait()` blocks at most until the deadline."""
 
@@ -181,6 +214,10 @@ class TransferHandle(abc.ABC):
                 self._fail(f"not done within wait timeout after {time.monotonic() - self.started:.3f}s")
             self._block(left)
 
+    async def wait_async(self) -> None:
+        """`wait()` for an event loop: the loop never blocks (engines with a future are woken by it)."""
+        await asyncio.to_thread(self.wait)
+
     def cancel(self) -> None:
         """Abandon the write; the destination blocks are undefined until the peer reuses them safely."""
         if self.finished is None and self._error is None:
@@ -223,6 +260,14 @@ class FutureHandle(TransferHandle):
             self.future.exception(timeout=seconds)
         except FutureTimeout:
             return
+
+    async def wait_async(self) -> None:
+        """Woken by the writing thread's future, not by polling; a failure or the deadline raises."""
+        if not self.poll():
+            await asyncio.wait([asyncio.wrap_future(self.future)],
+                               timeout=max(0.0, self.deadline - time.monotonic()))
+            if not self.poll():
+                self._fail(f"deadline passed after {time.monotonic() - self.started:.3f}s")
 
 
 class DoneHandle(TransferHandle):
@@ -401,6 +446,20 @@ class TransferEngine(abc.ABC):
     @abc.abstractmethod
     def completed(self) -> list[str]:
         """Notify tags of writes into our pool that fully landed since the last call."""
+
+    def completion_fds(self) -> list[int]:
+        """File descriptors that turn readable when `completed()` may have new tags (wait on them instead
+        of polling); reading them is `completed()`'s business."""
+        return []
+
+    @property
+    def needs_polling(self) -> bool:
+        """Whether landings are seen only by calling `completed()` while writes are expected."""
+        return False
+
+    def needs_polling_for(self, mechanism: str) -> bool:
+        """`needs_polling` for writes a peer sends through ``mechanism`` ('' when not known)."""
+        return self.needs_polling
 
     def close(self) -> None:
         """Release sockets, segments and registrations; idempotent."""

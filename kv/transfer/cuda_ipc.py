@@ -177,6 +177,9 @@ class CudaIpcEngine(TransferEngine):
     def completed(self) -> list[str]:
         return self._inbox.drain()
 
+    def completion_fds(self) -> list[int]:
+        return [self._inbox.fileno()]
+
     def close(self) -> None:
         if self._closed:
             return

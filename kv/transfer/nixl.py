@@ -4,8 +4,8 @@ Backend from ``TANDEM_NIXL_BACKEND`` (``ucx`` default, ``libfabric``, ``uccl``).
 registered as DRAM on CPU and VRAM on CUDA. The agent runs without its progress thread: on a
 2-core machine that thread costs 2-4x (DESIGN §5); the price is that a transfer moves only while
 both sides poll: the writer its handles (`poll()`/`wait()`), the receiver `completed()`
-(``get_new_notifs``) in its loop — or pass ``poll_interval`` to have a small thread poll the
-receiving side. Agent metadata travels base64 inside `metadata()` (i.e. over NATS), never
+(``get_new_notifs``) in its loop (`needs_polling`) — or pass ``poll_interval`` to have a small thread
+poll the receiving side and ring `completion_fds()` when notices came. Agent metadata travels base64 inside `metadata()` (i.e. over NATS), never
 through NIXL's own listener.
 
 A write is one NIXL WRITE of the coalesced byte ranges with the notify tag as its notification;
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kv.pool import KVPool
-from kv.transfer.base import DoneHandle, TransferEngine, TransferError, TransferHandle
+from kv.transfer.base import DoneHandle, Doorbell, TransferEngine, TransferError, TransferHandle
 
 log = logging.getLogger("kv.transfer.nixl")
 
@@ -143,6 +143,7 @@ class NixlEngine(TransferEngine):
         self._remote: dict[str, str] = {}
         self._done: list[str] = []
         self._poller: threading.Thread | None = None
+        self._wake = Doorbell()  # rung by the poller thread
         if poll_interval is not None:
             self._poller = threading.Thread(
                 target=self._poll_loop, args=(poll_interval,), name="kv-nixl-poll", daemon=True
@@ -241,11 +242,21 @@ class NixlEngine(TransferEngine):
     def _poll_loop(self, interval: float) -> None:
         while not self._closed:
             self._drain()
+            if self._done:
+                self._wake.ring()
             time.sleep(interval)
+
+    @property
+    def needs_polling(self) -> bool:
+        return self._poller is None
+
+    def completion_fds(self) -> list[int]:
+        return [] if self._poller is None else [self._wake.fileno()]
 
     def completed(self) -> list[str]:
         if self._closed:
             return []
+        self._wake.clear()
         self._drain()
         with self._lock:
             tags, self._done = self._done, []
@@ -257,6 +268,7 @@ class NixlEngine(TransferEngine):
         super().close()
         if self._poller is not None:
             self._poller.join(timeout=2.0)
+        self._wake.close()
         for h in list(self._inflight):
             h.cancel()
         for worker in list(self._remote):

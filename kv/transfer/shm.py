@@ -194,6 +194,9 @@ class NotifyInbox:
         self.sock.setblocking(False)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
 
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
     def drain(self) -> list[str]:
         """Every tag received so far (non-blocking)."""
         tags: list[str] = []
@@ -373,6 +376,9 @@ class ShmEngine(TransferEngine):
 
     def completed(self) -> list[str]:
         return self._inbox.drain() if self._inbox is not None else []
+
+    def completion_fds(self) -> list[int]:
+        return [self._inbox.fileno()] if self._inbox is not None else []
 
     def close(self) -> None:
         if self._closed:

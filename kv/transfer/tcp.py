@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kv.pool import KVPool
-from kv.transfer.base import FutureHandle, TransferEngine, TransferHandle
+from kv.transfer.base import Doorbell, FutureHandle, TransferEngine, TransferHandle
 
 log = logging.getLogger("kv.transfer.tcp")
 
@@ -121,6 +121,7 @@ class TcpEngine(TransferEngine):
         self._cpu_view = memoryview(self._bytes.numpy()) if pool.device.type == "cpu" else None
         self._done: list[str] = []
         self._done_lock = threading.Lock()
+        self._bell = Doorbell()
         self._conns: set[socket.socket] = set()
         self._peers: dict[str, _Peer] = {}
         self._listener = socket.create_server((host, port), reuse_port=False)
@@ -161,6 +162,7 @@ class TcpEngine(TransferEngine):
                 if not error and header.get("notify"):
                     with self._done_lock:
                         self._done.append(header["notify"])
+                    self._bell.ring()
                 _send_msg(conn, {"id": header.get("id"), "ok": not error, "error": error})
         except (OSError, ValueError, KeyError, TypeError) as e:
             # The writer died or gave up mid-frame: its handle fails there; nothing lands here.
@@ -214,9 +216,13 @@ class TcpEngine(TransferEngine):
             got += step
 
     def completed(self) -> list[str]:
+        self._bell.clear()
         with self._done_lock:
             tags, self._done = self._done, []
         return tags
+
+    def completion_fds(self) -> list[int]:
+        return [self._bell.fileno()]
 
     # ---- writing ------------------------------------------------------------------------------
 
@@ -315,3 +321,4 @@ class TcpEngine(TransferEngine):
             except OSError:
                 log.debug("connection already closed")
         self._acceptor.join(timeout=2.0)
+        self._bell.close()

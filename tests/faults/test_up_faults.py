@@ -39,7 +39,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
     cluster = TandemUp(tmp_path_factory.mktemp("faults"), "--quantization", "none", "--prefill", "2", "--decode", "2",
                        "--restart-delay", "0.5",
                        "--drain-timeout", "10", "--stop-timeout", "10",
-                       "--worker-args", "--num-blocks 512 --local-prefill-max-tokens 64",
+                       "--worker-args", "--num-blocks 512 --local-prefill-max-tokens 64 --prefill-stall-budget-ms 0",
                        "--gateway-args", "--max-queue-wait 30", env={"TANDEM_LOG_LEVEL": "WARNING"}).start(300)
     try:
         yield cluster

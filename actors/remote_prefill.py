@@ -1,0 +1,421 @@
+"""Remote prefill, the decode side: a prefill worker computes a prompt into blocks reserved here.
+
+`RemotePrefill.run()` reserves the blocks, sends the `PrefillJob`, waits for its `PrefillDone` and
+for the transfer engine to report that the bytes landed, retries once on another prefill worker, and
+returns an `Outcome`: landed (with the first token), failed (an error for the client) or fall back
+(prefill it here). Every wait is woken by an event — the reply on NATS, the transfer engine's
+completion descriptor, `abandon()` — never by a sleep loop; only a transfer engine that sees
+landings by polling alone (NIXL without a progress thread) is polled, and only while a write
+through it is expected. The decode actor keeps admission, streaming and cancel: it calls
+`abandon()` when it drops a request and joins a landed one to its batch.
+
+`RemotePrefills` is what one decode worker's remote prefills share: the reply subscription, the
+live prefill workers, the landings, and the quarantine of blocks a writer may still touch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from actors.base import SeenIds, bad_messages
+from actors.runner import EngineRunner
+from bus.messages import (
+    ErrorCode,
+    GenerateRequest,
+    KVDestination,
+    MessageError,
+    PrefillAccepted,
+    PrefillDone,
+    PrefillJob,
+    WorkerStats,
+    decode,
+)
+from bus.publish import js_publish, publish
+from bus.subjects import Subjects
+from engine.params import SamplingParams
+from kv.layout import KVLayout
+from kv.transfer.base import TransferEngine
+from runtime import metrics
+from runtime.settings import Settings
+
+log = logging.getLogger(__name__)
+
+PREFILL_ALIVE_S = 3.0  # a prefill worker whose stats are older than this is not offered new work
+PREFILL_DEAD_S = 5.0  # ... and one silent this long is presumed dead with our job
+QUARANTINE_GRACE_S = 5.0
+LIVENESS_CHECK_S = 0.5  # how often a wait for a PrefillDone looks at its prefill worker's reports
+POLL_S = 0.001  # landing poll of a transfer engine that needs it, while a write through it is expected
+
+LANDED, FAILED, FALLBACK, CANCELLED = "landed", "failed", "fallback", "cancelled"
+
+
+def count_decision(mode: str, reason: str) -> None:
+    """Where a prompt is prefilled and why (``tandem_decode_prefill_decisions_total``)."""
+    metrics.PREFILL_DECISIONS.labels(mode, reason).inc()
+
+
+@dataclass
+class Outcome:
+    """How a remote prefill ended: ``landed`` (``done`` holds the first token), ``failed`` (``code``,
+    ``message``, ``status`` for the client), ``fallback`` (prefill it locally) or ``cancelled``
+    (the request was dropped; `abandon()` has dealt with the blocks)."""
+
+    kind: str
+    done: PrefillDone | None = None
+    code: str = ""
+    message: str = ""
+    status: int = 0
+
+
+class PrefillWorkers:
+    """The model's prefill workers as their load reports (and NATS micro discovery) show them."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.reports: dict[str, tuple[WorkerStats, float]] = {}  # worker → (last report, when heard)
+
+    def heard(self, st: WorkerStats) -> None:
+        self.reports[st.worker_id] = (st, time.monotonic())
+
+    def alive(self) -> dict[str, WorkerStats]:
+        """Prefill workers that reported lately and take jobs (a draining one gets none)."""
+        now = time.monotonic()
+        return {w: st for w, (st, seen) in self.reports.items() if now - seen < PREFILL_ALIVE_S and not st.draining}
+
+    def silent(self, worker: str) -> bool:
+        """Whether ``worker`` (known here) stopped reporting long enough to be presumed dead."""
+        heard = self.reports.get(worker)
+        return heard is not None and time.monotonic() - heard[1] > PREFILL_DEAD_S
+
+    async def discover(self, nc: Any, wait: float = 0.3) -> None:
+        """Ask NATS micro discovery for live prefill workers, so we need not wait for their stats."""
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish("$SRV.INFO.tandem-prefill-only", b"", reply=inbox)
+        deadline = time.monotonic() + wait
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                reply = await sub.next_msg(timeout=left)
+            except Exception:  # nats TimeoutError: discovery window over
+                break
+            if not reply.data:  # "no responders" status: nobody registered yet
+                break
+            md = json.loads(reply.data).get("metadata", {})
+            if md.get("model") == self.model and md.get("worker_id"):
+                st = WorkerStats(role="prefill_only", worker_id=md["worker_id"], model=self.model)
+                self.reports.setdefault(md["worker_id"], (st, time.monotonic()))
+        await sub.unsubscribe()
+        log.info("discovered prefill workers: %s", ", ".join(self.reports) or "none")
+
+
+class Landings:
+    """KV writes into this worker's pool that have fully landed, delivered as events.
+
+    The transfer engine's completion descriptors wake `collect` on the event loop; a waiter
+    (`wait`) is resolved at once, a tag nobody waits for yet is remembered for when one does.
+    """
+
+    def __init__(self, transfer: TransferEngine, spawn: Callable[[Coroutine], asyncio.Task]) -> None:
+        self.transfer, self.spawn = transfer, spawn
+        self.landed = SeenIds()
+        self.waiters: dict[str, asyncio.Future] = {}
+        self.polled: set[str] = set()  # expected writes whose landing only polling shows
+        self._poller: asyncio.Task | None = None
+        self._fds: list[int] = []
+
+    async def watch(self) -> None:
+        """Wake on the engine's completion descriptors until cancelled (the worker leaving)."""
+        loop = asyncio.get_running_loop()
+        self._fds = self.transfer.completion_fds()
+        for fd in self._fds:
+            loop.add_reader(fd, self.collect)
+        try:
+            await loop.create_future()
+        finally:
+            for fd in self._fds:
+                loop.remove_reader(fd)
+            self._fds = []
+
+    def collect(self, tags: list[str] | None = None) -> None:
+        """Take the engine's new notices (or ``tags``, read elsewhere) and wake their waiters."""
+        if tags is None:
+            try:
+                tags = self.transfer.completed()
+            except Exception as e:  # this reader must outlive one bad read, or no remote prefill lands again
+                bad_messages.warning("kv completions", "reading KV transfer completions failed: %r", e)
+                return
+        for tag in tags:
+            fut = self.waiters.pop(tag, None)
+            if fut is not None and not fut.done():
+                fut.set_result(True)
+            else:
+                self.landed.add(tag)
+
+    def expect(self, tag: str, mechanism: str = "") -> None:
+        """A write tagged ``tag`` may come (through ``mechanism``, '' while unknown): poll if only that shows it."""
+        if self.transfer.needs_polling_for(mechanism):
+            self.polled.add(tag)
+            if self._poller is None or self._poller.done():
+                self._poller = self.spawn(self._poll())
+        else:
+            self.polled.discard(tag)
+
+    def settled(self, tag: str) -> None:
+        """No write tagged ``tag`` is waited for any more."""
+        self.polled.discard(tag)
+        fut = self.waiters.pop(tag, None)
+        if fut is not None and not fut.done():
+            fut.set_result(False)
+
+    async def wait(self, tag: str, timeout: float) -> bool:
+        """True once write ``tag`` has landed; False at the timeout or when `settled` gives up on it."""
+        if tag not in self.landed and self._fds:
+            self.collect()  # its notice is often here already: the writer sent it before its reply
+        if tag in self.landed:
+            self.landed.discard(tag)
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters[tag] = fut
+        try:
+            return await asyncio.wait_for(fut, max(0.0, timeout))
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if self.waiters.get(tag) is fut:
+                del self.waiters[tag]
+
+    async def _poll(self) -> None:
+        while self.polled:
+            try:
+                tags = await asyncio.to_thread(self.transfer.completed)
+            except Exception as e:  # keep polling: the next read may work
+                bad_messages.warning("kv completions", "reading KV transfer completions failed: %r", e)
+                tags = []
+            self.collect(tags)
+            await asyncio.sleep(POLL_S)
+
+
+class RemotePrefills:
+    """One decode worker's remote prefills: what they share, and `prefill()` to start one."""
+
+    def __init__(self, nc: Any, subjects: Subjects, settings: Settings, runner: EngineRunner,
+                 transfer: TransferEngine, layout: KVLayout, worker_id: str, incarnation: str, model: str,
+                 spawn: Callable[[Coroutine], asyncio.Task]) -> None:
+        self.nc, self.subjects, self.s, self.runner = nc, subjects, settings, runner
+        self.transfer, self.layout, self.worker_id, self.incarnation, self.model = (
+            transfer, layout, worker_id, incarnation, model)
+        self.spawn = spawn
+        self.workers = PrefillWorkers(model)
+        self.landings = Landings(transfer, spawn)
+        self.attempts: dict[str, RemotePrefill] = {}  # by "<request>:<attempt>": attempts waiting for a reply
+        self.quarantined: dict[str, list[int]] = {}  # blocks a prefill attempt may still write
+        self.attempts_over = SeenIds()  # attempts whose writer said it writes no more
+
+    async def start(self) -> None:
+        await self.nc.subscribe(self.subjects.prefill_done_of_worker(self.worker_id), cb=self.on_reply)
+        await self.nc.subscribe(self.subjects.stats_of_role("prefill_only"), cb=self._on_stats)
+        await self.workers.discover(self.nc)
+        self.spawn(self.landings.watch())
+
+    def prefill(self, req: GenerateRequest, prompt_ids: list[int], params: SamplingParams,
+                target: str | None) -> RemotePrefill:
+        return RemotePrefill(self, req, prompt_ids, params, target)
+
+    async def _on_stats(self, msg: Msg) -> None:
+        try:
+            self.workers.heard(decode(msg.data, WorkerStats))
+        except MessageError as e:
+            bad_messages.warning("prefill stats", "bad prefill load report on %s: %s", msg.subject, e)
+
+    async def on_reply(self, msg: Msg) -> None:
+        """A prefill worker's PrefillAccepted or PrefillDone, for the attempt it names."""
+        try:
+            reply = decode(msg.data, PrefillAccepted | PrefillDone)
+        except MessageError as e:
+            bad_messages.warning("prefill reply", "bad prefill reply on %s: %s", msg.subject, e)
+            return
+        tag = f"{reply.request_id}:{reply.attempt}"
+        attempt = self.attempts.get(tag)
+        if isinstance(reply, PrefillAccepted):
+            if attempt is not None:
+                attempt.accepted(reply)
+            return
+        if attempt is not None:
+            attempt.answered(reply)
+        if reply.ok or not reply.wrote:  # that attempt writes no more
+            self.attempts_over.add(tag)
+            await self.release_quarantine(tag)
+
+    def quarantine(self, tag: str, blocks: list[int], deadline: float) -> None:
+        """Hold blocks until attempt ``tag`` answers (it has stopped writing) or its deadline passes.
+
+        The answer may already be here: a cancel and the writer's PrefillDone race.
+        """
+        if not blocks:
+            return
+        self.quarantined.setdefault(tag, []).extend(blocks)
+        over = tag in self.attempts_over
+        delay = 0.0 if over else max(0.0, deadline - time.time()) + QUARANTINE_GRACE_S
+        self.spawn(self._release_after(tag, delay))
+
+    async def _release_after(self, tag: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await self.release_quarantine(tag)
+
+    async def release_quarantine(self, tag: str) -> None:
+        blocks = self.quarantined.pop(tag, None)
+        if blocks:
+            await self.runner.call(lambda e: e.release_quarantine(blocks))
+
+
+class RemotePrefill:
+    """One request's remote prefill: up to two attempts, then an `Outcome`."""
+
+    def __init__(self, hub: RemotePrefills, req: GenerateRequest, prompt_ids: list[int], params: SamplingParams,
+                 target: str | None) -> None:
+        self.hub, self.req, self.prompt_ids, self.params, self.target = hub, req, prompt_ids, params, target
+        self.rid = req.request_id
+        self.attempt = 0
+        self.job_sent = False  # this attempt's PrefillJob went out: a writer may know its blocks
+        self.deadline = 0.0  # this attempt's
+        self.taker: str | None = None  # the prefill worker that accepted this attempt
+        self.begun = False  # a prefill worker took a job of this request (ever)
+        self.cancelled = False
+        self._answer: asyncio.Future | None = None  # this attempt's PrefillDone (None: given up)
+
+    @property
+    def tag(self) -> str:
+        """``<request>:<attempt>``: the current attempt's key (and its KV write's notify tag)."""
+        return f"{self.rid}:{self.attempt}"
+
+    async def run(self) -> Outcome:
+        hub, rid, target = self.hub, self.rid, self.target
+        tried: list[str] = []
+        for attempt in range(2):
+            if self.cancelled:
+                return Outcome(CANCELLED)
+            self.attempt, self.job_sent, self.taker = attempt, False, None
+            reserved = await hub.runner.call(lambda e: e.reserve_remote(rid, self.prompt_ids, self.params))
+            if reserved is None:
+                count_decision("local", "no_blocks_for_remote")
+                break
+            seq, fresh = reserved
+            if self.cancelled:  # abandon()'s abandon_remote runs after this reservation and frees it
+                return Outcome(CANCELLED)
+            t_attempt = time.time()
+            done = await self._attempt(fresh, seq.num_cached, target)
+            if self.cancelled:
+                return Outcome(CANCELLED)
+            if done is not None and done.ok:
+                metrics.REMOTE_PREFILL_WAIT.observe(time.time() - t_attempt)
+                return Outcome(LANDED, done=done)
+            if done is not None and done.error_code == ErrorCode.LAYOUT_MISMATCH:
+                await hub.runner.call(lambda e: e.abandon_remote(rid, quarantine=False))
+                return Outcome(FAILED, done=done, code=done.error_code, message=done.error or "KV layout mismatch",
+                               status=500)
+            # Failed or timed out: after a timeout, or a failure once writing began, the prefill
+            # side may still write into these blocks.
+            timed_out = done is None
+            blocks = await hub.runner.call(lambda e, held: e.abandon_remote(rid, held), timed_out or done.wrote)
+            hub.quarantine(self.tag, blocks, self.deadline)
+            why = "timed out" if timed_out else f"failed: {done.error}"
+            log.warning("request %s: remote prefill attempt %d %s", rid, attempt, why, extra={"request_id": rid})
+            count_decision("remote_failed", "timeout" if timed_out else done.error_code or "error")
+            worker = done.prefill_worker_id if done is not None else self.taker or target
+            if worker:
+                tried.append(worker)
+            others = [w for w in hub.workers.alive() if w not in tried and w != target]
+            target = others[0] if others else None
+            if target is None and not hub.workers.alive():
+                break
+        return Outcome(CANCELLED) if self.cancelled else Outcome(FALLBACK)
+
+    async def _attempt(self, fresh: list[int], first_index: int, target: str | None) -> PrefillDone | None:
+        """Publish the job and wait for its PrefillDone and for the KV to land. None on timeout or abandon."""
+        hub, rid, tag = self.hub, self.rid, self.tag
+        deadline = time.time() + hub.s.prefill_timeout
+        if self.req.deadline:
+            deadline = min(deadline, self.req.deadline)
+        self.deadline = deadline
+        job = PrefillJob(
+            request_id=rid, prompt_ids=self.prompt_ids, sampling=self.req.sampling,
+            layout_fingerprint=hub.layout.fingerprint(), layout=hub.layout.to_dict(),
+            dst=KVDestination(engine=hub.transfer.name, worker_id=hub.worker_id, incarnation=hub.incarnation,
+                              block_ids=fresh, first_token_index=first_index,
+                              endpoint=hub.subjects.kv_meta(hub.worker_id)),
+            reply_subject=hub.subjects.prefill_done(hub.worker_id, rid), deadline=deadline,
+            decode_worker_id=hub.worker_id, attempt=self.attempt, model=hub.model,
+        )
+        self._answer = asyncio.get_running_loop().create_future()
+        hub.attempts[tag] = self
+        hub.landings.expect(tag)
+        try:
+            self.job_sent = True
+            if target:
+                await publish(hub.nc, hub.subjects.prefill_worker(target), job)
+            else:
+                await js_publish(hub.nc, hub.subjects.prefill_pool, job, msg_id=tag)
+            done = await self._wait_answer(target)
+            if done is None or not done.ok:
+                return done
+            # The writer saw its transfer complete; wait until the bytes are visible here too.
+            if not await hub.landings.wait(tag, deadline - time.time()):
+                return None
+            return done
+        finally:
+            hub.attempts.pop(tag, None)
+            hub.landings.settled(tag)
+
+    async def _wait_answer(self, target: str | None) -> PrefillDone | None:
+        """The PrefillDone; None at the deadline, on `abandon()`, or once the worker doing the job stops
+        reporting.
+
+        That worker is the target, or for a pool job the one whose PrefillAccepted came back; a
+        pool job nobody took is given up when no prefill worker is alive.
+        """
+        workers = self.hub.workers
+        while True:
+            left = self.deadline - time.time()
+            if left <= 0:
+                return None
+            try:
+                return await asyncio.wait_for(asyncio.shield(self._answer), timeout=min(left, LIVENESS_CHECK_S))
+            except asyncio.TimeoutError:
+                pass
+            worker = target or self.taker
+            if worker is None and not workers.alive():
+                log.warning("no prefill worker is alive to take pool job %s; giving up on it", self.tag)
+                return None
+            if worker is not None and workers.silent(worker):
+                log.warning("prefill worker %s stopped reporting; giving up on its job", worker)
+                return None
+
+    def accepted(self, reply: PrefillAccepted) -> None:
+        self.taker = reply.prefill_worker_id
+        self.begun = True
+        self.hub.landings.expect(self.tag, reply.transfer)
+
+    def answered(self, done: PrefillDone) -> None:
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_result(done)
+
+    async def abandon(self) -> None:
+        """The request is dropped (cancel, deadline, drain, lost bus): stop waiting, and free its blocks —
+        or quarantine them, once a job went out, until that attempt answers or its deadline passes."""
+        self.cancelled = True
+        hub, tag = self.hub, self.tag
+        deadline = self.deadline or time.time() + hub.s.prefill_timeout
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_result(None)
+        hub.landings.settled(tag)
+        rid, job_sent = self.rid, self.job_sent
+        blocks = await hub.runner.call(lambda e: e.abandon_remote(rid, job_sent))
+        hub.quarantine(tag, blocks, deadline)
