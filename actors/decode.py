@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 
 from actors.base import SeenIds, WorkerActor, bad_messages
+from bus.demand import DEFERRED_REASONS
 from bus.messages import (
     Cancel,
     ErrorCode,
@@ -62,6 +63,7 @@ class Request:
     accepted: float = field(default_factory=time.time)
     seq: int = 0  # next stream sequence number
     mode: str = "local"
+    prefill_reason: str = ""
     prefill_worker: str | None = None
     first_token_at: float | None = None
     transfer_s: float = 0.0
@@ -112,6 +114,8 @@ class DecodeActor(WorkerActor):
     def stats(self) -> WorkerStats:
         st = super().stats()
         st.running = len(self.requests)
+        st.deferred_prefills = sum(1 for r in self.requests.values()
+                                   if r.first_token_at is None and r.prefill_reason in DEFERRED_REASONS)
         return st
 
     def has_capacity(self) -> bool:
@@ -148,7 +152,7 @@ class DecodeActor(WorkerActor):
         except RequestFailed as f:
             await self._fail(r, f.code, f.message, f.status)
             return
-        r.mode = mode
+        r.mode, r.prefill_reason = mode, reason
         r.seq = 1
         await publish(self.nc, req.stream_subject,
                       StreamTokens(request_id=req.request_id, seq=0, token_ids=[], worker_id=self.worker_id,

@@ -52,6 +52,7 @@ from bus.subjects import (
     Subjects,
 )
 from engine.model_files import DEFAULT_MODEL, model_name
+from tandem.up import SCALED_ROLE
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -550,13 +551,17 @@ def test_keda_scaled_objects_name_the_codes_streams(k8s: K8s) -> None:
         k8s.get("Deployment", target)  # the target exists
         role = ROLE_OF_DEPLOYMENT[target]
         for trig in so["spec"]["triggers"]:
-            assert trig["type"] == "nats-jetstream"
             md = trig["metadata"]
+            assert all(isinstance(v, str) for v in md.values())  # KEDA metadata is a map of strings
+            if trig["type"] == "prometheus":  # the whole demand, as the gateways export it
+                assert md["query"] == f'max(tandem_demand{{role="{SCALED_ROLE[role]}"}})'
+                float(md["threshold"]), float(md["activationThreshold"])
+                continue
+            assert trig["type"] == "nats-jetstream"
             assert (md["stream"], md["consumer"]) in pools.values()
             assert md["account"] == render.ACCOUNT
             host, port = md["natsServerMonitoringEndpoint"].split(":")
             assert host == f"{render.STATEFULSET}.{NAMESPACE}.svc.cluster.local" and int(port) == monitor
-            assert all(isinstance(v, str) for v in md.values())  # KEDA metadata is a map of strings
             int(md["lagThreshold"])
         own = pools["prefill" if role == ROLE_PREFILL_ONLY else "generate"]
         first = so["spec"]["triggers"][0]["metadata"]
@@ -564,9 +569,10 @@ def test_keda_scaled_objects_name_the_codes_streams(k8s: K8s) -> None:
         seen[role] = so
     assert seen[ROLE_PREFILL_ONLY]["spec"]["minReplicaCount"] == 0  # prefill scales to zero
     assert seen[ROLE_DECODE_ONLY]["spec"]["minReplicaCount"] >= 1
-    # from zero: a trigger with activation 0 on the prefill pool, and one on the generate backlog
-    prefill_triggers = {t["metadata"]["consumer"] for t in seen[ROLE_PREFILL_ONLY]["spec"]["triggers"]}
-    assert prefill_triggers == {PREFILL_CONSUMER, GENERATE_CONSUMER}
+    # from zero: the prefill pool (activation 0) and the prefill demand, which counts local prefills
+    prefill_triggers = {t["metadata"].get("consumer") or t["metadata"]["query"]
+                        for t in seen[ROLE_PREFILL_ONLY]["spec"]["triggers"]}
+    assert prefill_triggers == {PREFILL_CONSUMER, 'max(tandem_demand{role="prefill"})'}
 
 
 def test_k8s_workers_probe_health_and_ready_and_keep_the_prewarmed_cache(k8s: K8s) -> None:
@@ -694,9 +700,7 @@ def metric_collectors() -> dict[str, tuple[str, tuple[str, ...]]]:
     """
     import runtime.metrics as tm
 
-    registries = [tm.REGISTRY]
-    if hasattr(tm, "GatewayMetrics"):
-        registries.append(tm.GatewayMetrics().registry)
+    registries = [tm.REGISTRY, tm.GatewayMetrics().registry, tm.AutoscaleMetrics().registry]
     out: dict[str, tuple[str, tuple[str, ...]]] = {}
     for reg in registries:
         for collector in set(reg._names_to_collectors.values()):
@@ -963,6 +967,8 @@ def test_keda_trigger_names_exist_in_the_servers_monitoring(deploy_nats: Embedde
     for so in k8s.of("ScaledObject"):
         for trig in so["spec"]["triggers"]:
             md = trig["metadata"]
+            if trig["type"] != "nats-jetstream":
+                continue
             url = f"http://127.0.0.1:{port}/jsz?acc={md['account']}&consumers=true&config=true"
             with urllib.request.urlopen(url, timeout=5) as r:
                 jsz = json.load(r)
