@@ -546,19 +546,17 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
                         cluster.say(f"tandem up: still starting ({why})")
                     last_note = now
                 time.sleep(0.25)
-        # 5. tell the person
-        _announce(cluster, plan, url, nats_url)
-        ready_file = Path(args.ready_file) if args.ready_file else None
-        if ready_file is not None:
-            _write_ready_file(ready_file, cluster, plan, url, nats_url)
-        # 6. supervise (and scale)
+        # 5. the scaler, then tell the person
         if plan.autoscale is not None:
             scaling = Autoscaling(cluster, plan, lambda wid, role, mport: worker_child(
                 plan, wid, role, mport, nats_url, logging_args, env, echo), nats_url,
                 args.autoscale_cooldown, args.autoscale_interval)
             scaling.start()
-            cluster.say(f"  autoscale   {_describe_scaling(plan)}; metrics "
-                        f"http://{host}:{plan.autoscale_metrics_port}/metrics")
+        _announce(cluster, plan, url, nats_url)
+        ready_file = Path(args.ready_file) if args.ready_file else None
+        if ready_file is not None:
+            _write_ready_file(ready_file, cluster, plan, url, nats_url)
+        # 6. supervise (and scale)
         pids = _pids(cluster)
         while not cluster.stop_reason:
             if not cluster.check():
@@ -783,6 +781,9 @@ def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
         where = f"metrics :{m.metrics_port}" if m.metrics_port else f"metrics {url}/metrics"
         place = plan.placements[m.name].describe() if m.name in plan.placements else "any core"
         cluster.say(f"  {m.name:<14} {m.role:<19} pid {m.child.pid:<8} {where:<14} {place}")
+    if plan.autoscale is not None:
+        cluster.say(f"  autoscale   {_describe_scaling(plan)}; metrics "
+                    f"{url.rsplit(':', 1)[0]}:{plan.autoscale_metrics_port}/metrics")
     cluster.say(f"  placement   {plan.placement_note}; NATS and the gateway are light and run on any core "
                 f"({format_cpus(available_cpus())})")
     cluster.say("Try:")
@@ -803,6 +804,8 @@ def _write_ready_file(path: Path, cluster: Cluster, plan: Plan, url: str, nats_u
         "pid": os.getpid(),
         "nats_pid": cluster.nats.pid if cluster.nats is not None else None,
         "nats_store": cluster.nats.store_dir if cluster.nats is not None else None,
+        "autoscale_metrics": (f"{url.rsplit(':', 1)[0]}:{plan.autoscale_metrics_port}/metrics"
+                              if plan.autoscale is not None else None),
         "children": [{"name": m.name, "role": m.role, "pid": m.child.pid, "metrics_port": m.metrics_port,
                       "restarts": cluster.restarts(m.name),
                       "placement": plan.placements[m.name].describe() if m.name in plan.placements else ""}

@@ -183,8 +183,7 @@ def test_a_burst_scales_up_and_the_scaler_drains_back_to_the_minimum_without_fai
         assert (roles["prefill"]["actual"], roles["prefill"]["min"], roles["prefill"]["max"]) == (0, 0, 1)
         metrics = httpx.get(f"{up.url}/metrics", timeout=10).text
         assert re.search(r'^tandem_demand\{role="decode"\} 0\.0$', metrics, re.M), metrics
-        scaler = re.search(r"autoscale .*metrics (http://\S+/metrics)", out).group(1)
-        m = httpx.get(scaler, timeout=10).text
+        m = httpx.get(up.info["autoscale_metrics"], timeout=10).text
         assert re.search(r'^tandem_autoscale_decisions_total\{action="up",role="decode"\} 1\.0$', m, re.M), m
         after = asyncio.run(_one(up))  # and it still serves
         assert after["status"] == 200 and after["finish"], after
