@@ -161,8 +161,8 @@ class DecodeActor(WorkerActor):
         log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids), extra={"request_id": req.request_id})
         if mode == "remote":
             self.spawn(self._remote_prefill_or_fail(r, target))
-        else:
-            await self._start_local(r)
+        else:  # not awaited: the next message waits for no model step, and counts as held at once (bus/demand.py)
+            self.spawn(self._start_local(r))
 
     async def answer_duplicate(self, item: GenerateRequest, where: str) -> None:
         """Say so on its stream subject: a person who sent the same JSON twice learns to change request_id

@@ -194,3 +194,14 @@ def test_a_burst_scales_up_and_the_scaler_drains_back_to_the_minimum_without_fai
 async def _one(up: TandemUp) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=120) as client:
         return await stream_chat(client, up.url, "What is the capital of France?", max_tokens=4)
+
+
+def test_status_shows_desired_and_actual_per_role() -> None:
+    from tandem.status import Status, format_table
+
+    st = Status(nats_url="nats://127.0.0.1:4222", namespace="tandem", autoscale=[
+        {"scaler": "tandem-up-1", "model": "m", "role": "decode", "demand": 9, "lag": 1, "desired": 2, "actual": 1,
+         "draining": 0, "min": 1, "max": 2, "last_action": "up to 2 at 13:39:20"}])
+    assert ("autoscale m decode: 1 running, desired 2 (range 1..2), demand 9 (lag 1), 0 draining; "
+            "last: up to 2 at 13:39:20 (tandem-up-1)") in format_table(st)
+    assert st.to_json()["autoscale"][0]["desired"] == 2
