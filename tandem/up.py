@@ -363,7 +363,7 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
     _check_port("--nats-monitor-port", args.nats_monitor_port)
     if args.nats_monitor_port and args.nats_url:
         raise UpError("--nats-monitor-port is for the embedded NATS; with --nats-url, use that server's monitoring")
-    _check_port("--metrics-port-base", args.metrics_port_base, decode + prefill)
+    _check_port("--metrics-port-base", args.metrics_port_base, decode + prefill + (scaling is not None))
     _check_port("--autoscale-metrics-port", args.autoscale_metrics_port)
     for flag, value in (("--drain-timeout", args.drain_timeout), ("--stop-timeout", args.stop_timeout)):
         if not value >= 0:
