@@ -25,7 +25,7 @@ from typing import Any
 
 from bus.demand import SCALED_ROLES, Demand, pool_lag, role_demand
 from bus.messages import AutoscaleState, RoleScale, WorkerStats, decode, encode
-from bus.subjects import Subjects
+from bus.subjects import Subjects, model_token
 
 log = logging.getLogger("tandem.autoscale")
 
@@ -221,6 +221,8 @@ class DemandFeed:
         try:
             st = decode(msg.data, WorkerStats)
         except ValueError:
+            return
+        if st.model and model_token(st.model) != self.subjects.model_token:  # another model's worker
             return
         self._stats[st.worker_id] = (st, time.monotonic())
 
