@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from actors.base import WorkerActor, bad_messages
 from actors.prefill_choice import PrefillCosts, choose
 from actors.remote_prefill import CANCELLED, FAILED, LANDED, RemotePrefill, RemotePrefills, count_decision
+from bus.demand import DEFERRED_REASONS
 from bus.messages import (
     Cancel,
     ErrorCode,
@@ -52,6 +53,7 @@ class Request:
     accepted: float = field(default_factory=time.time)
     seq: int = 0  # next stream sequence number
     mode: str = "local"
+    prefill_reason: str = ""
     prefill_worker: str | None = None
     first_token_at: float | None = None
     transfer_s: float = 0.0
@@ -91,6 +93,8 @@ class DecodeActor(WorkerActor):
     def stats(self) -> WorkerStats:
         st = super().stats()
         st.running = len(self.requests)
+        st.deferred_prefills = sum(1 for r in self.requests.values()
+                                   if r.first_token_at is None and r.prefill_reason in DEFERRED_REASONS)
         return st
 
     def has_capacity(self) -> bool:
@@ -127,7 +131,7 @@ class DecodeActor(WorkerActor):
         except RequestFailed as f:
             await self._fail(r, f.code, f.message, f.status)
             return
-        r.mode = mode
+        r.mode, r.prefill_reason = mode, reason
         r.seq = 1
         await publish(self.nc, req.stream_subject,
                       StreamTokens(request_id=req.request_id, seq=0, token_ids=[], worker_id=self.worker_id,
@@ -137,8 +141,8 @@ class DecodeActor(WorkerActor):
         if mode == "remote":
             r.remote = self.remote.prefill(req, r.prompt_ids, req.sampling, target)
             self.spawn(self._prefill_remotely(r))
-        else:
-            await self._start_local(r)
+        else:  # not awaited: the next message waits for no model step, and counts as held at once (bus/demand.py)
+            self.spawn(self._start_local(r))
 
     async def answer_duplicate(self, item: GenerateRequest, where: str) -> None:
         """Say so on its stream subject: a person who sent the same JSON twice learns to change request_id

@@ -332,6 +332,31 @@ class WorkerStats(_Msg, tag="worker_stats", kw_only=True):
     incarnation: str = ""
     max_batch: NonNegInt = 0
     draining: bool = False  # stopping: route nothing new here
+    #: decode_only: prompts it prefills locally only for want of a free prefill worker (bus/demand.py)
+    deferred_prefills: NonNegInt = 0
+    ts: float = msgspec.field(default_factory=time.time)
+
+
+class RoleScale(_Part, kw_only=True):
+    """One role in an :class:`AutoscaleState`."""
+
+    role: str
+    demand: NonNegInt = 0
+    lag: NonNegInt = 0
+    desired: NonNegInt = 0
+    actual: NonNegInt = 0  # workers running and taking work
+    draining: NonNegInt = 0
+    min: NonNegInt = 0
+    max: NonNegInt = 0
+    last_action: str = ""
+
+
+class AutoscaleState(_Msg, tag="autoscale_state", kw_only=True):
+    """A local autoscaler's answer on ``tandem.autoscale.state`` (``tandem status`` shows it)."""
+
+    scaler: str
+    model: str = ""
+    roles: list[RoleScale] = []
     ts: float = msgspec.field(default_factory=time.time)
 
 
@@ -349,6 +374,7 @@ AnyMessage = Union[  # noqa: UP007 - a runtime union object msgspec decodes into
     KVMetaRequest,
     KVMetaReply,
     WorkerStats,
+    AutoscaleState,
 ]
 MESSAGE_TYPES: tuple[type[_Msg], ...] = AnyMessage.__args__  # type: ignore[attr-defined]
 #: The messages of one request's stream subject.

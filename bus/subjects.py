@@ -15,6 +15,7 @@ Subject map (namespace ``tandem``, model token ``<model>``)::
     tandem.cancel.<request>                  cancel a request wherever it is held
     tandem.kv.meta.<worker>                  core request: a worker's transfer-engine metadata
     tandem.stats.<role>.<worker>             1 Hz load report
+    tandem.autoscale.state                   core request: a local autoscaler's desired/actual workers
     tandem.<model>.claim                     JetStream: a worker claims a request before serving it
 
 Stream and durable consumer names (what KEDA's ``nats-jetstream`` trigger names)::
@@ -54,7 +55,7 @@ ROLE_GATEWAY = "gateway"
 
 # First tokens after the namespace that have a fixed meaning; a model token equal to one
 # of them would make e.g. ``tandem.stream.generate.x`` ambiguous, so it gets a prefix.
-RESERVED_TOKENS = frozenset({"stream", "prefill", "cancel", "kv", "stats", "generate"})
+RESERVED_TOKENS = frozenset({"stream", "prefill", "cancel", "kv", "stats", "generate", "autoscale"})
 
 _MAX_TOKEN_LEN = 64
 _UNSAFE = re.compile(r"[^a-z0-9_-]+")
@@ -237,6 +238,11 @@ class Subjects:
     def cancel_all(self) -> str:
         """``tandem.cancel.*``: every cancel (workers filter by the request ids they hold)."""
         return f"{self.namespace}.cancel.*"
+
+    @property
+    def autoscale_state(self) -> str:
+        """``tandem.autoscale.state``: core request; a local autoscaler (``tandem up --autoscale``) answers."""
+        return f"{self.namespace}.autoscale.state"
 
     @property
     def stats_all(self) -> str:

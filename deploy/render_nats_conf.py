@@ -78,7 +78,7 @@ def observer_permissions(s: Subjects) -> dict[str, list[str]]:
     for stream, consumer in ((s.generate_stream, s.generate_consumer), (s.prefill_stream, s.prefill_consumer)):
         js_read += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.CONSUMER.INFO.{stream}.{consumer}"]
     return {
-        "publish": ["$SRV.>", f"{s.namespace}.svc.*.*", *js_read, "_INBOX.>"],
+        "publish": ["$SRV.>", f"{s.namespace}.svc.*.*", s.autoscale_state, *js_read, "_INBOX.>"],
         "subscribe": [s.all, "$SRV.>", "_INBOX.>"],
     }
 

@@ -25,11 +25,14 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import nats.errors
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from nats.js.errors import APIError as NatsAPIError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from bus.connection import BusOptions
+from bus.demand import demands
 from bus.subjects import Subjects
 from gateway.bus_client import GatewayBus
 from gateway.errors import OpenAIError, install_handlers
@@ -130,6 +133,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
         if gw is not None:
             metrics.in_flight.set(gw.inflight)
             metrics.live_workers.set(len(gw.registry.alive()))
+            await _export_demand(gw, metrics)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def _model_card(gw: Gateway) -> dict[str, Any]:
@@ -326,6 +330,23 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
         )
 
     return app
+
+
+async def _export_demand(gw: Gateway, metrics: GatewayMetrics) -> None:
+    """``tandem_demand{role}`` from the pools' lag and the live workers' reports (bus/demand.py)."""
+    reports = [i.stats for i in gw.registry.workers.values() if gw.registry.is_alive(i.worker_id)]
+    try:
+        if not gw.bus.connected:
+            raise nats.errors.ConnectionClosedError
+        now = await demands(gw.bus.nc, gw.bus.subjects, reports, timeout=1.0)
+    except (nats.errors.Error, NatsAPIError, asyncio.TimeoutError) as e:  # stale values are removed, not kept
+        log.warning("demand: the pools' lag is unreadable (%r)", e)
+        metrics.demand.clear()
+        metrics.demand_lag.clear()
+        return
+    for role, d in now.items():
+        metrics.demand.labels(role).set(d.total)
+        metrics.demand_lag.labels(role).set(d.lag)
 
 
 async def _prune(registry: WorkerRegistry) -> None:

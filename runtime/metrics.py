@@ -38,6 +38,25 @@ class GatewayMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("tandem_gateway_prompt_tokens_total", "Prompt tokens received", registry=r)
         self.generated_tokens = Counter("tandem_gateway_generated_tokens_total", "Tokens generated", registry=r)
+        self.demand = Gauge("tandem_demand", "Demand per role (bus/demand.py): pool lag + work held by workers, "
+                            "what autoscalers size workers on", ["role"], registry=r)
+        self.demand_lag = Gauge("tandem_demand_pool_lag", "The pool-lag part of tandem_demand (KEDA's "
+                                "nats-jetstream lag)", ["role"], registry=r)
+
+
+# --- the local autoscaler of `tandem up --autoscale`: own registry, served on its own port
+class AutoscaleMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.demand = Gauge("tandem_autoscale_demand", "Demand per role the scaler last read", ["role"], registry=r)
+        self.desired = Gauge("tandem_autoscale_desired_workers", "Workers the scaler wants per role", ["role"],
+                             registry=r)
+        self.workers = Gauge("tandem_autoscale_workers", "Workers running and taking work per role", ["role"],
+                             registry=r)
+        self.draining = Gauge("tandem_autoscale_draining_workers", "Workers draining after a scale-down", ["role"],
+                              registry=r)
+        self.decisions = Counter("tandem_autoscale_decisions_total", "Scale-ups and scale-downs per role",
+                                 ["role", "action"], registry=r)
 
 
 # --- workers (decode and aggregate)

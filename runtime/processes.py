@@ -408,8 +408,13 @@ class Supervisor:
         self.watches[unit.name] = _Watch(unit, essential)
 
     def restarts(self, name: str) -> int:
-        """How many times ``name`` was restarted."""
-        return self.watches[name].restarts
+        """How many times ``name`` was restarted (0 for a unit no longer watched)."""
+        w = self.watches.get(name)
+        return w.restarts if w is not None else 0
+
+    def remove(self, name: str) -> None:
+        """Stop watching ``name`` (a worker being drained on purpose: its exit is no failure)."""
+        self.watches.pop(name, None)
 
     def check(self) -> None:
         """Notice deaths, schedule and perform restarts; raises :class:`GiveUp` to stop everything."""

@@ -88,12 +88,14 @@ class Status:
     namespace: str
     workers: list[WorkerStatus] = field(default_factory=list)
     pools: list[PoolStatus] = field(default_factory=list)
+    #: what a local autoscaler (``tandem up --autoscale``) answered, per role; empty without one
+    autoscale: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (workers carry ``used_blocks`` too)."""
         workers = [{**asdict(w), "used_blocks": w.used_blocks} for w in self.workers]
         return {"nats_url": self.nats_url, "namespace": self.namespace, "workers": workers,
-                "pools": [asdict(p) for p in self.pools]}
+                "pools": [asdict(p) for p in self.pools], "autoscale": self.autoscale}
 
 
 def _is_no_responders(msg: Any) -> bool:
@@ -210,6 +212,22 @@ async def _pools(nc: Any, models: list[str], namespace: str, timeout: float) -> 
     return out
 
 
+async def _autoscale(nc: Any, namespace: str, timeout: float) -> list[dict[str, Any]]:
+    """The local autoscaler's roles (desired, actual, demand), or [] when none answers."""
+    import msgspec
+    import nats.errors
+
+    from bus.messages import AutoscaleState, MessageError, decode
+    from bus.subjects import Subjects
+
+    try:
+        reply = await nc.request(Subjects("x", namespace).autoscale_state, b"", timeout=timeout)
+        state = decode(reply.data, AutoscaleState)
+    except (nats.errors.Error, asyncio.TimeoutError, MessageError):  # no scaler here (or not one we read)
+        return []
+    return [{"scaler": state.scaler, "model": state.model, **msgspec.structs.asdict(r)} for r in state.roles]
+
+
 async def collect(nc: Any, namespace: str = "tandem", wait: float = 0.5, timeout: float = 2.0,
                   model: str | None = None, pools: bool = True) -> Status:
     """Discover the workers, fetch their stats and the pool backlogs (every wait bounded)."""
@@ -226,6 +244,7 @@ async def collect(nc: Any, namespace: str = "tandem", wait: float = 0.5, timeout
     await asyncio.gather(*(_fill_stats(nc, w, timeout) for w in workers))
     workers.sort(key=lambda w: (w.model, w.role, w.worker_id))
     status.workers = workers
+    status.autoscale = await _autoscale(nc, namespace, timeout)
     if pools:
         models = sorted({w.model for w in workers if w.model} | ({model} if model else set()))
         status.pools = await _pools(nc, models, namespace, timeout)
@@ -294,6 +313,10 @@ def format_table(status: Status) -> str:
                      "RESTARTS: by its supervisor (tandem up); PLACEMENT: device, cores ×torch threads")
     else:
         lines.append("no tandem worker answered (is one running, on this NATS and namespace?)")
+    for a in status.autoscale:
+        lines.append(f"autoscale {a['model']} {a['role']}: {a['actual']} running, desired {a['desired']} "
+                     f"(range {a['min']}..{a['max']}), demand {a['demand']} (lag {a['lag']}), "
+                     f"{a['draining']} draining; last: {a['last_action'] or 'none'} ({a['scaler']})")
     for p in status.pools:
         if p.error:
             lines.append(f"pool {p.model} {p.pool}: unavailable ({p.error})")

@@ -38,11 +38,22 @@ from typing import Any, TextIO
 
 from gateway.server import add_sampling_default_flags, sampling_default_args
 from runtime.placement import WorkerPlacement, available_cpus, format_cpus, plan_layout
-from runtime.processes import ChildError, ChildProcess, GiveUp, RestartPolicy, Supervisor, stop_all
+from runtime.processes import (
+    ChildError,
+    ChildProcess,
+    GiveUp,
+    RestartPolicy,
+    Supervisor,
+    describe_exit,
+    stop_all,
+)
+from tandem.autoscale import RolePolicy, parse_ranges, parse_role_numbers, policies
 
 DEFAULT_PORT = 8000
 DEFAULT_NATS_PORT = 4222
 DEFAULT_METRICS_BASE = 9400
+#: the role ``--autoscale`` sizes each pipeline role under
+SCALED_ROLE = {"prefill_only": "prefill", "decode_only": "decode", "prefill_and_decode": "decode"}
 
 
 class UpError(RuntimeError):
@@ -100,6 +111,21 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", action="append", default=None,
                    help="a name the model answers to, the first one also in /v1/models (repeatable; default: "
                         "the model's own name)")
+    p.add_argument("--autoscale", default=None, metavar="prefill=MIN..MAX,decode=MIN..MAX",
+                   help="start and drain workers on this host from each role's demand (bus/demand.py), e.g. "
+                        "prefill=0..2,decode=1..2 (replaces --prefill/--decode; default: fixed counts)")
+    p.add_argument("--autoscale-target", default="",
+                   help="demand one worker should carry, per role, e.g. prefill=2,decode=4 (default: those)")
+    p.add_argument("--autoscale-activation", default="",
+                   help="a role with MIN 0 starts its first worker once its demand exceeds this, e.g. prefill=1 "
+                        "(default prefill=1,decode=0)")
+    p.add_argument("--autoscale-cooldown", type=float, default=30.0,
+                   help="seconds a role must want fewer workers before one is drained (default 30)")
+    p.add_argument("--autoscale-interval", type=float, default=1.0,
+                   help="seconds between two readings of the demand (default 1)")
+    p.add_argument("--autoscale-metrics-port", type=int, default=None,
+                   help="port of the scaler's /metrics (tandem_autoscale_*; default the first free one after the "
+                        "workers' metrics ports)")
     add_sampling_default_flags(p)
     p.add_argument("--quiet", action="store_true",
                    help="do not echo the children's output (default: echoed, start-up phases included)")
@@ -163,6 +189,9 @@ class Plan:
     placements: dict[str, WorkerPlacement] = field(default_factory=dict)  # worker id -> cores/device
     placement_note: str = ""
     served_name: str = ""  # what clients call the model: the first --served-model-name, else model_name
+    autoscale: dict[str, RolePolicy] | None = None  # scaled role -> its policy (--autoscale)
+    slots: list[tuple[str, str, int]] = field(default_factory=list)  # every worker --autoscale may run, in order
+    autoscale_metrics_port: int | None = None
 
 
 def _tandem(*args: str) -> list[str]:
@@ -324,12 +353,18 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
     prefill = 0 if args.aggregated else (1 if args.prefill is None else args.prefill)
     if prefill < 0:
         raise UpError("--prefill must not be negative")
+    scaling = _autoscale_policies(args)
+    decode = args.decode
+    if scaling is not None:
+        prefill = scaling["prefill"].max if "prefill" in scaling else 0 if args.aggregated else prefill
+        decode = scaling["decode"].max if "decode" in scaling else decode
     _check_port("--port", args.port)
     _check_port("--nats-port", args.nats_port)
     _check_port("--nats-monitor-port", args.nats_monitor_port)
     if args.nats_monitor_port and args.nats_url:
         raise UpError("--nats-monitor-port is for the embedded NATS; with --nats-url, use that server's monitoring")
-    _check_port("--metrics-port-base", args.metrics_port_base, args.decode + prefill)
+    _check_port("--metrics-port-base", args.metrics_port_base, decode + prefill + (scaling is not None))
+    _check_port("--autoscale-metrics-port", args.autoscale_metrics_port)
     for flag, value in (("--drain-timeout", args.drain_timeout), ("--stop-timeout", args.stop_timeout)):
         if not value >= 0:
             raise UpError(f"{flag} must not be negative, got {value:g}")
@@ -340,18 +375,28 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
     suffix = "" if own_nats else f"-{uuid.uuid4().hex[:4]}"  # sharing a NATS: ids must not clash
     specs: list[tuple[str, str]] = []
     if args.aggregated:
-        specs += [(f"worker-{i + 1}{suffix}", "prefill_and_decode") for i in range(args.decode)]
+        specs += [(f"worker-{i + 1}{suffix}", "prefill_and_decode") for i in range(decode)]
     else:
         specs += [(f"prefill-{i + 1}{suffix}", "prefill_only") for i in range(prefill)]
-        specs += [(f"decode-{i + 1}{suffix}", "decode_only") for i in range(args.decode)]
+        specs += [(f"decode-{i + 1}{suffix}", "decode_only") for i in range(decode)]
     if args.device and (args.prefill_devices or args.decode_devices):
         raise UpError("--device applies to every worker; drop it or --prefill-devices/--decode-devices")
-    layout = plan_layout(prefill, args.decode, prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
+    layout = plan_layout(prefill, decode, prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
                          prefill_devices=args.prefill_devices, decode_devices=args.decode_devices,
                          gpu=bool(args.device and args.device.startswith("cuda")), pin=args.pin)
     placements = dict(zip([wid for wid, _ in specs], layout.prefill + layout.decode))
     port = _gateway_port(args, warn)
-    ports = pick_ports(args.metrics_port_base, len(specs), {port})
+    ports = pick_ports(args.metrics_port_base, len(specs) + (scaling is not None), {port})
+    slots = [(wid, role, p) for (wid, role), p in zip(specs, ports)]
+    workers = slots
+    if scaling is not None:  # start at each role's minimum; the other slots wait for demand
+        first = {SCALED_ROLE[r]: 0 for _, r, _ in slots}
+        workers = []
+        for slot in slots:
+            role = SCALED_ROLE[slot[1]]
+            if first[role] < (scaling[role].min if role in scaling else len(slots)):
+                workers.append(slot)
+            first[role] += 1
     serve_args = ["--model", model, "--namespace", namespace]
     if args.dtype:
         serve_args += ["--dtype", args.dtype]
@@ -368,7 +413,7 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         namespace=namespace,
         host=args.host,
         port=port,
-        workers=[(wid, role, p) for (wid, role), p in zip(specs, ports)],
+        workers=workers,
         serve_args=serve_args,
         gateway_args=["--model", model, "--namespace", namespace, "--host", args.host, "--port", str(port),
                       "--drain-timeout", f"{args.drain_timeout:g}",
@@ -377,7 +422,35 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         placements=placements,
         placement_note=layout.note,
         served_name=(args.served_model_name or [model_name(model)])[0],
+        autoscale=scaling,
+        slots=slots,
+        autoscale_metrics_port=(args.autoscale_metrics_port or ports[-1]) if scaling is not None else None,
     )
+
+
+def _autoscale_policies(args: argparse.Namespace) -> dict[str, RolePolicy] | None:
+    """The roles ``--autoscale`` sizes and their policies (None without it); UpError names a bad flag."""
+    if not args.autoscale:
+        if args.autoscale_target or args.autoscale_activation:
+            raise UpError("--autoscale-target and --autoscale-activation need --autoscale")
+        return None
+    if args.prefill is not None or args.decode != 1:
+        raise UpError("--autoscale sets the worker counts; drop --prefill/--decode")
+    try:
+        ranges = parse_ranges(args.autoscale)
+        targets = parse_role_numbers(args.autoscale_target, "--autoscale-target", True) if args.autoscale_target \
+            else {}
+        activations = parse_role_numbers(args.autoscale_activation, "--autoscale-activation", False) \
+            if args.autoscale_activation else {}
+    except ValueError as e:
+        raise UpError(str(e)) from e
+    if args.aggregated and ranges.get("prefill", (0, 0))[1]:
+        raise UpError("--aggregated runs no prefill workers; --autoscale may size decode only")
+    for flag, value in (("--autoscale-cooldown", args.autoscale_cooldown),
+                        ("--autoscale-interval", args.autoscale_interval)):
+        if not value > 0:
+            raise UpError(f"{flag} must be positive, got {value:g}")
+    return policies(ranges, targets, activations)
 
 
 def worker_child(plan: Plan, worker_id: str, role: str, metrics_port: int, nats_url: str,
@@ -406,6 +479,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
     from engine.model_files import load_text
 
     cluster = Cluster(out, err, args.drain_timeout, args.stop_timeout)
+    scaling: Autoscaling | None = None
     previous = {s: signal.signal(s, cluster.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     echo = None if args.quiet else err
     log_level = getattr(args, "log_level", None) or "WARNING"
@@ -472,16 +546,23 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
                         cluster.say(f"tandem up: still starting ({why})")
                     last_note = now
                 time.sleep(0.25)
-        # 5. tell the person
+        # 5. the scaler, then tell the person
+        if plan.autoscale is not None:
+            scaling = Autoscaling(cluster, plan, lambda wid, role, mport: worker_child(
+                plan, wid, role, mport, nats_url, logging_args, env, echo), nats_url,
+                args.autoscale_cooldown, args.autoscale_interval)
+            scaling.start()
         _announce(cluster, plan, url, nats_url)
         ready_file = Path(args.ready_file) if args.ready_file else None
         if ready_file is not None:
             _write_ready_file(ready_file, cluster, plan, url, nats_url)
-        # 6. supervise
+        # 6. supervise (and scale)
         pids = _pids(cluster)
         while not cluster.stop_reason:
             if not cluster.check():
                 return 1
+            if scaling is not None:
+                scaling.step(time.monotonic())
             if ready_file is not None and _pids(cluster) != pids:
                 pids = _pids(cluster)
                 _write_ready_file(ready_file, cluster, plan, url, nats_url)
@@ -498,12 +579,166 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
         cluster.warn(f"tandem up: cannot prepare the NATS streams: {e}")
         return 1
     finally:
+        if scaling is not None:
+            scaling.close()
         cluster.stop()
         for s, h in previous.items():
             signal.signal(s, h)
         if args.ready_file:
             with contextlib.suppress(OSError):
                 Path(args.ready_file).unlink()
+
+
+class Autoscaling:
+    """The local scaler of ``tandem up --autoscale``: reads demand (:class:`tandem.autoscale.DemandFeed`),
+    decides (:class:`tandem.autoscale.Decider`) and starts or drains workers of the plan's slots."""
+
+    def __init__(self, cluster: Cluster, plan: Plan, make_child: Callable[[str, str, int], ChildProcess],
+                 nats_url: str, cooldown: float, interval: float) -> None:
+        from bus.subjects import Subjects
+        from runtime.metrics import AutoscaleMetrics
+        from tandem.autoscale import Decider, DemandFeed
+
+        assert plan.autoscale is not None
+        self.cluster = cluster
+        self.plan = plan
+        self.make_child = make_child
+        self.policies = plan.autoscale
+        self.decider = Decider(self.policies, cooldown)
+        self.feed = DemandFeed(nats_url, Subjects(plan.model_name, plan.namespace), interval)
+        self.interval = interval
+        self.metrics = AutoscaleMetrics()
+        self.draining: dict[str, float] = {}  # worker id -> when to SIGKILL it
+        self.last_action: dict[str, str] = {}
+        self.next_check = 0.0
+        self.stale_said = False
+        self.started_at = 0.0
+        self._server: Any = None
+
+    def start(self) -> None:
+        """Connect the feed and serve ``/metrics`` (raises UpError when either cannot)."""
+        from prometheus_client import start_http_server
+
+        self.started_at = time.monotonic()
+        try:
+            self.feed.start()
+        except RuntimeError as e:
+            raise UpError(str(e)) from e
+        port = self.plan.autoscale_metrics_port
+        try:
+            self._server, _ = start_http_server(port or 0, addr=self.plan.host, registry=self.metrics.registry)
+        except OSError as e:
+            self.feed.stop()
+            raise UpError(f"--autoscale-metrics-port {port}: {e}") from e
+
+    def close(self) -> None:
+        """Stop the feed and the metrics server."""
+        self.feed.stop()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def _members(self, role: str) -> list[Member]:
+        """Members of a scaled role that count: not draining, not retired by their supervisor."""
+        sup = self.cluster.supervisor
+        return [m for m in self.cluster.members if SCALED_ROLE.get(m.role) == role and m.name not in self.draining
+                and (sup is None or m.name in sup.watches and not sup.watches[m.name].retired)]
+
+    def step(self, now: float) -> None:
+        """One supervision tick: reap drained workers; every ``interval`` seconds, decide and act."""
+        self._reap(now)
+        if now < self.next_check:
+            return
+        self.next_check = now + self.interval
+        demand, measured = self.feed.demand()
+        if not measured or now - measured > max(5.0, 3 * self.interval):
+            if not self.stale_said and now - self.started_at > max(5.0, 3 * self.interval):
+                self.cluster.warn("tandem up: autoscale: no fresh demand reading; holding the worker counts")
+                self.stale_said = True
+            return
+        self.stale_said = False
+        from tandem.autoscale import describe, plan_actions, state_message
+
+        members = {role: self._members(role) for role in self.policies}
+        for role, ms in members.items():
+            if any(not m.child.is_ready for m in ms):  # the cool-down runs from when the new workers serve
+                self.decider.did_change(role, now)
+        actions = plan_actions(self.decider, demand, {r: len(ms) for r, ms in members.items()}, now)
+        for a in actions:
+            policy = self.policies[a.role]
+            if a.target > a.actual:
+                free = self._free_slots(a.role)[:a.target - a.actual]  # a draining worker holds its slot
+                if free:
+                    a.target = a.actual + len(free)
+                    self._decided(a, "up", describe(a, policy, "starting", [self._start(slot) for slot in free]), now)
+                else:
+                    a.target = a.actual
+            elif a.target < a.actual:
+                victims = self._victims(members[a.role], a.actual - a.target)
+                for m in victims:
+                    self._drain(m, now)
+                self._decided(a, "down", describe(a, policy, "draining", [m.name for m in victims]), now)
+            m = self.metrics
+            m.demand.labels(a.role).set(a.demand.total)
+            m.desired.labels(a.role).set(a.desired)
+            m.workers.labels(a.role).set(a.target)
+            m.draining.labels(a.role).set(sum(1 for w in self.draining if self._role_of(w) == a.role))
+        counts = {a.role: sum(1 for w in self.draining if self._role_of(w) == a.role) for a in actions}
+        for a in actions:
+            a.actual = a.target
+        self.feed.state = state_message(f"tandem-up-{os.getpid()}", self.plan.model_name, actions, self.policies,
+                                        counts, self.last_action)
+
+    def _role_of(self, worker_id: str) -> str:
+        return next(SCALED_ROLE[r] for w, r, _ in self.plan.slots if w == worker_id)
+
+    def _decided(self, a: Any, action: str, line: str, now: float) -> None:
+        self.cluster.say(f"tandem up: {line}")
+        self.metrics.decisions.labels(a.role, action).inc()
+        self.last_action[a.role] = f"{action} to {a.target} at {time.strftime('%H:%M:%S')}"
+        self.decider.did_change(a.role, now)
+
+    def _free_slots(self, role: str) -> list[tuple[str, str, int]]:
+        taken = {m.name for m in self.cluster.members}
+        return [slot for slot in self.plan.slots if SCALED_ROLE[slot[1]] == role and slot[0] not in taken]
+
+    def _start(self, slot: tuple[str, str, int]) -> str:
+        wid, prole, port = slot
+        child = self.make_child(wid, prole, port)
+        child.start()
+        self.cluster.members.append(Member(child, prole, port))
+        assert self.cluster.supervisor is not None
+        self.cluster.supervisor.add(child)
+        return wid
+
+    def _victims(self, members: list[Member], n: int) -> list[Member]:
+        """The ``n`` least loaded (by their last reports), the newest first among equals."""
+        order = {w: i for i, (w, _, _) in enumerate(self.plan.slots)}
+        return sorted(members, key=lambda m: (self.feed.load(m.name), -order[m.name]))[:n]
+
+    def _drain(self, m: Member, now: float) -> None:
+        assert self.cluster.supervisor is not None
+        self.cluster.supervisor.remove(m.name)  # its exit is on purpose, not a failure to restart
+        m.child.terminate()
+        self.draining[m.name] = now + self.cluster.drain_timeout + self.cluster.stop_timeout
+
+    def _reap(self, now: float) -> None:
+        sup = self.cluster.supervisor
+        for m in list(self.cluster.members):
+            if sup is not None and m.name in sup.watches and sup.watches[m.name].retired:
+                sup.remove(m.name)  # exited by itself (drained from outside): its slot is free again
+                self.cluster.members.remove(m)
+        for name, kill_at in list(self.draining.items()):
+            m = next(x for x in self.cluster.members if x.name == name)
+            code = m.child.poll()
+            if code is None and now > kill_at:
+                self.cluster.warn(f"tandem up: autoscale: {name} did not finish draining in time; killing it")
+                m.child.kill()
+                code = m.child.poll()
+            if code is not None:
+                self.cluster.say(f"tandem up: autoscale: {name} drained and stopped ({describe_exit(code)})")
+                self.cluster.members.remove(m)
+                del self.draining[name]
 
 
 def _pids(cluster: Cluster) -> list[int | None]:
@@ -528,6 +763,12 @@ async def _unless_stopped(cluster: Cluster, work: Coroutine[Any, Any, Any], time
     return True
 
 
+def _describe_scaling(plan: Plan) -> str:
+    assert plan.autoscale is not None
+    return "; ".join(f"{role} {p.min}..{p.max} (target {p.target:g} per worker, activation {p.activation:g})"
+                     for role, p in plan.autoscale.items())
+
+
 def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
     body = json.dumps({"model": plan.served_name,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
@@ -540,6 +781,9 @@ def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
         where = f"metrics :{m.metrics_port}" if m.metrics_port else f"metrics {url}/metrics"
         place = plan.placements[m.name].describe() if m.name in plan.placements else "any core"
         cluster.say(f"  {m.name:<14} {m.role:<19} pid {m.child.pid:<8} {where:<14} {place}")
+    if plan.autoscale is not None:
+        cluster.say(f"  autoscale   {_describe_scaling(plan)}; metrics "
+                    f"{url.rsplit(':', 1)[0]}:{plan.autoscale_metrics_port}/metrics")
     cluster.say(f"  placement   {plan.placement_note}; NATS and the gateway are light and run on any core "
                 f"({format_cpus(available_cpus())})")
     cluster.say("Try:")
@@ -560,6 +804,8 @@ def _write_ready_file(path: Path, cluster: Cluster, plan: Plan, url: str, nats_u
         "pid": os.getpid(),
         "nats_pid": cluster.nats.pid if cluster.nats is not None else None,
         "nats_store": cluster.nats.store_dir if cluster.nats is not None else None,
+        "autoscale_metrics": (f"{url.rsplit(':', 1)[0]}:{plan.autoscale_metrics_port}/metrics"
+                              if plan.autoscale is not None else None),
         "children": [{"name": m.name, "role": m.role, "pid": m.child.pid, "metrics_port": m.metrics_port,
                       "restarts": cluster.restarts(m.name),
                       "placement": plan.placements[m.name].describe() if m.name in plan.placements else ""}

@@ -579,7 +579,10 @@ def sample_messages() -> list[msgspec.Struct]:
             uptime=12.5,
             incarnation="i1",
             max_batch=32,
+            deferred_prefills=2,
         ),
+        m.AutoscaleState(scaler="up-1", model="smollm2", roles=[
+            m.RoleScale(role="decode", demand=9, lag=1, desired=2, actual=1, min=1, max=2, last_action="up")]),
     ]
 
 

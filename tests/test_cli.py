@@ -86,6 +86,7 @@ def test_busy_metrics_port_fails_before_the_model_loads():
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
         s.listen()
-        out = tandem("--log-level", "INFO", "serve", "--metrics-port", str(s.getsockname()[1]), timeout=60)
-    assert out.returncode == 2 and "cannot serve metrics on port" in out.stderr, out.stderr
+        port = s.getsockname()[1]
+        out = tandem("--log-level", "INFO", "serve", "--metrics-port", str(port), timeout=60)
+    assert out.returncode == 2 and f"cannot serve metrics on 0.0.0.0:{port}: " in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "loaded" not in out.stderr

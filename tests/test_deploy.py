@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
@@ -26,7 +27,9 @@ import nats.errors
 import nats.micro
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
+from bus.demand import lag_from_jsz, pool_lag
 from bus.messages import (
     Cancel,
     GenerateRequest,
@@ -52,6 +55,8 @@ from bus.subjects import (
     Subjects,
 )
 from engine.model_files import DEFAULT_MODEL, model_name
+from runtime.processes import ChildProcess
+from tandem.up import SCALED_ROLE, free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -550,13 +555,17 @@ def test_keda_scaled_objects_name_the_codes_streams(k8s: K8s) -> None:
         k8s.get("Deployment", target)  # the target exists
         role = ROLE_OF_DEPLOYMENT[target]
         for trig in so["spec"]["triggers"]:
-            assert trig["type"] == "nats-jetstream"
             md = trig["metadata"]
+            assert all(isinstance(v, str) for v in md.values())  # KEDA metadata is a map of strings
+            if trig["type"] == "prometheus":  # the whole demand, as the gateways export it
+                assert md["query"] == f'max(tandem_demand{{role="{SCALED_ROLE[role]}"}})'
+                float(md["threshold"]), float(md["activationThreshold"])
+                continue
+            assert trig["type"] == "nats-jetstream"
             assert (md["stream"], md["consumer"]) in pools.values()
             assert md["account"] == render.ACCOUNT
             host, port = md["natsServerMonitoringEndpoint"].split(":")
             assert host == f"{render.STATEFULSET}.{NAMESPACE}.svc.cluster.local" and int(port) == monitor
-            assert all(isinstance(v, str) for v in md.values())  # KEDA metadata is a map of strings
             int(md["lagThreshold"])
         own = pools["prefill" if role == ROLE_PREFILL_ONLY else "generate"]
         first = so["spec"]["triggers"][0]["metadata"]
@@ -564,9 +573,10 @@ def test_keda_scaled_objects_name_the_codes_streams(k8s: K8s) -> None:
         seen[role] = so
     assert seen[ROLE_PREFILL_ONLY]["spec"]["minReplicaCount"] == 0  # prefill scales to zero
     assert seen[ROLE_DECODE_ONLY]["spec"]["minReplicaCount"] >= 1
-    # from zero: a trigger with activation 0 on the prefill pool, and one on the generate backlog
-    prefill_triggers = {t["metadata"]["consumer"] for t in seen[ROLE_PREFILL_ONLY]["spec"]["triggers"]}
-    assert prefill_triggers == {PREFILL_CONSUMER, GENERATE_CONSUMER}
+    # from zero: the prefill pool (activation 0) and the prefill demand, which counts local prefills
+    prefill_triggers = {t["metadata"].get("consumer") or t["metadata"]["query"]
+                        for t in seen[ROLE_PREFILL_ONLY]["spec"]["triggers"]}
+    assert prefill_triggers == {PREFILL_CONSUMER, 'max(tandem_demand{role="prefill"})'}
 
 
 def test_k8s_workers_probe_health_and_ready_and_keep_the_prewarmed_cache(k8s: K8s) -> None:
@@ -694,9 +704,7 @@ def metric_collectors() -> dict[str, tuple[str, tuple[str, ...]]]:
     """
     import runtime.metrics as tm
 
-    registries = [tm.REGISTRY]
-    if hasattr(tm, "GatewayMetrics"):
-        registries.append(tm.GatewayMetrics().registry)
+    registries = [tm.REGISTRY, tm.GatewayMetrics().registry, tm.AutoscaleMetrics().registry]
     out: dict[str, tuple[str, tuple[str, ...]]] = {}
     for reg in registries:
         for collector in set(reg._names_to_collectors.values()):
@@ -963,6 +971,8 @@ def test_keda_trigger_names_exist_in_the_servers_monitoring(deploy_nats: Embedde
     for so in k8s.of("ScaledObject"):
         for trig in so["spec"]["triggers"]:
             md = trig["metadata"]
+            if trig["type"] != "nats-jetstream":
+                continue
             url = f"http://127.0.0.1:{port}/jsz?acc={md['account']}&consumers=true&config=true"
             with urllib.request.urlopen(url, timeout=5) as r:
                 jsz = json.load(r)
@@ -998,3 +1008,84 @@ def test_operations_doc_names_every_user_and_file() -> None:
     for path in ("deploy/Dockerfile", "deploy/Dockerfile.cuda", "deploy/docker-compose.yml", "deploy/prometheus.yml",
                  "deploy/render_nats_conf.py", "deploy/k8s/init-streams.py", "deploy/grafana/dashboards/tandem.json"):
         assert (ROOT / path).is_file() and path in doc, path
+
+
+# ------------------------------------------------------------ KEDA's view of a real backlog
+
+
+def keda_metric(trigger: dict[str, Any], jsz: dict[str, Any], gateway_metrics: str) -> float:
+    """What KEDA's scaler for ``trigger`` reads: a consumer's lag from /jsz (nats-jetstream), or the
+    value of a ``max(metric{label="value"})`` query over the gateways' samples (prometheus)."""
+    md = trigger["metadata"]
+    if trigger["type"] == "nats-jetstream":
+        lag = lag_from_jsz(jsz, md["stream"], md["consumer"], md["account"])
+        assert lag is not None, f"/jsz does not list {md['stream']}/{md['consumer']}"
+        return float(lag)
+    assert trigger["type"] == "prometheus"
+    m = re.fullmatch(r'max\((\w+)\{(\w+)="([^"]*)"\}\)', md["query"])
+    assert m, md["query"]
+    name, label, value = m.groups()
+    samples = [s.value for fam in text_string_to_metric_families(gateway_metrics) for s in fam.samples
+               if s.name == name and s.labels.get(label) == value]
+    assert samples, f"the gateway exports no {name}{{{label}={value!r}}}"
+    return max(samples)
+
+
+def keda_replicas(so: dict[str, Any], values: list[float]) -> tuple[bool, int]:
+    """KEDA's decision: active when a trigger's metric exceeds its activation threshold; then the HPA's
+    ceil(metric / threshold) of the largest trigger, within the range; inactive: minReplicaCount."""
+    spec = so["spec"]
+    active, want = False, 0
+    for trig, value in zip(spec["triggers"], values):
+        md = trig["metadata"]
+        threshold = float(md.get("lagThreshold") or md.get("threshold"))
+        activation = float(md.get("activationLagThreshold") or md.get("activationThreshold") or 0)
+        active |= value > activation
+        want = max(want, math.ceil(value / threshold))
+    if not active:
+        return False, spec["minReplicaCount"]
+    return True, max(spec["minReplicaCount"], 1, min(spec["maxReplicaCount"], want))
+
+
+def test_keda_scaled_objects_activate_under_a_real_backlog_and_not_at_idle(deploy_nats: EmbeddedNats,
+                                                                          k8s: K8s) -> None:
+    """The ScaledObjects of keda.yaml, evaluated with KEDA's formula against the real server's /jsz and a
+    real gateway's tandem_demand: nothing activates at idle; a backlog in both pools activates both."""
+    s = Subjects(DEFAULT_MODEL)
+    port = monitor_port(deploy_nats)
+    sos = {so["spec"]["scaleTargetRef"]["name"]: so for so in k8s.of("ScaledObject")}
+    gw_port = free_port()
+    gateway = ChildProcess("gateway", [sys.executable, "-m", "tandem.cli", "gateway", "--nats-url", deploy_nats.url,
+                                       "--port", str(gw_port)], cwd=ROOT, ready_marker="tandem gateway ready",
+                           env={**os.environ, "TANDEM_NATS_USER": "gateway", "TANDEM_NATS_PASSWORD": "pw-gateway"})
+    gateway.start()
+    try:
+        gateway.wait_ready(120)
+
+        def evaluate() -> dict[str, tuple[bool, int]]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/jsz?acc={render.ACCOUNT}&consumers=true",
+                                        timeout=5) as r:
+                jsz = json.load(r)
+            with urllib.request.urlopen(f"http://127.0.0.1:{gw_port}/metrics", timeout=5) as r:
+                scraped = r.read().decode()
+            return {name: keda_replicas(so, [keda_metric(t, jsz, scraped) for t in so["spec"]["triggers"]])
+                    for name, so in sos.items()}
+
+        idle = evaluate()
+        assert idle == {"tandem-decode": (False, 1), "tandem-prefill": (False, 0)}, idle
+
+        async def backlog() -> tuple[int, int]:
+            async with Client(deploy_nats.url, "gateway") as gw, Client(deploy_nats.url, "decode") as dec:
+                for _ in range(10):
+                    await gw.jetstream().publish(s.generate_pool, b'{"kind": "generate_request"}')
+                for _ in range(5):
+                    await dec.jetstream().publish(s.prefill_pool, b'{"kind": "prefill_job"}')
+                return await pool_lag(gw, s, "decode"), await pool_lag(gw, s, "prefill")
+
+        lags = asyncio.run(backlog())
+        assert lags == (10, 5)  # the JetStream API's numbers, which the local scaler reads
+        busy = evaluate()
+        # decode: 10 waiting, 4 per replica -> 3; prefill: 5 jobs, 2 per replica -> 3
+        assert busy == {"tandem-decode": (True, 3), "tandem-prefill": (True, 3)}, busy
+    finally:
+        gateway.stop(20)

@@ -109,9 +109,13 @@ def test_ctrl_c_while_waiting_for_nats_stops_at_once() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--nats-url", "nats://127.0.0.1:1",
                              "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)  # its first line: signal handlers are set
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
         assert ready, "tandem up said nothing within 60 s"
-        first = proc.stdout.readline()
+        first = ""
+        while "joining NATS" not in first:  # the model's line, then this one: signal handlers are set
+            line = proc.stdout.readline()  # (not select again: the next line may sit in the reader's buffer)
+            assert line, first
+            first += line
         assert "joining NATS at nats://127.0.0.1:1" in first, first
         time.sleep(1)
         assert proc.poll() is None  # still trying to reach NATS (its deadline is 15 s)
