@@ -203,8 +203,9 @@ def run(args: argparse.Namespace) -> str:
         f"closed-loop streaming chats ({prompt_tokens(args.prompt_repeats)} prompt tokens, {args.max_tokens} output tokens), "
         f"{args.low} at a time for {args.low_seconds:g} s, then {args.high} at a time for {args.high_seconds:g} s, "
         "then none. Demand and workers sampled from the scaler's metrics every "
-        f"{args.sample:g} s. Started {started}; load average then {load_before:.1f} on {os.cpu_count()} cores "
-        "(above the core count: the machine was shared, and the figures are loose).",
+        f"{args.sample:g} s. Started {started}; load average then {load_before:.1f} on {os.cpu_count()} cores"
+        + (" (above the core count: the machine was shared, and the figures are loose)."
+           if load_before > (os.cpu_count() or 1) else "."),
         "",
         "| figure | value |",
         "|---|---:|",

@@ -71,13 +71,13 @@ def measure(name: str, up_args: list[str], args: argparse.Namespace, out_dir: Pa
            "--long-output-len", str(args.long_output_len), "--rate", args.rates, "--duration", str(args.duration),
            "--warmup", "2", "--goodput", f"ttft:{args.slo_ttft}", f"itl:{args.slo_itl}",
            "--json", str(result_path), "--plot", str(log_dir / "bench.png"), "--no-progress"]
+    placement = [c.get("placement", "") for c in up.info["children"]]  # the ready file goes when it stops
     try:
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     finally:
         up.stop()
     result = json.loads(result_path.read_text())
-    result["layout"] = {"name": name, "up_args": up_args, "placement": [c.get("placement", "")
-                                                                       for c in up.info["children"]]}
+    result["layout"] = {"name": name, "up_args": up_args, "placement": placement}
     return result
 
 
