@@ -208,7 +208,9 @@ class DecodeActor(WorkerActor):
             return "local", "no_prefill_worker", None
         cached = self.engine.blocks.peek_prefix(prefix_hashes(r.prompt_ids, self.s.block_size)) * self.s.block_size
         r.uncached = len(r.prompt_ids) - cached
-        jobs_ahead = min(st.queued + st.running for st in alive.values())
+        # jobs a new one waits for: the queued ones and all but one running (a worker runs one job while
+        # the previous one's KV is in flight); the 1 Hz reports lag, so a job that just ended counts for nothing
+        jobs_ahead = min(st.queued + max(0, st.running - 1) for st in alive.values())
         mode, reason = choose(r.uncached, self.s.local_prefill_max_tokens,
                               self.costs.estimate(r.uncached, jobs_ahead), self.s.prefill_stall_budget_ms / 1000)
         return mode, reason, None
