@@ -17,19 +17,11 @@ import openai
 import pytest
 
 from bench.cluster import TandemUp
+from tests.json_schemas import CITY, PERSON
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 MODEL = "smollm2-135m-instruct"
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-          "required": ["name", "age"], "additionalProperties": False}
-CITY = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 30},
-    "country": {"enum": ["France", "Germany", "Italy", "Spain"]},
-    "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 1, "maxItems": 3},
-    "capital": {"type": "boolean"}}, "required": ["city", "country", "landmarks", "capital"],
-    "additionalProperties": False}
 RECIPE = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40},
     "steps": {"type": "array", "items": {"type": "object", "properties": {

@@ -14,16 +14,8 @@ from engine.grammar import GrammarCompiler, GrammarError, check_grammar
 from engine.params import Grammar, SamplingParams
 from engine.sampling import Sampler
 from tests.conftest import chat_ids
+from tests.json_schemas import CITY, PERSON
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-          "required": ["name", "age"], "additionalProperties": False}
-CITY = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 30},
-    "country": {"enum": ["France", "Germany", "Italy", "Spain"]},
-    "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 1, "maxItems": 3},
-    "capital": {"type": "boolean"}}, "required": ["city", "country", "landmarks", "capital"],
-    "additionalProperties": False}
 SCHEMAS = [("person", PERSON, "Describe a famous scientist as JSON."),
            ("city", CITY, "Describe Paris as JSON."),
            ("answer", {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
