@@ -92,10 +92,7 @@ class WorkerActor:
         self.incarnation = new_incarnation()
         cfg = EngineConfig(
             dtype=settings.dtype, device=settings.device, block_size=settings.block_size,
-            num_blocks=settings.num_blocks, max_batch=settings.max_batch,
-            # A prefill worker computes a whole prompt in one step, so its KV can stream layer by layer.
-            max_step_tokens=max(settings.max_step_tokens, 8192) if settings.role == "prefill_only"
-            else settings.max_step_tokens,
+            num_blocks=settings.num_blocks, max_batch=settings.max_batch, max_step_tokens=settings.max_step_tokens,
             enable_prefix_cache=settings.enable_prefix_cache,
         )
         layout = LLMEngine.layout_for(loaded, cfg)

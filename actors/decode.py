@@ -211,8 +211,9 @@ class DecodeActor(WorkerActor):
         # jobs a new one waits for: the queued ones and all but one running (a worker runs one job while
         # the previous one's KV is in flight); the 1 Hz reports lag, so a job that just ended counts for nothing
         jobs_ahead = min(st.queued + max(0, st.running - 1) for st in alive.values())
-        mode, reason = choose(r.uncached, self.s.local_prefill_max_tokens,
-                              self.costs.estimate(r.uncached, jobs_ahead), self.s.prefill_stall_budget_ms / 1000)
+        decoding = sum(1 for q in self.requests.values() if q.first_token_at is not None)
+        mode, reason = choose(r.uncached, self.s.local_prefill_max_tokens, self.costs.estimate(r.uncached, jobs_ahead),
+                              self.s.prefill_stall_budget_ms / 1000, decoding)
         return mode, reason, None
 
     async def _start_local(self, r: Request) -> None:

@@ -206,8 +206,10 @@ class PrefillActor(WorkerActor):
         return local
 
     def _admit(self, engine, job: PrefillJob, params, stream: LayerStream) -> None:
-        """On the model thread: queue the prompt, holding its blocks for the transfer."""
-        engine.add_request(job_key(job), job.prompt_ids, params, hold_blocks=True)
+        """On the model thread: queue the prompt, holding its blocks for the transfer. A layer-wise transfer
+        wants the prompt in one step (all of its compute overlaps the writes); otherwise it is chunked like
+        any prompt, so a short job that arrives meanwhile is not held behind a long one (engine/scheduler.py)."""
+        engine.add_request(job_key(job), job.prompt_ids, params, hold_blocks=True, whole_prefill=stream.layerwise)
         engine.layer_hooks[job_key(job)] = stream.on_layer
 
     @staticmethod

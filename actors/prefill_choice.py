@@ -7,10 +7,12 @@ is prefilled"):
 1. ``uncached <= floor`` (``--local-prefill-max-tokens``): local, ``short_prompt``.
 2. The estimated remote TTFT (queue wait + compute + transfer + hand-off) is no more than a
    local prefill's: remote, ``remote_faster``.
-3. A local prefill would hold this worker's model thread — its decode batch and whatever
-   arrives meanwhile — longer than ``--prefill-stall-budget-ms``: remote, ``decode_stall``,
-   unless the queue wait alone at the prefill workers is longer than that stall (the request
-   would wait more than it spares the others): local, ``prefill_backlog``.
+3. A local prefill would hold this worker's model thread longer than
+   ``--prefill-stall-budget-ms``. It delays this request by ``local_s`` and each of the
+   ``decoding`` streams by as much (at least one other: what arrives meanwhile waits too); a
+   remote one delays only this request, by ``remote_s``. The smaller total wins: remote,
+   ``decode_stall``, while ``remote_s <= (1 + max(1, decoding)) * local_s``; else local,
+   ``prefill_backlog`` (the prefill workers are backed up).
 4. Otherwise local, ``local_faster``.
 """
 
@@ -80,14 +82,15 @@ class PrefillCosts:
                         handoff_s=PRIOR_HANDOFF_S if self.handoff_s is None else self.handoff_s)
 
 
-def choose(uncached: int, floor: int, est: Estimate, stall_budget_s: float) -> tuple[str, str]:
-    """(``local`` | ``remote``, reason) by the rules in this module's docstring."""
+def choose(uncached: int, floor: int, est: Estimate, stall_budget_s: float, decoding: int = 0) -> tuple[str, str]:
+    """(``local`` | ``remote``, reason) by the rules in this module's docstring; ``decoding`` is the
+    number of streams this worker is decoding, which a local prefill would stall."""
     if uncached <= floor:
         return "local", "short_prompt"
     if est.remote_s <= est.local_s:
         return "remote", "remote_faster"
     if est.local_s > stall_budget_s:
-        if est.queue_s <= est.local_s:
+        if est.remote_s <= (1 + max(1, decoding)) * est.local_s:
             return "remote", "decode_stall"
         return "local", "prefill_backlog"
     return "local", "local_faster"

@@ -116,9 +116,12 @@ class LLMEngine:
             check_grammar(params.grammar)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    hold_blocks: bool = False, resume_ids: list[int] | None = None, shown_chars: int = 0) -> Sequence:
+                    hold_blocks: bool = False, resume_ids: list[int] | None = None, shown_chars: int = 0,
+                    whole_prefill: bool = False) -> Sequence:
         """Queue a request. With `hold_blocks` its KV stays allocated after it finishes, until
-        `release_held` — a prefill worker keeps the blocks while it transfers them. `resume_ids`:
+        `release_held` — a prefill worker keeps the blocks while it transfers them; `whole_prefill`
+        computes the prompt in one step (past the step budget), so a layer-wise transfer overlaps all of
+        it. `resume_ids`:
         output another engine generated already (a migrated request), resumed as after a preemption;
         `shown_chars` of its text were emitted there."""
         if request_id in self.seqs or request_id in self.held:
@@ -126,6 +129,7 @@ class LLMEngine:
         self.check_request(prompt_ids, params)
         seq = self._new_sequence(request_id, prompt_ids, params)
         seq.hold_blocks = hold_blocks
+        seq.whole_prefill = whole_prefill
         if resume_ids:
             if seq.grammar is not None and not seq.grammar.accept_all(list(resume_ids)):
                 raise ValueError(f"the resumed tokens do not follow the request's grammar: {seq.grammar.error}",

@@ -1,4 +1,5 @@
-"""Continuous batching: admit by free blocks, chunk prefills under a token budget, preempt by recompute."""
+"""Continuous batching: admit by free blocks, chunk prefills under a token budget (shortest remaining
+first), preempt by recompute."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from engine.sequence import SeqStatus, Sequence
 from kv.blocks import BlockPool, block_hash, prefix_hashes
 
 log = logging.getLogger(__name__)
+WHOLE_PREFILL_MAX_TOKENS = 8192  # a whole_prefill sequence's step, past the budget
 
 
 class Scheduler:
@@ -52,21 +54,26 @@ class Scheduler:
                 plan.append((seq, 1))
                 budget -= 1
         budget = max(budget, 0)
-        # Unfinished chunked prefills continue.
-        for seq in self.running:
-            remaining = seq.num_tokens - seq.num_computed
-            if remaining > 1 and budget > 0:
-                n = min(remaining, budget)
-                plan.append((seq, n))
-                budget -= n
-        # Admit waiting sequences in arrival order while slots, blocks and budget last.
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+        # Prefill chunks, shortest remaining first: a short prompt is not held behind a long one's
+        # chunks (its TTFT is one step, not the long prompt's whole prefill). Waiting sequences are
+        # admitted in arrival order while slots and blocks last and their prompts would not already
+        # use up the budget; then the budget goes to the unfinished prefills by what each has left.
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        admitted_tokens = 0
+        while self.waiting and admitted_tokens < budget and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             if not self._admit(seq):
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            prefilling.append(seq)
+            admitted_tokens += seq.num_tokens - seq.num_computed
+        prefilling.sort(key=lambda s: s.num_tokens - s.num_computed)  # stable: arrival order among equals
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed, max(budget, WHOLE_PREFILL_MAX_TOKENS) if seq.whole_prefill
+                    else budget)
             plan.append((seq, n))
             budget -= n
         return plan

@@ -41,6 +41,9 @@ class Sequence:
         self.grammar: GrammarState | None = None  # set by the engine when the output follows a grammar
         self.preemptions = 0
         self.hold_blocks = False
+        # the whole prompt in one step, past the step budget (up to WHOLE_PREFILL_MAX_TOKENS): a prefill
+        # worker streams its KV layer by layer while that step runs
+        self.whole_prefill = False
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
 
