@@ -70,9 +70,11 @@ class PrefillActor(WorkerActor):
         self._start_next()
 
     def _start_next(self) -> None:
-        """Start waiting jobs while there is a place (at most MAX_CONCURRENT_JOBS run)."""
+        """Start waiting jobs while there is a place (at most MAX_CONCURRENT_JOBS run), the shortest prompt
+        first, as the engine orders its prefills (a short job is not held behind a long one)."""
         while self.backlog and len(self.jobs) < MAX_CONCURRENT_JOBS:
-            job = self.backlog.popleft()
+            job = min(self.backlog, key=lambda j: len(j.prompt_ids))
+            self.backlog.remove(job)
             self.jobs[job_key(job)] = job
             self.spawn(self._run_job(job))
 

@@ -71,12 +71,14 @@ class PrefillCosts:
     def estimate(self, uncached: int, jobs_ahead: int) -> Estimate:
         """Both ways for ``uncached`` tokens with ``jobs_ahead`` jobs queued at the least-loaded prefill worker.
 
-        A side not measured yet borrows the other's per-token cost (same model), else the prior.
+        A side not measured yet borrows the other's per-token cost (same model), else the prior. A
+        prefill worker runs the shortest prompts first, so a job ahead delays this one by at most
+        this one's own compute.
         """
         local = self.local_per_token or self.remote_per_token or PRIOR_S_PER_TOKEN
         remote = self.remote_per_token or self.local_per_token or PRIOR_S_PER_TOKEN
         compute = uncached * remote
-        job = self.job_s if self.job_s is not None else compute
+        job = min(self.job_s, compute) if self.job_s is not None else compute
         return Estimate(local_s=uncached * local, queue_s=jobs_ahead * job, compute_s=compute,
                         transfer_s=uncached * (self.transfer_per_token or 0.0),
                         handoff_s=PRIOR_HANDOFF_S if self.handoff_s is None else self.handoff_s)

@@ -11,6 +11,7 @@ from kv.blocks import BlockPool, block_hash, prefix_hashes
 
 log = logging.getLogger(__name__)
 WHOLE_PREFILL_MAX_TOKENS = 8192  # a whole_prefill sequence's step, past the budget
+MAX_PASSED_OVER = 3  # steps an unfinished prompt may be passed over for shorter ones before it pads a step
 
 
 class Scheduler:
@@ -54,10 +55,12 @@ class Scheduler:
                 plan.append((seq, 1))
                 budget -= 1
         budget = max(budget, 0)
-        # Prefill chunks, shortest remaining first: a short prompt is not held behind a long one's
-        # chunks (its TTFT is one step, not the long prompt's whole prefill). Waiting sequences are
-        # admitted in arrival order while slots and blocks last and their prompts would not already
-        # use up the budget; then the budget goes to the unfinished prefills by what each has left.
+        # Prefills, shortest remaining first. Waiting sequences are admitted in arrival order while
+        # slots and blocks last and the prompts admitted so far do not fill the budget. Then a step
+        # either finishes the prompts that fit, or, when none fits, computes a chunk of the shortest:
+        # a short prompt is neither held behind a long one's chunks nor padded with them (on a CPU a
+        # step's time grows with its tokens, so padding would delay the short one's first token). A
+        # long prompt passed over MAX_PASSED_OVER steps in a row takes the rest of the next one's budget.
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         admitted_tokens = 0
         while self.waiting and admitted_tokens < budget and len(self.running) < self.max_batch:
@@ -69,13 +72,22 @@ class Scheduler:
             prefilling.append(seq)
             admitted_tokens += seq.num_tokens - seq.num_computed
         prefilling.sort(key=lambda s: s.num_tokens - s.num_computed)  # stable: arrival order among equals
+        finishing = False
+        planned = set()
         for seq in prefilling:
-            if budget <= 0:
+            remaining = seq.num_tokens - seq.num_computed
+            room = max(budget, WHOLE_PREFILL_MAX_TOKENS) if seq.whole_prefill else budget
+            if room <= 0:
                 break
-            n = min(seq.num_tokens - seq.num_computed, max(budget, WHOLE_PREFILL_MAX_TOKENS) if seq.whole_prefill
-                    else budget)
+            if finishing and remaining > room and seq.passed_over < MAX_PASSED_OVER:
+                continue
+            n = min(remaining, room)
             plan.append((seq, n))
+            planned.add(seq.request_id)
             budget -= n
+            finishing = finishing or n == remaining
+        for seq in prefilling:
+            seq.passed_over = 0 if seq.request_id in planned else seq.passed_over + 1
         return plan
 
     def _admit(self, seq: Sequence) -> bool:

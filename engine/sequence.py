@@ -44,6 +44,7 @@ class Sequence:
         # the whole prompt in one step, past the step budget (up to WHOLE_PREFILL_MAX_TOKENS): a prefill
         # worker streams its KV layer by layer while that step runs
         self.whole_prefill = False
+        self.passed_over = 0  # steps in a row this unfinished prompt got nothing (engine/scheduler.py)
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
 

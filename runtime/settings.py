@@ -13,6 +13,7 @@ from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS
 from runtime.placement import check_device, format_cpus, parse_cpus
 
 ROLES = ("prefill_and_decode", "prefill_only", "decode_only")
+STEP_TOKENS, PREFILL_STEP_TOKENS = 512, 256  # default --max-step-tokens of decoding and prefill_only workers
 
 
 @dataclass
@@ -38,7 +39,9 @@ class Settings:
     block_size: int = 16
     num_blocks: int = 1024
     max_batch: int = 32
-    max_step_tokens: int = 512
+    # tokens one engine step computes; 0 = the role's default: 256 on a prefill_only worker (a short prompt
+    # waits at most one such chunk of a long one, docs/benchmarks.md), 512 elsewhere
+    max_step_tokens: int = 0
     enable_prefix_cache: bool = True
     # Prefill ships each layer's KV while the next layer computes: "on", "off", or "auto" = on unless the
     # peer is reached through same-host shared memory, where a whole-prompt copy is cheaper (docs/benchmarks.md).
@@ -90,6 +93,8 @@ class Settings:
         if self.cpus:
             self.cpus = format_cpus(parse_cpus(self.cpus))
         check_token(self.namespace, "namespace")
+        if not self.max_step_tokens:
+            self.max_step_tokens = PREFILL_STEP_TOKENS if self.role == "prefill_only" else STEP_TOKENS
         for name, least in (("block_size", 1), ("num_blocks", 1), ("max_batch", 1), ("max_step_tokens", 1),
                             ("local_prefill_max_tokens", 0), ("threads", 0)):
             if getattr(self, name) < least:

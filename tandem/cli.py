@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--max-batch", "most sequences decoding at once", type=int)
     opt("--num-blocks", "KV cache blocks", type=int)
     opt("--block-size", "tokens per KV block", type=int)
-    opt("--max-step-tokens", "most tokens one engine step computes (prefill chunks)", type=int)
+    opt("--max-step-tokens", "most tokens one engine step computes (prefill chunks; default 512, "
+        "256 on a prefill_only worker)", type=int)
     opt("--kv-transfer", "how KV bytes move to a peer", choices=["auto", "nixl", "shm", "tcp", "cuda_ipc"])
     opt("--nixl-backend", "NIXL's transport", choices=["ucx", "libfabric", "uccl"])
     opt("--local-prefill-max-tokens", "decode_only: prefill locally at or below this many uncached tokens", type=int)

@@ -57,6 +57,15 @@ def test_a_remote_prefill_teaches_compute_transfer_handoff_and_queue():
     assert e.local_s == pytest.approx(0.4)  # not measured here yet: the same model's per-token cost
 
 
+def test_a_long_job_ahead_delays_a_short_prompt_by_its_own_compute_only():
+    costs = PrefillCosts()
+    costs.saw_remote(2000, {"queue": 0.0, "compute": 10.0, "transfer": 0.0}, total_s=10.0)
+    e = costs.estimate(100, jobs_ahead=2)  # prefill workers run the shortest prompt first
+    assert e.compute_s == pytest.approx(0.5)
+    assert e.queue_s == pytest.approx(2 * 0.5)
+    assert costs.estimate(4000, jobs_ahead=1).queue_s == pytest.approx(10.0)
+
+
 def test_local_observations_move_the_local_estimate_gradually():
     costs = PrefillCosts()
     costs.saw_local(10, 0.1)

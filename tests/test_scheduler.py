@@ -29,8 +29,8 @@ def test_short_prompt_is_not_held_behind_a_long_prefill():
     sched.add(seq("long", 300))
     assert run(sched) == {"long": 64}
     sched.add(seq("short", 20))
-    # the short prompt takes its whole prefill this step; the long one gets what is left
-    assert run(sched) == {"short": 20, "long": 44}
+    # the short prompt takes its whole prefill this step, and the step is not padded with the long one
+    assert run(sched) == {"short": 20}
     sched.running[1].output_ids.append(7)  # short's first token: it decodes from now on
     assert run(sched) == {"short": 1, "long": 63}
 
@@ -40,22 +40,29 @@ def test_arrival_order_among_equal_prompts_and_the_budget_holds():
     for rid in ("a", "b", "c"):
         sched.add(seq(rid, 30))
     plan = sched.schedule()
-    assert [(s.request_id, n) for s, n in plan] == [("a", 30), ("b", 20)]
-    assert sum(n for _, n in plan) == 50
-    assert [s.request_id for s in sched.waiting] == ["c"]  # b already fills the budget: c waits
+    assert [(s.request_id, n) for s, n in plan] == [("a", 30)]  # b does not fit: it waits, whole, for the next
+    assert [s.request_id for s in sched.waiting] == ["c"]  # a and b together fill the budget: c waits
+    for s, n in plan:
+        sched.commit(s, n)
+    sched.finish(plan[0][0])
+    assert [(s.request_id, n) for s, n in sched.schedule()] == [("b", 30)]
 
 
 def test_long_prompt_still_finishes_while_short_ones_keep_coming():
     sched = make(budget=64)
     sched.add(seq("long", 200))
+    long = sched.waiting[0]
+    progress = []
     for step in range(12):
         sched.add(seq(f"s{step}", 8))
         run(sched)
+        progress.append(long.num_computed)
         for s in list(sched.running):
-            if s.request_id != "long" and s.num_computed == s.num_tokens:
+            if s is not long and s.num_computed == s.num_tokens:
                 sched.finish(s)  # short ones end at their first token (prefill-only worker)
-    long = next(s for s in sched.running if s.request_id == "long")
-    assert long.num_computed == 200  # 56 tokens a step beside each short one
+    # its first chunk, then passed over 3 steps at a time, taking the rest of every 4th step's budget,
+    # until what is left fits beside a short one
+    assert progress == [64, 64, 64, 64, 120, 120, 120, 120, 176, 200, 200, 200]
 
 
 def test_a_whole_prefill_takes_its_prompt_in_one_step_past_the_budget():
