@@ -27,7 +27,9 @@ from runtime import metrics
 from runtime.metrics import observe_transfer
 
 log = logging.getLogger(__name__)
-MAX_CONCURRENT_JOBS = 2  # one computing while the previous one's KV is in flight
+# jobs in this worker's engine at once: its scheduler runs the shortest first, so a short job that waited
+# here for a place would miss steps; more would only take jobs from the pool that other workers could run
+MAX_CONCURRENT_JOBS = 4
 
 
 class PrefillActor(WorkerActor):

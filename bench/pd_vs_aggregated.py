@@ -71,14 +71,34 @@ def measure(name: str, up_args: list[str], args: argparse.Namespace, out_dir: Pa
            "--long-output-len", str(args.long_output_len), "--rate", args.rates, "--duration", str(args.duration),
            "--warmup", "2", "--goodput", f"ttft:{args.slo_ttft}", f"itl:{args.slo_itl}",
            "--json", str(result_path), "--plot", str(log_dir / "bench.png"), "--no-progress"]
-    placement = [c.get("placement", "") for c in up.info["children"]]  # the ready file goes when it stops
+    children = up.info["children"]  # the ready file goes when it stops
     try:
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        decisions = prefill_decisions(children)
     finally:
         up.stop()
     result = json.loads(result_path.read_text())
-    result["layout"] = {"name": name, "up_args": up_args, "placement": placement}
+    result["layout"] = {"name": name, "up_args": up_args, "placement": [c.get("placement", "") for c in children],
+                        "prefill_decisions": decisions}
     return result
+
+
+def prefill_decisions(children: list[dict[str, Any]]) -> dict[str, float]:
+    """Where the decode workers prefilled prompts, and why: ``mode/reason`` -> count, over all of them."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, float] = {}
+    for c in children:
+        if c["role"] == "gateway" or not c.get("metrics_port"):
+            continue
+        text = httpx.get(f"http://127.0.0.1:{c['metrics_port']}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "tandem_decode_prefill_decisions_total" and s.value:
+                    key = f"{s.labels['mode']}/{s.labels['reason']}"
+                    counts[key] = counts.get(key, 0) + s.value
+    return counts
 
 
 def rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -94,6 +114,7 @@ def rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 "long_ttft_p90": long.get("latency_ms", {}).get("ttft", {}).get("p90"),
                 "goodput": run["goodput"]["requests_per_s"], "goodput_short": short.get("goodput", {})
                 .get("requests_per_s"), "failed": run["requests"]["failed"],
+                "prefill_decisions": res["layout"].get("prefill_decisions", {}),
             })
     return out
 

@@ -1,5 +1,6 @@
 """Unit tests of the prefill actor's scheduling: the answer does not wait for the model thread, and the
-cap of two running jobs holds for targeted jobs too (a retry after another prefill worker died)."""
+cap of running jobs holds for targeted jobs too (a retry after another prefill worker died), and the shortest
+waiting job takes a free place first."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 import collections
 from types import SimpleNamespace
 from typing import Any
+
+import msgspec
 
 import actors.prefill
 from actors.base import SeenIds
@@ -109,11 +112,14 @@ def test_prefill_done_leaves_before_the_model_thread_lets_the_job_go(monkeypatch
     assert args == ("d1", [0, 1], [5, 6]) and kw["notify"] == "r1:0" and kw["layers"] is None
 
 
-def test_targeted_jobs_over_the_cap_wait_in_the_backlog(monkeypatch: Any) -> None:
+def test_targeted_jobs_over_the_cap_wait_in_the_backlog_and_the_shortest_starts_first(monkeypatch: Any) -> None:
     async def go() -> None:
         actor = bare_prefill_actor()
         finish: dict[str, asyncio.Event] = {}
-        jobs = iter([job(n) for n in range(1, 5)])
+        cap = MAX_CONCURRENT_JOBS
+        # the first `cap` take the places; of the two that wait, the later one has the shorter prompt
+        lengths = [20] * cap + [300, 10]
+        jobs = iter([msgspec.structs.replace(job(n + 1), prompt_ids=list(range(k))) for n, k in enumerate(lengths)])
 
         async def receive(msg: Any, from_pool: bool, type_: Any, key: Any) -> PrefillJob:
             return next(jobs)
@@ -126,16 +132,19 @@ def test_targeted_jobs_over_the_cap_wait_in_the_backlog(monkeypatch: Any) -> Non
 
         monkeypatch.setattr(actor, "receive", receive)
         monkeypatch.setattr(actor, "_run_job", run_job)
-        for _ in range(4):  # four targeted jobs at once, as re-sends after a dead worker arrive
+        for _ in lengths:  # targeted jobs at once, as re-sends after a dead worker arrive
             await actor.accept(SimpleNamespace(), from_pool=False)
         await asyncio.sleep(0)
-        assert sorted(actor.jobs) == ["r1:0", "r2:0"] and len(actor.jobs) == MAX_CONCURRENT_JOBS
-        assert [j.request_id for j in actor.backlog] == ["r3", "r4"]
+        first = [f"r{n}:0" for n in range(1, cap + 1)]
+        assert sorted(actor.jobs) == sorted(first) and len(actor.jobs) == cap
+        long_id, short_id = f"r{cap + 1}", f"r{cap + 2}"
+        assert [j.request_id for j in actor.backlog] == [long_id, short_id]
         assert not actor.has_capacity()
         finish["r1"].set()
         for _ in range(3):
             await asyncio.sleep(0)
-        assert sorted(actor.jobs) == ["r2:0", "r3:0"] and [j.request_id for j in actor.backlog] == ["r4"]
+        assert f"{short_id}:0" in actor.jobs and "r1:0" not in actor.jobs  # the shorter one went first
+        assert [j.request_id for j in actor.backlog] == [long_id]
         for t in list(actor.tasks):
             t.cancel()
 
