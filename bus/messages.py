@@ -206,7 +206,9 @@ class PrefillAccepted(_Msg, tag="prefill_accepted", kw_only=True):
 class PrefillDone(_Msg, tag="prefill_done", kw_only=True):
     """Prefill worker → decode worker: the KV is written (ok) or why not.
 
-    ``timings`` keys are seconds, e.g. ``queue``, ``compute``, ``transfer``.
+    ``timings`` keys are seconds: ``queue`` (until its first engine step, in this worker's backlog and
+    behind shorter prompts), ``compute`` (the engine steps it was in), ``step`` (the last of them),
+    ``transfer`` (after the last step, until the KV landed).
     ``first_top_logprobs`` is a list of ``[token_id, logprob]`` pairs.
     """
 

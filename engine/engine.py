@@ -56,6 +56,7 @@ class StepOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    compute_s: float = 0.0  # wall seconds of the engine steps this sequence was in so far
 
 
 def draw_seed(seed: int, index: int) -> int:
@@ -245,9 +246,12 @@ class LLMEngine:
         for seq, _ in plan:  # a seed fixes each draw by its index: same output on any worker, after preemption
             if seq.generator is not None:
                 seq.generator.manual_seed(draw_seed(seq.params.seed, len(seq.output_ids)))
+        t0 = time.perf_counter()
         sampled, tokens, infos = self.runner.run(plan, self.layer_hooks)
+        dt = time.perf_counter() - t0
         for seq, n in plan:
             self.scheduler.commit(seq, n)
+            seq.compute_s += dt
         return [self.append_token(seq, tok, info) for seq, tok, info in zip(sampled, tokens, infos)]
 
     def append_token(self, seq: Sequence, tok: int, info: TokenLogprob | None = None) -> StepOutput:
@@ -290,6 +294,7 @@ class LLMEngine:
             prompt_tokens=len(seq.prompt_ids),
             cached_tokens=seq.cached_prompt_tokens or 0,
             completion_tokens=len(seq.output_ids),
+            compute_s=seq.compute_s,
         )
 
     @staticmethod

@@ -45,6 +45,7 @@ class Sequence:
         # worker streams its KV layer by layer while that step runs
         self.whole_prefill = False
         self.passed_over = 0  # steps in a row this unfinished prompt got nothing (engine/scheduler.py)
+        self.compute_s = 0.0  # wall seconds of the engine steps it was in
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
 

@@ -118,6 +118,27 @@ def test_chunked_prefill_equals_whole(model, make_model_engine, greedy_reference
         assert_same_greedy(model, s.output_ids, greedy_reference[q])
 
 
+def test_a_short_prompt_passes_a_long_one_and_each_counts_only_its_own_steps(smollm, make_engine):
+    import time
+
+    engine = make_engine(max_step_tokens=16, enable_prefix_cache=False)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add_request("long", list(range(100, 140)), one)
+    walls, finished = [], {}
+    while engine.has_work():
+        if len(walls) == 1:
+            engine.add_request("short", list(range(200, 205)), one)  # arrives during the long prefill
+        t = time.perf_counter()
+        outs = engine.step()
+        walls.append(time.perf_counter() - t)
+        finished.update({o.request_id: (len(walls), o.compute_s) for o in outs if o.finish_reason})
+    # steps: long 16; short 5 alone (not padded with the long one); long 16; long 8 and its first token
+    assert finished["short"][0] == 2 and finished["long"][0] == 4
+    short_s, long_s = finished["short"][1], finished["long"][1]
+    assert short_s <= walls[1] and long_s <= walls[0] + walls[2] + walls[3]
+    assert short_s + long_s == pytest.approx(sum(walls), rel=0.2)
+
+
 def test_long_chunks_take_the_dequantize_path_and_agree(model, make_model_engine, greedy_reference, monkeypatch):
     """Chunks longer than the kernel's limit are computed by dequantize + MKL: still the same answers."""
     from engine.quant import KERNELS
