@@ -40,7 +40,7 @@ class SlowStepRunner:
             for layer in range(self.actor.layout.num_layers):  # the step's layers, each followed by its hook
                 stream.on_layer(layer)
             out = SimpleNamespace(request_id=key, finish_reason="length", token_ids=[42], logprobs=[],
-                                  cached_tokens=0)
+                                  cached_tokens=0, compute_s=0.02)
             asyncio.get_running_loop().call_soon(self.actor.on_outputs, [out], 0.02)
             return None
         await self.step_over.wait()
