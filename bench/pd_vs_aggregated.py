@@ -123,6 +123,8 @@ def verdict(table: list[dict[str, Any]], slo_itl: float) -> str:
     """The issue's two targets, checked at the first rate where aggregated-512 misses the ITL SLO."""
     agg = {r["rate"]: r for r in table if r["layout"] == "aggregated-512"}
     dis = {r["rate"]: r for r in table if r["layout"] == "disaggregated"}
+    if not agg or not dis:
+        return "The targets compare disaggregated with aggregated-512; this run measured only one of them."
     over = [rate for rate in sorted(agg) if (agg[rate]["short_itl_p99"] or 0) > slo_itl and rate in dis]
     if not over:
         return f"aggregated-512's short ITL p99 stayed within {slo_itl:g} ms at every rate: no crossing to compare at."
@@ -144,9 +146,12 @@ def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f} ms"
 
+    sweep = f" --local-prefill-max-tokens {args.local_prefill_max_tokens}" if args.local_prefill_max_tokens else ""
+    title = ("## Experiment 3: the floor of conditional disaggregation (bench/pd_vs_aggregated.py)" if sweep else
+             "## Experiment 1: P/D against aggregated on the same two cores (bench/pd_vs_aggregated.py)")
     lines = [
-        "## Experiment 1: P/D against aggregated on the same two cores (bench/pd_vs_aggregated.py)", "",
-        f"`python -m bench.pd_vs_aggregated --rates {args.rates} --duration {args.duration:g}`: `mixed` load — short "
+        title, "",
+        f"`python -m bench.pd_vs_aggregated --rates {args.rates} --duration {args.duration:g}{sweep}`: `mixed` load — short "
         f"chats of {args.input_len} prompt tokens and {args.output_len} out, plus {args.long_tokens}-token prompts "
         f"({args.long_output_len} out) as {args.long_share:g} of the requests — Poisson arrivals, "
         f"{args.duration:g} s per rate after 2 warm-up requests; goodput at TTFT ≤ {args.slo_ttft / 1000:g} s and "
@@ -159,19 +164,28 @@ def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
         lines.append(f"| {r['layout']} | {r['rate']:g} | {ms(r['short_itl_p99'])} | {ms(r['short_ttft_p90'])} | "
                      f"{ms(r['long_ttft_p90'])} | {r['goodput']:.3f} | {r['goodput_short'] or 0:.3f} | "
                      f"{r['failed']} |")
+    decided: dict[str, dict[str, float]] = {}
+    for r in table:
+        if r.get("prefill_decisions"):
+            decided.setdefault(r["layout"], r["prefill_decisions"])
+    if decided:
+        lines += ["", "Where the decode workers prefilled the prompts (all rates; `tandem_decode_prefill_decisions_total`):"]
+        lines += [f"- {name}: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]))
+                  for name, d in decided.items()]
     lines += ["", verdict(table, args.slo_itl)]
     return "\n".join(lines) + "\n"
 
 
-def plot(table: list[dict[str, Any]]) -> str:
+def plot(table: list[dict[str, Any]], prefix: str = "pd", slo_itl: float | None = None) -> str:
     from bench.report import plot_lines
 
     names = sorted({r["layout"] for r in table})
     itl = {n: [(r["rate"], r["short_itl_p99"]) for r in table if r["layout"] == n and r["short_itl_p99"]]
            for n in names}
     good = {n: [(r["rate"], r["goodput"]) for r in table if r["layout"] == n] for n in names}
-    return (plot_lines("pd_itl_p99", "short requests' ITL p99 under mixed load", "offered rate (req/s)", "ms", itl)
-            + plot_lines("pd_goodput", "goodput at the SLOs", "offered rate (req/s)", "req/s", good))
+    return (plot_lines(f"{prefix}_itl_p99", "short requests' ITL p99 under mixed load", "offered rate (req/s)", "ms",
+                       itl, logy=True, hline=(slo_itl, f"SLO {slo_itl:g} ms") if slo_itl else None)
+            + plot_lines(f"{prefix}_goodput", "goodput at the SLOs", "offered rate (req/s)", "req/s", good))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="--prefill-stall-budget-ms of the sweep's workers (default: the workers' default)")
     p.add_argument("--out", default=None, help="folder for logs and raw results (default a temp folder)")
     p.add_argument("--write", action="store_true", help="update docs/benchmarks.md and its plots")
+    p.add_argument("--render", default=None, metavar="DIR",
+                   help="measure nothing: show (and with --write, write) DIR/results.json of an earlier run, "
+                        "given the same flags")
     args = p.parse_args(argv)
+    if args.render:
+        return report(json.loads((Path(args.render) / "results.json").read_text()), args)
     if len(available_cpus()) < 2:
         print("bench.pd_vs_aggregated needs two cores", file=sys.stderr)
         return 2
@@ -212,13 +231,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = {name: measure(name, all_layouts[name], args, out_dir) for name in chosen}
     (out_dir / "results.json").write_text(json.dumps(rows(results), indent=1))
-    text = markdown(rows(results), args)
-    print(text)
     print(f"raw results and per-layout plots: {out_dir}")
+    return report(rows(results), args)
+
+
+def report(table: list[dict[str, Any]], args: argparse.Namespace) -> int:
+    """Print the table; with ``--write``, put it and its plots into docs/benchmarks.md (experiment 3, the
+    sweep, in a section of its own)."""
+    text = markdown(table, args)
+    print(text)
     if args.write:
         from bench.report import write_section
 
-        write_section("pd-vs-aggregated", text + "\n" + plot(rows(results)))
+        sweep = bool(args.local_prefill_max_tokens)
+        write_section("pd-sweep" if sweep else "pd-vs-aggregated", text + "\n" + plot(table, "pd_sweep" if sweep else "pd", args.slo_itl))
     return 0
 
 

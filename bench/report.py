@@ -22,8 +22,9 @@ def write_section(name: str, markdown: str, path: Path = BENCH_DOC) -> None:
 
 
 def plot_lines(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, list[tuple[float, float]]],
-               logx: bool = True) -> str:
-    """Save a line plot as docs/<name>.png; returns the markdown that shows it ('' without matplotlib)."""
+               logx: bool = True, logy: bool = False, hline: tuple[float, str] | None = None) -> str:
+    """Save a line plot as docs/<name>.png; returns the markdown that shows it ('' without matplotlib).
+    ``hline``: (y, label) of a dashed horizontal line, e.g. an SLO."""
     try:
         import matplotlib
 
@@ -33,10 +34,22 @@ def plot_lines(name: str, title: str, xlabel: str, ylabel: str, series: dict[str
         return "(plot skipped: matplotlib is not installed; `pip install matplotlib` and rerun)\n"
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
     for label, points in series.items():
+        if not points:
+            continue
         xs, ys = zip(*points)
         ax.plot(xs, ys, marker="o", label=label)
+    from matplotlib.ticker import FormatStrFormatter, LogLocator
+
     if logx:
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))  # 0.25, not 2^-2
+    if logy:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_locator(LogLocator(base=10, subs=(2, 3, 5)))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    if hline is not None:
+        ax.axhline(hline[0], color="gray", linestyle="--", linewidth=1, label=hline[1])
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

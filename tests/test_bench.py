@@ -376,3 +376,30 @@ def test_pd_bench_sweeps_the_local_prefill_floor(monkeypatch: pytest.MonkeyPatch
                                           "--local-prefill-max-tokens 0 --prefill-stall-budget-ms 25"]
     assert sweep["disaggregated-lp64"][-1] == "--local-prefill-max-tokens 64 --prefill-stall-budget-ms 25"
     assert "disaggregated-lp0" not in pd.layouts()
+
+
+def test_pd_report_checks_the_targets_and_names_where_prompts_were_prefilled() -> None:
+    import argparse
+
+    import bench.pd_vs_aggregated as pd
+
+    def row(layout: str, rate: float, itl: float, good: float, decisions: dict | None = None) -> dict:
+        return {"layout": layout, "rate": rate, "short_itl_p99": itl, "short_ttft_p90": 900.0,
+                "long_ttft_p90": 9000.0, "goodput": good, "goodput_short": good, "failed": 0,
+                "prefill_decisions": decisions or {}}
+
+    table = [row("disaggregated", 0.25, 90, 0.24, {"remote/decode_stall": 30, "local/prefill_backlog": 2}),
+             row("disaggregated", 0.5, 160, 0.2), row("aggregated-512", 0.25, 120, 0.2),
+             row("aggregated-512", 0.5, 600, 0.05)]
+    args = argparse.Namespace(rates="0.25,0.5", duration=60.0, input_len=100, output_len=100, long_tokens=2000,
+                              long_output_len=16, long_share=0.1, slo_ttft=3000.0, slo_itl=150.0,
+                              local_prefill_max_tokens=None)
+    text = pd.markdown(table, args)
+    assert text.startswith("## Experiment 1")
+    # the first rate where aggregated-512 passes 150 ms is 0.5: 160 / 600 and 0.2 / 0.05
+    assert "At 0.5 req/s" in text and "0.27× (target ≤ 0.25×: missed)" in text and "4.00× (target ≥ 2×: met)" in text
+    assert "- disaggregated: remote/decode_stall 30, local/prefill_backlog 2" in text
+    args.local_prefill_max_tokens = "0,32"
+    sweep = pd.markdown([r for r in table if r["layout"] == "disaggregated"], args)
+    assert sweep.startswith("## Experiment 3") and "--local-prefill-max-tokens 0,32" in sweep
+    assert "measured only one of them" in sweep
