@@ -8,11 +8,11 @@ is prefilled"):
 2. The estimated remote TTFT (queue wait + compute + transfer + hand-off) is no more than a
    local prefill's: remote, ``remote_faster``.
 3. A local prefill would hold this worker's model thread longer than
-   ``--prefill-stall-budget-ms``. It delays this request by ``local_s`` and each of the
-   ``decoding`` streams by as much (at least one other: what arrives meanwhile waits too); a
-   remote one delays only this request, by ``remote_s``. The smaller total wins: remote,
-   ``decode_stall``, while ``remote_s <= (1 + max(1, decoding)) * local_s``; else local,
-   ``prefill_backlog`` (the prefill workers are backed up).
+   ``--prefill-stall-budget-ms``, stalling each of the ``decoding`` streams by ``local_s`` (at
+   least one: what arrives meanwhile waits too); a remote one makes this request wait the
+   prefill workers' queue. The smaller delay wins: remote, ``decode_stall``, while
+   ``queue_s <= max(1, decoding) * local_s``; else local, ``prefill_backlog``. An empty queue
+   always sends the prompt remote.
 4. Otherwise local, ``local_faster``.
 """
 
@@ -92,7 +92,7 @@ def choose(uncached: int, floor: int, est: Estimate, stall_budget_s: float, deco
     if est.remote_s <= est.local_s:
         return "remote", "remote_faster"
     if est.local_s > stall_budget_s:
-        if est.remote_s <= (1 + max(1, decoding)) * est.local_s:
+        if est.queue_s <= max(1, decoding) * est.local_s:
             return "remote", "decode_stall"
         return "local", "prefill_backlog"
     return "local", "local_faster"

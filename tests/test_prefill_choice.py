@@ -26,16 +26,18 @@ def test_local_when_it_is_faster_and_within_the_stall_budget():
 
 
 def test_remote_when_a_local_prefill_would_stall_the_batch_past_the_budget():
-    slow_remote = est(local_s=0.4, queue_s=0.3, compute_s=0.4, handoff_s=0.01)  # remote_s 0.71
+    slow_remote = est(local_s=0.4, queue_s=0.3, compute_s=0.8, handoff_s=0.01)  # remote_s 1.11
     assert choose(100, 0, slow_remote, 0.05, decoding=1) == ("remote", "decode_stall")
     # nothing decoding yet: what arrives during a local prefill would wait for it, so it still counts one
     assert choose(100, 0, slow_remote, 0.05, decoding=0) == ("remote", "decode_stall")
+    # an empty queue sends it remote however slow the remote side is estimated
+    assert choose(100, 0, est(local_s=0.4, compute_s=5.0), 0.0, decoding=0) == ("remote", "decode_stall")
 
 
-def test_the_total_delay_decides_between_the_queue_and_the_stall():
-    backed_up = est(local_s=0.4, queue_s=2.0, compute_s=0.4)  # remote_s 2.4: 2.0 s more for this request
-    assert choose(100, 0, backed_up, 0.05, decoding=3) == ("local", "prefill_backlog")  # 2.4 s against (1 + 3) x 0.4
-    assert choose(100, 0, backed_up, 0.05, decoding=5) == ("remote", "decode_stall")  # 2.4 s against 2.4 s
+def test_the_queue_wait_is_weighed_against_the_stall_of_every_decoding_stream():
+    backed_up = est(local_s=0.4, queue_s=2.0, compute_s=0.4)  # 2.0 s more for this request
+    assert choose(100, 0, backed_up, 0.05, decoding=4) == ("local", "prefill_backlog")  # stalls 4 x 0.4 s
+    assert choose(100, 0, backed_up, 0.05, decoding=5) == ("remote", "decode_stall")  # would stall 5 x 0.4 s
 
 
 def test_estimates_start_from_the_priors():
@@ -82,5 +84,5 @@ def test_a_busy_prefill_pool_sends_long_prompts_home():
     costs.saw_local(500, 1.0)
     idle, busy = costs.estimate(500, jobs_ahead=0), costs.estimate(500, jobs_ahead=2)
     assert choose(500, 32, idle, 0.05, decoding=1) == ("remote", "decode_stall")
-    assert choose(500, 32, busy, 0.05, decoding=1) == ("local", "prefill_backlog")  # 3.01 s against 2 s
-    assert choose(500, 32, busy, 0.05, decoding=3) == ("remote", "decode_stall")  # 3.01 s against 4 s
+    assert choose(500, 32, busy, 0.05, decoding=1) == ("local", "prefill_backlog")  # a 2 s queue against 1 s
+    assert choose(500, 32, busy, 0.05, decoding=2) == ("remote", "decode_stall")  # against 2 x 1 s
