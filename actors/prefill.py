@@ -146,8 +146,9 @@ class PrefillActor(WorkerActor):
             out, timings["step"] = await asyncio.wait_for(fut, timeout=max(0.0, remaining))
             t_computed = time.time()
             # the engine steps it was in; the rest of the time it waited behind shorter prompts (engine/scheduler.py)
-            timings["compute"] = min(out.compute_s, t_computed - t_start) or t_computed - t_start
-            timings["queue"] += t_computed - t_start - timings["compute"]
+            wall = t_computed - t_start
+            timings["compute"] = min(out.compute_s, wall) if out.compute_s else wall
+            timings["queue"] += wall - timings["compute"]
             self._check_cancel(rid)
             await stream.finish()
             timings["transfer"] = time.time() - t_computed

@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cluster import MODEL, TandemUp
-from bench.report import BENCH_DOC, write_section
+from bench.report import BENCH_DOC, metric_samples, write_section
 
 FILLER = "Tandem serves language models with prefill and decode on separate workers over a message bus. "
 ROLES = ("prefill", "decode")
@@ -39,11 +38,9 @@ ROLES = ("prefill", "decode")
 def scaler_sample(url: str) -> dict[str, float]:
     """``demand.<role>`` and ``workers.<role>`` from the scaler's /metrics."""
     out: dict[str, float] = {}
-    text = httpx.get(url, timeout=5).text
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in ("tandem_autoscale_demand", "tandem_autoscale_workers"):
-                out[f"{s.name.rsplit('_', 1)[1]}.{s.labels['role']}"] = s.value
+    for s in metric_samples(url, timeout=5):
+        if s.name in ("tandem_autoscale_demand", "tandem_autoscale_workers"):
+            out[f"{s.name.rsplit('_', 1)[1]}.{s.labels['role']}"] = s.value
     return out
 
 

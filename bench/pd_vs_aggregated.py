@@ -85,19 +85,16 @@ def measure(name: str, up_args: list[str], args: argparse.Namespace, out_dir: Pa
 
 def prefill_decisions(children: list[dict[str, Any]]) -> dict[str, float]:
     """Where the decode workers prefilled prompts, and why: ``mode/reason`` -> count, over all of them."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
+    from bench.report import metric_samples
 
     counts: dict[str, float] = {}
     for c in children:
         if c["role"] == "gateway" or not c.get("metrics_port"):
             continue
-        text = httpx.get(f"http://127.0.0.1:{c['metrics_port']}/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == "tandem_decode_prefill_decisions_total" and s.value:
-                    key = f"{s.labels['mode']}/{s.labels['reason']}"
-                    counts[key] = counts.get(key, 0) + s.value
+        for s in metric_samples(f"http://127.0.0.1:{c['metrics_port']}/metrics"):
+            if s.name == "tandem_decode_prefill_decisions_total" and s.value:
+                key = f"{s.labels['mode']}/{s.labels['reason']}"
+                counts[key] = counts.get(key, 0) + s.value
     return counts
 
 

@@ -1,8 +1,11 @@
-"""Write a benchmark's markdown section into docs/benchmarks.md between its own markers."""
+"""Write a benchmark's markdown section into docs/benchmarks.md between its own markers; plot; read
+a process's Prometheus metrics."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 BENCH_DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -19,6 +22,15 @@ def write_section(name: str, markdown: str, path: Path = BENCH_DOC) -> None:
         text = text.rstrip() + "\n\n" + block
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def metric_samples(url: str, timeout: float = 10.0) -> Iterator[Any]:
+    """Every sample (``name``, ``labels``, ``value``) the /metrics endpoint at ``url`` serves now."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(url, timeout=timeout).text):
+        yield from family.samples
 
 
 def plot_lines(name: str, title: str, xlabel: str, ylabel: str, series: dict[str, list[tuple[float, float]]],
