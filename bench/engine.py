@@ -1,9 +1,10 @@
 """Engine micro-benchmark: weight formats side by side, and llama.cpp's server on the same GGUF.
 
     python -m bench.engine [--quantization none,auto] [--batches 1,8,32,64] [--prefill 128,512,2048]
-                           [--threads N] [--rounds 3] [--write]
+                           [--threads N] [--rounds 3] [--torch-ops] [--write]
 
-For each measure, every engine (one per `--quantization`) and `llama-server` (when it can be started,
+For each measure, every engine (one per `--quantization`; with `--torch-ops` a second one per format that runs
+torch's operations in place of `engine.native`'s) and `llama-server` (when it can be started,
 see bench/llama_server.py) run in turn, `--rounds` times, after a warm-up; the table gives medians,
 so drift on a shared machine hits every column alike. Decode tok/s is timed over pure decode steps
 of a batch of 64-token prompts; prefill tok/s is a whole prompt to its first token. llama-server
@@ -117,17 +118,21 @@ def _interleaved(runners: dict[str, Callable[[int], float]], rounds: int) -> dic
 
 
 def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: list[int], rounds: int,
-        peer: bool, plot: bool = False) -> str:
+        peer: bool, plot: bool = False, torch_ops: bool = False) -> str:
     engines: dict[str, LLMEngine] = {}
     facts: dict[str, dict[str, str]] = {}
     for mode in modes:
         cold, warm = start_times(model, dtype, mode)
         loaded = load_model(model, dtype, mode)
-        e = LLMEngine(loaded, EngineConfig(dtype=dtype, num_blocks=64 * 8 + 160, max_batch=max(batches),
-                                           max_step_tokens=max(prefills), enable_prefix_cache=False))
         name = f"{mode} ({loaded.quantization})" if loaded.quantization != mode else mode
-        engines[name] = e
-        facts[name] = {"weights (MB)": f"{weight_bytes(e) / 1e6:,.1f}", "load cold / warm (s)": f"{cold:.1f} / {warm:.2f}"}
+        for native_ops in (True, False) if torch_ops else (True,):
+            e = LLMEngine(loaded, EngineConfig(dtype=dtype, num_blocks=64 * 8 + 160, max_batch=max(batches),
+                                               max_step_tokens=max(prefills), enable_prefix_cache=False))
+            e.model.native = e.model.native and native_ops
+            column = name if native_ops else f"{name}, torch ops"
+            engines[column] = e
+            facts[column] = {"weights (MB)": f"{weight_bytes(e) / 1e6:,.1f}",
+                             "load cold / warm (s)": f"{cold:.1f} / {warm:.2f}"}
     llama = _start_llama(model, peer)
     columns = list(engines) + (["llama-server"] if llama else [])
     rows: list[tuple[str, dict[str, float]]] = []
@@ -203,12 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
     p.add_argument("--rounds", type=int, default=3, help="runs per measure and engine (default 3)")
     p.add_argument("--no-llama-server", dest="peer", action="store_false", help="do not start llama-server")
+    p.add_argument("--torch-ops", action="store_true",
+                   help="also run each format with torch's operations in place of engine.native's C ones")
     p.add_argument("--write", action="store_true", help="update the section in docs/benchmarks.md")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run(args.model, args.dtype, args.quantization.split(","), [int(b) for b in args.batches.split(",")],
-                 [int(n) for n in args.prefill.split(",")], args.rounds, args.peer, plot=args.write)
+                 [int(n) for n in args.prefill.split(",")], args.rounds, args.peer, plot=args.write,
+                 torch_ops=args.torch_ops)
     print(report)
     if args.write:
         from bench.report import write_section

@@ -35,7 +35,7 @@ from engine.model_files import (
     stat_digest,
 )
 from engine.progress import LoadProgress
-from engine.quant import Int4Weight, encode_weight
+from engine.quant import Int4Weight, Q8Weight, encode_weight
 from engine.tokenizer import TextTokenizer
 from kv.layout import DTYPES
 
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 _SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 _FLOAT_TYPES = {"F32", "F16", "BF16"}
 _INT4_TYPES = {"Q4_0", "Q4_1"}  # group-32 int4 with a scale (and offset): torch's int4 kernel, exactly
+_Q8_TYPES = {"Q8_0"}  # group-32 int8 with a scale: kept as it is (engine.quant.Q8Weight)
 
 
 @dataclass
@@ -155,6 +156,9 @@ class GGUFWeights:
         if kind == "int4" and types <= _INT4_TYPES:  # the file's own codes, scales and offsets
             codes = [_q4_codes(self.tensors[name], heads) for name, heads in parts]
             return Int4Weight.from_codes(*(torch.cat(c) for c in zip(*codes))).tensors(prefix)
+        if kind == "q8_0":  # the file's own blocks
+            codes = [_q8_codes(self.tensors[name], heads) for name, heads in parts]
+            return Q8Weight(*(torch.cat(c) for c in zip(*codes))).tensors(prefix)
         w = torch.cat([self.floats(name, heads) for name, heads in parts])
         return encode_weight(w, kind, prefix, self.dtype)
 
@@ -185,13 +189,15 @@ def _gguf_weights(path: Path, tensors: dict, cfg: ModelConfig, dtype: str, mode:
 
 
 def _weight_kind(mode: str, types: set[str], embedding: bool) -> str:
-    """The kind (none, fp16, int8, int4) of one weight whose GGUF tensors have `types`."""
+    """The kind (none, fp16, int8, int4, q8_0) of one weight whose GGUF tensors have `types`."""
     if mode in ("none", "fp16", "int8"):
         return mode
     if mode == "int4":  # the embedding/LM head stays int8 unless it already is int4
         return "int4" if not embedding or types <= _INT4_TYPES else "int8"
     if types <= _INT4_TYPES:
         return "int4"
+    if types <= _Q8_TYPES:
+        return "q8_0"
     return "none" if types <= _FLOAT_TYPES else "int8"
 
 
@@ -222,6 +228,17 @@ def _q4_codes(t, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, d, zero = (_unpermute(a, heads) for a in (q, d, zero))
     return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)), \
         torch.from_numpy(np.ascontiguousarray(zero))
+
+
+def _q8_codes(t, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's int8 codes [N, K] and float16 scales [N, K/32] (as int16 bits): the file's blocks."""
+    n, k = int(t.shape[1]), int(t.shape[0])
+    raw = np.asarray(t.data).reshape(n, k // 32, 34)
+    scales = raw[..., 0:2].copy().view(np.int16)[..., 0]
+    q = raw[..., 2:].copy().view(np.int8).reshape(n, k)
+    if heads:
+        q, scales = _unpermute(q, heads), _unpermute(scales, heads)
+    return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(scales))
 
 
 def _save_cache(weights: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:

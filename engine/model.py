@@ -5,7 +5,10 @@ new tokens. Linear layers run once over all tokens (their weights are dense or q
 `engine.quant`); attention runs per sequence for chunks longer than one token (prefill) and
 batched for one-token chunks (decode). Everything that does not change between layers (RoPE
 angles, the decode gather index and mask) is computed once per forward pass.
-"""
+
+On a CPU with float32 activations the small per-layer operations (RMSNorm, RoPE with the K/V write,
+attention through the pool) are `engine.native`'s C calls, one each instead of several torch operations;
+the torch operations below are the same computation, for other devices and dtypes."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import native
 from engine.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_type
 from engine.quant import KERNELS, DenseWeight, Weight, Workspace, weight_from_tensors
 from kv.pool import KVPool
@@ -126,6 +130,7 @@ class LlamaModel:
         freqs = torch.outer(t, inv)
         self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(dtype)
         self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)
+        self.native = self.device.type == "cpu" and dtype == torch.float32 and native.available()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -146,67 +151,143 @@ class LlamaModel:
         """
         cfg = self.cfg
         h = self.embed.rows(batch.tokens).to(self.dtype)
-        cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
-        sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
         n = h.shape[0]
         heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk_size = self.q_size + self.kv_size
-        decode = _DecodeAttention(batch, pool.layout.block_size) if batch.decode_tables is not None else None
-        hidden, eps, dq = (cfg.hidden_size,), cfg.rms_eps, batch.dequant_rows
+        use_native = self.native and pool.tensor.dtype == torch.float32
+        if use_native:
+            paged = _PagedAttention(batch, heads, hd)
+        else:
+            decode = _DecodeAttention(batch, pool.layout.block_size) if batch.decode_tables is not None else None
+            cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
+            sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
+        dq = batch.dequant_rows
         slots = (batch.slot_blocks, batch.slot_offsets)
         # Quantized weights answer in bfloat16 (their kernel's dtype): the residual stream, RoPE and attention
         # stay in the model dtype (the adds promote), the MLP's SiLU-gate runs in what the kernel returned.
         for li, layer in enumerate(self.layers):
-            qkv = layer.wqkv(F.rms_norm(h, hidden, layer.attn_norm, eps), dq)
-            qk = apply_rope(qkv[:, :qk_size].view(n, heads + kv_heads, hd), cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, qk_size:].view(n, kv_heads, hd)
+            qkv = layer.wqkv(self._norm(h, layer.attn_norm), dq)
             kc, vc = pool.keys(li), pool.values(li)
-            kc.index_put_(slots, k.to(kc.dtype))
-            vc.index_put_(slots, v.to(vc.dtype))
-            attn = self._attention(q, k, v.to(q.dtype), kc, vc, batch, decode)
+            if use_native:  # RoPE in place with the K/V write, then attention through the pool: two calls
+                qkv = qkv.float().contiguous()
+                native.rope_store(qkv, batch.positions, self.cos, self.sin, heads, kv_heads, kc, vc, *slots)
+                attn = paged(qkv, self.q_size, kv_heads, kc, vc)
+            else:
+                qk = apply_rope(qkv[:, :qk_size].view(n, heads + kv_heads, hd), cos, sin)
+                q, k = qk[:, :heads], qk[:, heads:]
+                v = qkv[:, qk_size:].view(n, kv_heads, hd)
+                kc.index_put_(slots, k.to(kc.dtype))
+                vc.index_put_(slots, v.to(vc.dtype))
+                attn = self._attention(q, k, v.to(q.dtype), kc, vc, batch, decode)
             h.add_(layer.wo(attn.reshape(n, self.q_size), dq))
-            gate, up = layer.w_gate_up(F.rms_norm(h, hidden, layer.ffn_norm, eps), dq).chunk(2, dim=-1)
+            gate, up = layer.w_gate_up(self._norm(h, layer.ffn_norm), dq).chunk(2, dim=-1)
             h.add_(layer.w_down(F.silu(gate).mul_(up), dq))
             if layer_done is not None:
                 layer_done(li)
         if batch.logit_rows.numel() == 0:
             return h.new_empty((0, self.lm_head.out_features), dtype=torch.float32)
-        h = F.rms_norm(h.index_select(0, batch.logit_rows), hidden, self.norm, eps)
+        h = self._norm(h.index_select(0, batch.logit_rows), self.norm)
         rows = h.shape[0]  # one per sampled sequence: the kernel, always, so a token's logits never depend on its step
         return self.lm_head(h, rows if rows > KERNELS.lm_head_kernel_max_rows else 0).float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return native.rms_norm(x, weight, self.cfg.rms_eps)
+        return F.rms_norm(x, (self.cfg.hidden_size,), weight, self.cfg.rms_eps)
 
     def _attention(self, q, k, v, kc, vc, batch: ForwardBatch, decode: _DecodeAttention | None) -> torch.Tensor:
         if not batch.prefills and decode is not None:
             return decode(q, kc, vc)
         out = torch.empty_like(q)
-        bs = kc.shape[1]
         for span in batch.prefills:
-            sl = slice(span.start, span.start + span.length)
-            qs = q[sl].transpose(0, 1).unsqueeze(0)
-            if span.context == span.length:  # nothing cached: attend to the chunk itself
-                ks, vs, mask, causal = k[sl], v[sl], None, True
-            else:
-                nblk = (span.context + bs - 1) // bs
-                blk = span.blocks[:nblk]
-                ks = kc[blk].flatten(0, 1)[: span.context].to(q.dtype)
-                vs = vc[blk].flatten(0, 1)[: span.context].to(q.dtype)
-                past = span.context - span.length
-                qi = torch.arange(span.length, device=q.device).unsqueeze(1)
-                kj = torch.arange(span.context, device=q.device).unsqueeze(0)
-                mask, causal = kj <= qi + past, False
-            o = F.scaled_dot_product_attention(
-                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=causal, enable_gqa=True,
-            )
-            out[sl] = o.squeeze(0).transpose(0, 1)
+            _span_attention(q, k, v, kc, vc, span, out)
         if decode is not None:
             out[batch.decode_start:] = decode(q[batch.decode_start:], kc, vc)
         return out
 
 
+def _span_attention(q, k, v, kc, vc, span: PrefillSpan, out: torch.Tensor) -> None:
+    """One prompt chunk's causal attention ([rows, heads, d] views of the flat batch) with torch's SDPA,
+    into `out`: over the chunk itself, or over its cached context gathered from the pool."""
+    sl = slice(span.start, span.start + span.length)
+    qs = q[sl].transpose(0, 1).unsqueeze(0)
+    if span.context == span.length:  # nothing cached: attend to the chunk itself
+        ks, vs, mask, causal = k[sl], v[sl], None, True
+    else:
+        bs = kc.shape[1]
+        blk = span.blocks[: (span.context + bs - 1) // bs]
+        ks = kc[blk].flatten(0, 1)[: span.context].to(q.dtype)
+        vs = vc[blk].flatten(0, 1)[: span.context].to(q.dtype)
+        past = span.context - span.length
+        qi = torch.arange(span.length, device=q.device).unsqueeze(1)
+        kj = torch.arange(span.context, device=q.device).unsqueeze(0)
+        mask, causal = kj <= qi + past, False
+    o = F.scaled_dot_product_attention(
+        qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask, is_causal=causal, enable_gqa=True,
+    )
+    out[sl] = o.squeeze(0).transpose(0, 1)
+
+
 def _has(weights: dict[str, torch.Tensor], prefix: str) -> bool:
     return prefix in weights or any(k.startswith(prefix + ".") for k in weights)
+
+
+class _PagedAttention:
+    """Attention in one C call per layer (`engine.native`) for the decode rows and the rows of prompt chunks
+    of up to `KERNELS.kernel_max_chunk` tokens: row r reads the first lens[r] tokens of its sequence straight
+    from the pool through its block table (no gather, padding or mask), and a short chunk's rows run the
+    same code as decode rows, so such a token computes the same either way (as it does in the linear
+    layers). Longer chunks are GEMM-shaped: torch's SDPA (`_span_attention`) is many times faster there."""
+
+    def __init__(self, batch: ForwardBatch, heads: int, head_dim: int):
+        self.heads, self.scale = heads, 1.0 / math.sqrt(head_dim)
+        self.long_spans = [s for s in batch.prefills if s.length > KERNELS.kernel_max_chunk]
+        short = [s for s in batch.prefills if s.length <= KERNELS.kernel_max_chunk]
+        decode_rows = batch.decode_tables.shape[0] if batch.decode_tables is not None else 0
+        n = sum(s.length for s in short) + decode_rows
+        self.rows: torch.Tensor | None = None  # rows of the flat batch this call computes; None: all of them
+        if not short:
+            self.tables, self.lens = batch.decode_tables, batch.decode_lens
+            self.row_table = torch.arange(decode_rows)
+        else:
+            width = max([len(s.blocks) for s in short] + ([batch.decode_tables.shape[1]] if decode_rows else []))
+            self.tables = torch.zeros(len(short) + decode_rows, width, dtype=torch.long)
+            self.row_table = torch.empty(n, dtype=torch.long)
+            self.lens = torch.empty(n, dtype=torch.long)
+            at = 0
+            for i, s in enumerate(short):
+                self.tables[i, : len(s.blocks)] = s.blocks
+                self.row_table[at:at + s.length] = i
+                torch.arange(s.context - s.length + 1, s.context + 1, out=self.lens[at:at + s.length])
+                at += s.length
+            if decode_rows:
+                self.tables[len(short):, : batch.decode_tables.shape[1]] = batch.decode_tables
+                torch.arange(len(short), len(short) + decode_rows, out=self.row_table[at:])
+                self.lens[at:] = batch.decode_lens
+        if self.long_spans and n:
+            self.rows = torch.cat([torch.arange(s.start, s.start + s.length) for s in short]
+                                  + [torch.arange(batch.decode_start, batch.decode_start + decode_rows)])
+        self.count = n
+
+    def __call__(self, qkv: torch.Tensor, q_size: int, kv_heads: int, kc: torch.Tensor,
+                 vc: torch.Tensor) -> torch.Tensor:
+        """Attention output [rows, q_size] of the batch's rows, from `qkv` after RoPE (K/V in the pool)."""
+        q = qkv[:, :q_size]
+        if not self.long_spans:
+            return self._paged(q, kc, vc)
+        n, d = qkv.shape[0], q_size // self.heads
+        out = torch.empty(n, q_size, dtype=qkv.dtype)
+        qh, kh = q.view(n, self.heads, d), qkv[:, q_size:q_size + kv_heads * d].view(n, kv_heads, d)
+        vh = qkv[:, q_size + kv_heads * d:].view(n, kv_heads, d)
+        for span in self.long_spans:
+            _span_attention(qh, kh, vh, kc, vc, span, out.view(n, self.heads, d))
+        if self.count:
+            out.index_copy_(0, self.rows, self._paged(q.index_select(0, self.rows), kc, vc))
+        return out
+
+    def _paged(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        return native.paged_attention(q, kc, vc, self.tables, self.row_table, self.lens, self.heads, self.scale)
 
 
 class _DecodeAttention:

@@ -1,12 +1,14 @@
 """Weights of the linear layers as they sit in memory, and the kernel each uses per step shape.
 
-Four kinds, all computing ``x @ w.T`` for activations ``x [M, K]``; the int kernels answer in bfloat16,
-the others in x's dtype:
+Five kinds, all computing ``x @ w.T`` for activations ``x [M, K]``; the int4/int8 kernels answer in bfloat16,
+the q8_0 kernel in float32, the others in x's dtype:
 
 - ``DenseWeight``: a float tensor, multiplied with MKL (shaped for it on the CPU, see ``dense_matmul``).
 - ``Int4Weight``: group-wise int4 with a scale and an offset per 32 weights — exactly GGUF's Q4_0/Q4_1,
   which map onto torch's int4 CPU kernel (``w = (q - 8) * scale + zero``).
-- ``Int8Weight``: int8 per output channel with one scale per row (GGUF Q8_0, K-quants, or floats).
+- ``Int8Weight``: int8 per output channel with one scale per row (GGUF K-quants, or floats).
+- ``Q8Weight``: a GGUF's Q8_0 blocks exactly (int8 with a float16 scale per 32), float32 activations,
+  `engine.native`'s kernel.
 
 The quantized kinds are weight-only: activations stay floating point. Quantizing activations too
 (fbgemm's dynamic int8) was 2-4x faster but raised perplexity 7-170% on the default model
@@ -227,6 +229,60 @@ class Int8Weight:
         return {f"{prefix}.int8": self.q, f"{prefix}.scales": self.scales}
 
 
+class Q8Weight:
+    """A GGUF's Q8_0 blocks as they are: int8 codes with a float16 scale per 32 weights along a row
+    (``w = scale * q``), so nothing is rounded again (a per-row int8 copy raised perplexity 0.5%).
+
+    `engine.native`'s kernel multiplies them with float32 activations into float32 (the LM head's logits
+    keep their precision: bfloat16 logits tie at a step of 1/8); without that library, torch's per-row
+    int8 kernel on a requantized copy.
+    """
+
+    kind = "q8_0"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, workspace: Workspace | None = None):
+        if q.dtype != torch.int8 or q.shape[1] % GROUP or scales.shape != (q.shape[0], q.shape[1] // GROUP):
+            raise ValueError(f"q8_0 weight: codes {q.dtype} {tuple(q.shape)}, scales {tuple(scales.shape)}")
+        self.q = q
+        self.scales = scales.view(torch.int16)  # float16 bits: safetensors and ctypes see plain integers
+        self.out_features, self.in_features = q.shape
+        self.workspace = workspace
+        self._fallback: Int8Weight | None = None
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        from engine import native
+
+        if native.available():
+            return native.q8_matmul(x, self.q, self.scales)
+        if self._fallback is None:
+            self._fallback = Int8Weight.quantize(self.dequantize())
+        return self._fallback.kernel(x)
+
+    def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
+        return _split_call(self, x, dequant_rows)
+
+    def dequantize_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 weights of output rows [start, stop)."""
+        n, groups = stop - start, self.in_features // GROUP
+        out = torch.empty(n, self.in_features, device=self.q.device) if out is None else out
+        scale = self.scales[start:stop].view(torch.float16).float().unsqueeze(-1)
+        torch.mul(self.q[start:stop].view(n, groups, GROUP), scale, out=out.view(n, groups, GROUP))
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return self.dequantize_rows(0, self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return Q8Weight(self.q[ids], self.scales[ids]).dequantize()
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * self.scales.element_size()
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.q8": self.q, f"{prefix}.q8_scales": self.scales}
+
+
 class FP16Weight:
     """float16 weights in fbgemm's packed layout, float32 activations and accumulation (x86 CPUs).
 
@@ -266,10 +322,10 @@ def fp16_supported() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-Weight = DenseWeight | Int4Weight | Int8Weight | FP16Weight
+Weight = DenseWeight | Int4Weight | Int8Weight | Q8Weight | FP16Weight
 
 
-def _split_call(weight: Int4Weight | Int8Weight, x: torch.Tensor, dequant_rows: int) -> torch.Tensor:
+def _split_call(weight: Int4Weight | Int8Weight | Q8Weight, x: torch.Tensor, dequant_rows: int) -> torch.Tensor:
     """Rows [0, dequant_rows) through dequantize + MKL, the rest through the weight-only kernel."""
     if dequant_rows <= 0:
         return weight.kernel(x)
@@ -278,7 +334,7 @@ def _split_call(weight: Int4Weight | Int8Weight, x: torch.Tensor, dequant_rows: 
     return torch.cat([_dequant_matmul(weight, x[:dequant_rows]), weight.kernel(x[dequant_rows:]).to(x.dtype)])
 
 
-def _dequant_matmul(weight: Int4Weight | Int8Weight, x: torch.Tensor) -> torch.Tensor:
+def _dequant_matmul(weight: Int4Weight | Int8Weight | Q8Weight, x: torch.Tensor) -> torch.Tensor:
     """x @ W.T in float32, the weights expanded into the workspace `_DEQUANT_ROWS` outputs at a time."""
     xf = x.float()
     n, k = weight.out_features, weight.in_features
@@ -308,6 +364,8 @@ def weight_from_tensors(tensors: dict[str, torch.Tensor], prefix: str, workspace
     """Rebuild the weight stored under `prefix` by `Weight.tensors` (the weight cache, a loader)."""
     if f"{prefix}.int4" in tensors:
         return Int4Weight(tensors[f"{prefix}.int4"], tensors[f"{prefix}.scales_zeros"], workspace)
+    if f"{prefix}.q8" in tensors:
+        return Q8Weight(tensors[f"{prefix}.q8"], tensors[f"{prefix}.q8_scales"], workspace)
     if f"{prefix}.int8" in tensors:
         return Int8Weight(tensors[f"{prefix}.int8"], tensors[f"{prefix}.scales"], workspace)
     if f"{prefix}.fp16" in tensors:

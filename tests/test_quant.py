@@ -19,6 +19,7 @@ from engine.quant import (
     FP16Weight,
     Int4Weight,
     Int8Weight,
+    Q8Weight,
     Workspace,
     fp16_supported,
     weight_from_tensors,
@@ -66,7 +67,7 @@ def reference(t) -> torch.Tensor:
 
 TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"]
 # (mode, GGUF type) -> the kind the loader must choose
-EXPECTED = {"auto": {"F32": "none", "F16": "none", "BF16": "none", "Q4_0": "int4", "Q4_1": "int4"}}
+EXPECTED = {"auto": {"F32": "none", "F16": "none", "BF16": "none", "Q4_0": "int4", "Q4_1": "int4", "Q8_0": "q8_0"}}
 
 
 def expected_kind(mode: str, qtype: str) -> str:
@@ -86,7 +87,8 @@ def test_quantized_matmul_matches_the_dequantized_gguf_tensor(gguf_tensors, qtyp
     assert g.kinds == {kind}
     assert weight.kind == (kind if kind != "fp16" or fp16_supported() else "none")
     # Storage error: exact codes for the GGUF's own int4 (scales rounded to bfloat16); requantizing costs more.
-    tol = {"none": 1e-6, "fp16": 2e-3, "int8": 1e-2, "int4": 4e-3 if qtype in ("Q4_0", "Q4_1") else 0.15}[kind]
+    tol = {"none": 1e-6, "fp16": 2e-3, "int8": 1e-2, "q8_0": 1e-6,
+           "int4": 4e-3 if qtype in ("Q4_0", "Q4_1") else 0.15}[kind]
     scale = ref.abs().max()
     assert (weight.dequantize() - ref).abs().max() <= tol * scale
     g2 = torch.Generator().manual_seed(1)
@@ -149,3 +151,23 @@ def test_fp16_weight_is_float32_arithmetic_on_half_weights():
 
 def test_kernel_choice_defaults_are_sane():
     assert 1 <= KERNELS.kernel_max_chunk <= KERNELS.lm_head_kernel_max_rows
+
+
+def q8_weight(rows: int = 96, cols: int = 128) -> Q8Weight:
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (rows, cols), generator=g, dtype=torch.int8)
+    return Q8Weight(q, (torch.rand(rows, cols // 32, generator=g) * 1e-3).half().view(torch.int16))
+
+
+def test_q8_0_kernel_is_float32_arithmetic_on_the_files_blocks():
+    """Q8_0 kept as the file's blocks: the kernel gives x @ W.T in float32 (no activation rounding), a row
+    the same bits alone and inside any batch, and embedding rows are the dequantized rows."""
+    w = q8_weight()
+    x = torch.randn(40, 128)
+    full = w(x)
+    assert full.dtype == torch.float32
+    assert torch.allclose(full, x @ w.dequantize().T, atol=1e-5, rtol=1e-5)
+    for start, stop in ((0, 1), (3, 4), (5, 12), (17, 40)):
+        assert torch.equal(w(x[start:stop].clone()), full[start:stop])
+    ids = torch.tensor([0, 95, 33, 33, 64])
+    assert torch.equal(w.rows(ids), w.dequantize()[ids])

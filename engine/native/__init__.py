@@ -1,0 +1,138 @@
+"""The forward pass's small operations in C (``ops.c``), compiled on first use and loaded with ctypes.
+
+A decode step of the default model is ~30 layers of tiny tensors; in torch each RMSNorm, RoPE, KV write and
+decode attention is several operations of 2-20 µs dispatch each, which added up to more than the matmuls.
+Here each is one call. The library is built with the machine's C compiler (``cc``, ``-O3 -march=native
+-fopenmp``) into ``<cache>/native/`` under a key of the source, the compiler and the CPU, once per machine;
+a process that cannot build it (no compiler, ``TANDEM_NATIVE=0``) runs the torch operations instead, which
+are also the reference the tests compare with.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from engine.model_files import cache_dir
+
+log = logging.getLogger("tandem.native")
+
+SOURCE = Path(__file__).with_name("ops.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+SIGNATURES = {
+    "tq_rms_norm": [_P, _P, _I, _I, _F, _P, _C],
+    "tq_rope_store": [_P, _I, _I, _P, _P, _P, _C, _C, _C, _P, _P, _I, _P, _P, _C],
+    "tq_paged_attention": [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _C, _C, _C, _C, _F, _P, _C],
+    "tq_q8_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
+}
+RETURNS = {"tq_q8_matmul": ctypes.c_int}
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def _build(target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([_compiler(), *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True,
+                              text=True, timeout=120)
+        if proc.returncode != 0:
+            raise OSError(f"{_compiler()} failed: {proc.stderr.strip()[-800:]}")
+        os.replace(out, target)  # atomic: processes starting together never load a half-written file
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled ops, or None (and one log line saying why) where they cannot be built here."""
+    if os.environ.get("TANDEM_NATIVE", "1").lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()
+                             + _cpu_key().encode()).hexdigest()[:16]
+        target = cache_dir() / "native" / f"ops-{key}.so"
+        if not target.exists():
+            _build(target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("native ops unavailable, using torch operations (slower decode): %s", e)
+        return None
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, RETURNS.get(name)
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the rows of a contiguous float32 [m, n] tensor (a new tensor)."""
+    m, n = x.shape
+    out = torch.empty_like(x)
+    library().tq_rms_norm(x.data_ptr(), weight.data_ptr(), m, n, eps, out.data_ptr(), _threads())
+    return out
+
+
+def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+               kv_heads: int, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor,
+               offsets: torch.Tensor) -> None:
+    """RoPE on the q and k heads of `qkv` [m, (heads + 2 kv_heads) d] in place, then each row's k and v
+    written to slot (blocks[i], offsets[i]) of the pool's `keys`/`values` [blocks, block_size, kv_heads, d]."""
+    m, width = qkv.shape
+    d = cos.shape[-1]
+    library().tq_rope_store(qkv.data_ptr(), m, width, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), heads,
+                            kv_heads, d, keys.data_ptr(), values.data_ptr(), keys.stride(0), blocks.data_ptr(),
+                            offsets.data_ptr(), _threads())
+
+
+def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
+                    row_table: torch.Tensor, lens: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+    """Causal attention of each query row (`q` [rows, heads * d], rows may be strided) over the first lens[r]
+    tokens of the sequence with block table tables[row_table[r]] in the pool's `keys`/`values`
+    [blocks, block_size, kv_heads, d]; returns [rows, heads * d]."""
+    rows = q.shape[0]
+    _, block_size, kv_heads, d = keys.shape
+    out = torch.empty(rows, heads * d, dtype=torch.float32)
+    library().tq_paged_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                                 tables.data_ptr(), tables.stride(0), row_table.data_ptr(), lens.data_ptr(), rows,
+                                 heads, kv_heads, d, block_size, scale, out.data_ptr(), _threads())
+    return out
+
+
+def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [m, k] @ W.T as float32 [m, n] for GGUF Q8_0 weights (`engine.quant.Q8Weight`: int8 codes `q`
+    [n, k], float16 scales, as int16 bits, [n, k / 32])."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    n = q.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if library().tq_q8_matmul(q.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), _threads()):
+        raise MemoryError(f"q8_0 matmul of {m}x{k} by {n}x{k}: out of memory")
+    return out

@@ -1,0 +1,112 @@
+"""engine.native's C operations against the torch operations they replace (which are also the fallback)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import native
+from engine.model import apply_rope
+from tests.conftest import chat_ids
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the torch operations run instead")
+
+HEADS, KV_HEADS, D, BLOCK = 9, 3, 64, 16
+
+
+def test_rms_norm_matches_torch():
+    x, w = torch.randn(7, 576), torch.randn(576)
+    assert torch.allclose(native.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def _pool(blocks: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's key and value views of a pool laid out as kv.pool's: [blocks, layers, 2, block, kv_heads, d]."""
+    pool = torch.randn(blocks, 4, 2, BLOCK, KV_HEADS, D)
+    return pool[:, 2, 0], pool[:, 2, 1]
+
+
+def test_rope_store_rotates_q_and_k_and_writes_k_and_v_to_their_slots():
+    kc, vc = _pool()
+    n, width = 5, (HEADS + 2 * KV_HEADS) * D
+    qkv = torch.randn(n, width)
+    positions = torch.tensor([0, 3, 77, 150, 151])
+    blocks, offsets = torch.tensor([4, 9, 2, 30, 30]), torch.tensor([3, 13, 6, 0, 1])
+    angles = torch.outer(torch.arange(200.0), 1.0 / 10000 ** (torch.arange(0, D, 2) / D))
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    got = qkv.clone()
+    native.rope_store(got, positions, cos, sin, HEADS, KV_HEADS, kc, vc, blocks, offsets)
+    qk = apply_rope(qkv[:, : (HEADS + KV_HEADS) * D].view(n, -1, D), cos[positions].unsqueeze(1),
+                    sin[positions].unsqueeze(1))
+    assert torch.allclose(got[:, : (HEADS + KV_HEADS) * D], qk.reshape(n, -1), atol=1e-5)
+    assert torch.equal(got[:, (HEADS + KV_HEADS) * D:], qkv[:, (HEADS + KV_HEADS) * D:])  # v untouched
+    assert torch.equal(kc[blocks, offsets], got[:, HEADS * D:(HEADS + KV_HEADS) * D].view(n, KV_HEADS, D))
+    assert torch.equal(vc[blocks, offsets], qkv[:, (HEADS + KV_HEADS) * D:].view(n, KV_HEADS, D))
+
+
+def test_paged_attention_matches_sdpa_over_each_sequences_own_blocks():
+    """Decode rows (one query each) and a prompt chunk's rows (causal, after cached tokens) in one call."""
+    kc, vc = _pool()
+    g = torch.Generator().manual_seed(0)
+    tables = torch.stack([torch.randperm(40, generator=g)[:8] for _ in range(4)])
+    # rows 0-2: a chunk of sequence 0 at positions 30..32 (30 cached); rows 3-6: decode rows of sequences 1-3
+    # and 0 again with a context of 1
+    row_table = torch.tensor([0, 0, 0, 1, 2, 3, 0])
+    lens = torch.tensor([31, 32, 33, 70, 1, 128, 1])
+    qkv = torch.randn(len(lens), (HEADS + 2 * KV_HEADS) * D)
+    q = qkv[:, : HEADS * D]  # strided rows, as the model passes them
+    got = native.paged_attention(q, kc, vc, tables, row_table, lens, HEADS, 1 / math.sqrt(D))
+    for r, (seq, length) in enumerate(zip(row_table.tolist(), lens.tolist())):
+        ks = kc[tables[seq]].flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
+        vs = vc[tables[seq]].flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
+        want = F.scaled_dot_product_attention(q[r].view(1, HEADS, 1, D), ks, vs, enable_gqa=True)
+        assert torch.allclose(got[r], want.reshape(-1), atol=1e-5), r
+    # a row's result does not depend on the other rows of its call: a prompt row equals the same decode row
+    alone = native.paged_attention(q[1:2].clone(), kc, vc, tables[:1].clone(), torch.tensor([0]), lens[1:2].clone(),
+                                   HEADS, 1 / math.sqrt(D))
+    assert torch.equal(alone[0], got[1])
+
+
+def test_without_the_library_the_model_runs_torch_operations(monkeypatch, tmp_path):
+    from engine.native import library
+
+    library.cache_clear()
+    try:
+        monkeypatch.setenv("TANDEM_NATIVE", "0")
+        assert library() is None
+        library.cache_clear()
+        monkeypatch.setenv("TANDEM_NATIVE", "1")
+        monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("CC", "false")  # a compiler that always fails: a clear log line, no library
+        assert library() is None
+    finally:
+        monkeypatch.undo()
+        library.cache_clear()
+    assert native.available()
+
+
+def test_the_model_decodes_the_same_with_native_and_torch_operations():
+    """The real model, float32 weights: the same greedy tokens and logits within float32 rounding, prompt
+    and decode steps alike, whichever operations run the layers."""
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.loader import load_model
+    from engine.model_files import DEFAULT_MODEL
+    from engine.params import SamplingParams
+
+    loaded = load_model(DEFAULT_MODEL, "float32", "none")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=True)
+    prompts = [chat_ids(loaded, q) for q in ("What is the capital of France?", "Write a haiku about rain.")]
+    outputs = []
+    for use_native in (True, False):
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=64, enable_prefix_cache=False))
+        assert engine.model.native  # built here, so the switch below is what differs
+        engine.model.native = use_native
+        seqs = engine.generate(prompts, params)
+        outputs.append([(s.output_ids, [lp.logprob for lp in s.logprobs]) for s in seqs])
+        engine.blocks.check_idle()
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(*outputs):
+        assert ids_a == ids_b
+        assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < 1e-3
