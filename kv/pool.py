@@ -31,6 +31,9 @@ class KVPool:
             self.tensor = torch.empty(shape, dtype=layout.torch_dtype, device=device)
         # Pre-fault: the first touch of fresh pages is 20-40x slower than a warm copy (DESIGN §5).
         self.tensor.zero_()
+        # per-layer views, made once: a forward pass asks for each twice per layer (a view costs ~10 µs)
+        self._keys = [self.tensor[:, layer, 0] for layer in range(layout.num_layers)]
+        self._values = [self.tensor[:, layer, 1] for layer in range(layout.num_layers)]
 
     @staticmethod
     def bytes_needed(layout: KVLayout, num_blocks: int) -> int:
@@ -57,10 +60,10 @@ class KVPool:
 
     def keys(self, layer: int) -> torch.Tensor:
         """[num_blocks, block_size, kv_heads, head_dim] strided view of layer's K."""
-        return self.tensor[:, layer, 0]
+        return self._keys[layer]
 
     def values(self, layer: int) -> torch.Tensor:
-        return self.tensor[:, layer, 1]
+        return self._values[layer]
 
 
 def coalesce(blocks: list[int]) -> list[tuple[int, int]]:

@@ -64,8 +64,10 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
                         const int64_t *lens, int64_t rows, int heads, int kv_heads, int d, int block_size,
                         float scale, float *out, int threads) {
     int group = heads / kv_heads;
-    int64_t kv = (int64_t)kv_heads * d;
-    #pragma omp parallel num_threads(threads) if (rows * kv_heads > 1)
+    int64_t kv = (int64_t)kv_heads * d, total = 0;
+    for (int64_t r = 0; r < rows; r++) total += lens[r];
+    /* one thread for a small call: the parallel region costs more than ~64 tokens of context */
+    #pragma omp parallel num_threads(threads) if (total * kv_heads > 256)
     {
         int64_t cap = 0;
         float *scores = NULL;
@@ -75,34 +77,50 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
             if (len > cap) {
                 free(scores);
                 cap = len;
-                scores = (float *)malloc((size_t)cap * sizeof(float));
+                scores = (float *)malloc((size_t)(cap * group) * sizeof(float));
             }
             const int64_t *table = tables + row_table[r] * table_stride;
+            const float *qg = q + r * q_stride + g * group * d;
+            float mx[64];  /* group <= 64 query heads per KV head */
+            for (int hh = 0; hh < group; hh++) mx[hh] = -INFINITY;
+            for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
+                const float *kb = keys + table[b] * block_stride + g * d;
+                int64_t count = len - start < block_size ? len - start : block_size;
+                for (int64_t i = 0; i < count; i++) {
+                    const float *k = kb + i * kv;
+                    for (int hh = 0; hh < group; hh++) {
+                        const float *qh = qg + hh * d;
+                        float s = 0.f;
+                        #pragma omp simd reduction(+ : s)
+                        for (int j = 0; j < d; j++) s += qh[j] * k[j];
+                        s *= scale;
+                        scores[hh * len + start + i] = s;
+                        mx[hh] = s > mx[hh] ? s : mx[hh];
+                    }
+                }
+            }
+            float inv[64];
             for (int hh = 0; hh < group; hh++) {
-                int64_t h = g * group + hh;
-                const float *qh = q + r * q_stride + h * d;
-                float mx = -INFINITY;
+                float *sc = scores + hh * len, sum = 0.f;
                 for (int64_t t = 0; t < len; t++) {
-                    const float *k = keys + table[t / block_size] * block_stride + (t % block_size) * kv + g * d;
-                    float s = 0.f;
-                    #pragma omp simd reduction(+ : s)
-                    for (int j = 0; j < d; j++) s += qh[j] * k[j];
-                    s *= scale;
-                    scores[t] = s;
-                    mx = s > mx ? s : mx;
+                    sc[t] = expf(sc[t] - mx[hh]);
+                    sum += sc[t];
                 }
-                float sum = 0.f;
-                for (int64_t t = 0; t < len; t++) {
-                    scores[t] = expf(scores[t] - mx);
-                    sum += scores[t];
-                }
-                float *o = out + r * heads * d + h * d, inv = 1.f / sum;
+                inv[hh] = 1.f / sum;
+                float *o = out + r * heads * d + (g * group + hh) * d;
                 for (int j = 0; j < d; j++) o[j] = 0.f;
-                for (int64_t t = 0; t < len; t++) {
-                    const float *v = values + table[t / block_size] * block_stride + (t % block_size) * kv + g * d;
-                    float p = scores[t] * inv;
-                    #pragma omp simd
-                    for (int j = 0; j < d; j++) o[j] += p * v[j];
+            }
+            for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
+                const float *vb = values + table[b] * block_stride + g * d;
+                int64_t count = len - start < block_size ? len - start : block_size;
+                for (int64_t i = 0; i < count; i++) {
+                    const float *v = vb + i * kv;
+                    for (int hh = 0; hh < group; hh++) {
+                        float p = scores[hh * len + start + i] * inv[hh];
+                        float *o = out + r * heads * d + (g * group + hh) * d;
+                        #pragma omp simd
+                        for (int j = 0; j < d; j++) o[j] += p * v[j];
+                    }
                 }
             }
         }
