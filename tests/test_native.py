@@ -110,3 +110,25 @@ def test_the_model_decodes_the_same_with_native_and_torch_operations():
     for (ids_a, lp_a), (ids_b, lp_b) in zip(*outputs):
         assert ids_a == ids_b
         assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < 1e-3
+
+
+def test_a_short_chunks_token_computes_exactly_as_it_decodes(smollm):
+    """With the default weights: resuming a stream (its prompt and first tokens prefilled as one chunk of
+    up to `KERNELS.kernel_max_chunk` tokens) gives the next tokens' logprobs bit for bit, because that
+    chunk's rows run the decode rows' kernels and attention."""
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.params import SamplingParams
+    from engine.quant import KERNELS
+
+    prompt = chat_ids(smollm, "Name three rivers.")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
+    whole = LLMEngine(smollm, EngineConfig(num_blocks=64, enable_prefix_cache=False)).generate([prompt], params)[0]
+    k = 4
+    assert len(prompt) + k <= KERNELS.kernel_max_chunk
+    engine = LLMEngine(smollm, EngineConfig(num_blocks=64, enable_prefix_cache=False))
+    seq = engine.add_request("resumed", prompt, params, resume_ids=whole.output_ids[:k])
+    while not seq.finished:
+        engine.step()
+    assert seq.output_ids == whole.output_ids
+    after = len(whole.output_ids) - k  # the tokens computed after the resume
+    assert [lp.logprob for lp in seq.logprobs[-after:]] == [lp.logprob for lp in whole.logprobs[k:]]
