@@ -160,9 +160,12 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
     lines = [
         "## Engine: weight formats",
         "",
-        f"`python -m bench.engine --quantization {','.join(modes)}` on {platform.machine()}, {os.cpu_count()} cores, "
+        f"`python -m bench.engine --quantization {','.join(modes)}{' --torch-ops' if torch_ops else ''}` on "
+        f"{platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {dtype}; copy bandwidth "
-        f"{bw / 1e9:.1f} GB/s this run. Medians of {rounds} rounds, engines taking turns after a warm-up.",
+        f"{bw / 1e9:.1f} GB/s this run. Medians of {rounds} rounds, engines taking turns after a warm-up."
+        + (" `, torch ops`: the same weights with torch's operations in place of `engine.native`'s RMSNorm, "
+           "RoPE + K/V write and attention." if torch_ops else ""),
         "",
         "| measure | " + " | ".join(columns) + " |",
         "|---|" + "---:|" * len(columns),

@@ -403,3 +403,26 @@ def test_pd_report_checks_the_targets_and_names_where_prompts_were_prefilled() -
     sweep = pd.markdown([r for r in table if r["layout"] == "disaggregated"], args)
     assert sweep.startswith("## Experiment 3") and "--local-prefill-max-tokens 0,32" in sweep
     assert "measured only one of them" in sweep
+
+
+def test_engine_bench_sets_torch_operations_beside_the_native_ones(monkeypatch) -> None:
+    """`bench.engine --torch-ops` measures each format twice, the second engine without engine.native."""
+    from bench import engine as engine_bench
+    from engine import native
+
+    monkeypatch.setattr(engine_bench, "start_times", lambda *a: (0.0, 0.0))  # cold loads: not what this checks
+    built = []
+    real = engine_bench.LLMEngine
+
+    def recording(*a, **kw):
+        built.append(real(*a, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(engine_bench, "LLMEngine", recording)
+    report = engine_bench.run("smollm2-135m-instruct", "float32", ["auto"], [1], [16], 1, peer=False,
+                              torch_ops=True)
+    header = next(line for line in report.splitlines() if line.startswith("| measure"))
+    assert header.split(" | ")[1:] == ["auto (auto:int4+q8_0)", "auto (auto:int4+q8_0), torch ops |"]
+    assert [e.model.native for e in built] == [native.available(), False]
+    rows = [line for line in report.splitlines() if line.startswith(("| prefill", "| decode"))]
+    assert len(rows) == 2 and all(float(c.replace(",", "")) > 0 for r in rows for c in r.strip("|").split("|")[1:])
