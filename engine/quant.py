@@ -116,8 +116,8 @@ class Int4Weight:
         groups, n, two = scales_zeros.shape
         if two != 2 or packed.shape != (n, groups * GROUP // 2):
             raise ValueError(f"int4 weight: packed {tuple(packed.shape)} does not fit scales {tuple(scales_zeros.shape)}")
-        self.packed = packed
-        self.scales_zeros = scales_zeros.to(KERNEL_DTYPE)
+        self.packed = packed.contiguous()
+        self.scales_zeros = scales_zeros.to(KERNEL_DTYPE).contiguous()
         self.out_features, self.in_features = n, groups * GROUP
         self.workspace = workspace
 
@@ -155,9 +155,13 @@ class Int4Weight:
         of 32 for each column), then one scale and one offset per group of 32 along the row.
         """
         n, k, groups = stop - start, self.in_features, self.in_features // GROUP
+        out = torch.empty(n, k, device=self.packed.device) if out is None else out
+        if self.packed.device.type == "cpu" and _native_available():  # one pass instead of five
+            from engine import native
+
+            return native.int4_dequantize(self.packed, self.scales_zeros, start, stop, out)
         nb = n // 32
         u = self.packed[start:stop].view(nb, k, 16)
-        out = torch.empty(n, k, device=u.device) if out is None else out
         halves = out.view(nb, 2, 16, k)
         halves[:, 0].copy_((u & 15).transpose(1, 2))
         halves[:, 1].copy_((u >> 4).transpose(1, 2))
@@ -323,6 +327,12 @@ def fp16_supported() -> bool:
 
 
 Weight = DenseWeight | Int4Weight | Int8Weight | Q8Weight | FP16Weight
+
+
+def _native_available() -> bool:
+    from engine import native
+
+    return native.available()
 
 
 def _split_call(weight: Int4Weight | Int8Weight | Q8Weight, x: torch.Tensor, dequant_rows: int) -> torch.Tensor:

@@ -70,6 +70,16 @@ def test_paged_attention_matches_sdpa_over_each_sequences_own_blocks():
     assert torch.equal(alone[0], got[1])
 
 
+def test_int4_dequantize_is_the_torch_computation_bit_for_bit(monkeypatch):
+    from engine import quant
+
+    w = quant.Int4Weight.quantize(torch.randn(96, 256) * 0.05)
+    got = [w.dequantize(), w.dequantize_rows(32, 96)]
+    monkeypatch.setattr(quant, "_native_available", lambda: False)
+    assert torch.equal(got[0], w.dequantize())
+    assert torch.equal(got[1], w.dequantize_rows(32, 96))
+
+
 def test_without_the_library_the_model_runs_torch_operations(monkeypatch, tmp_path):
     from engine.native import library
 

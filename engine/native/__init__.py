@@ -35,6 +35,7 @@ SIGNATURES = {
     "tq_rope_store": [_P, _I, _I, _P, _P, _P, _C, _C, _C, _P, _P, _I, _P, _P, _C],
     "tq_paged_attention": [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _C, _C, _C, _C, _F, _P, _C],
     "tq_q8_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
+    "tq_int4_dequant": [_P, _P, _I, _I, _I, _I, _P, _C],
 }
 RETURNS = {"tq_q8_matmul": ctypes.c_int}
 
@@ -135,4 +136,14 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
     out = torch.empty(m, n, dtype=torch.float32)
     if library().tq_q8_matmul(q.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), _threads()):
         raise MemoryError(f"q8_0 matmul of {m}x{k} by {n}x{k}: out of memory")
+    return out
+
+
+def int4_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor, start: int, stop: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Rows [start, stop) of an int4 weight in torch's CPU layout (`engine.quant.Int4Weight`) as float32 into
+    `out` [stop - start, k], in one pass."""
+    n, k = scales_zeros.shape[1], out.shape[1]
+    library().tq_int4_dequant(packed.data_ptr(), scales_zeros.data_ptr(), n, k, start, stop, out.data_ptr(),
+                              _threads())
     return out

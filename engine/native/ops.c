@@ -247,3 +247,29 @@ int tq_q8_matmul(const int8_t *q, const uint16_t *d16, int64_t n, int64_t k, con
     free(scales);
     return 0;
 }
+
+/* ---------------------------------------------------------------- int4 weights to float32
+ * Rows [start, stop) (multiples of 32) of torch's CPU int4 layout (`_convert_weight_to_int4pack_for_cpu`:
+ * for each block of 32 output rows and each input column, 16 bytes whose low nibble is row j and high
+ * nibble row j + 16) with bfloat16 (scale, zero) per group of 32 along a row ([groups, n, 2]):
+ * w = q * scale + (zero - 8 scale). One pass, row by row, for the prefill's dequantize + GEMM path. */
+void tq_int4_dequant(const uint8_t *packed, const uint16_t *scales_zeros, int64_t n, int64_t k, int64_t start,
+                     int64_t stop, float *out, int threads) {
+    int64_t blocks = (stop - start) / 32;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t rb = 0; rb < blocks * 32; rb++) {
+        int64_t b = rb / 32, j = rb % 32, row = start + rb;
+        const uint8_t *u = packed + (start / 32 + b) * k * 16 + (j % 16);
+        int shift = j < 16 ? 0 : 4;
+        float *o = out + rb * k;
+        for (int64_t g = 0; g < k / 32; g++) {
+            const uint16_t *sz = scales_zeros + (g * n + row) * 2;
+            uint32_t sb = (uint32_t)sz[0] << 16, zb = (uint32_t)sz[1] << 16;
+            float s, z;
+            memcpy(&s, &sb, 4);
+            memcpy(&z, &zb, 4);
+            float z8 = z - 8.f * s;
+            for (int64_t c = g * 32; c < g * 32 + 32; c++) o[c] = (float)((u[c * 16] >> shift) & 15) * s + z8;
+        }
+    }
+}
