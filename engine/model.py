@@ -268,7 +268,6 @@ class _PagedAttention:
         if self.long_spans and n:
             self.rows = torch.cat([torch.arange(s.start, s.start + s.length) for s in short]
                                   + [torch.arange(batch.decode_start, batch.decode_start + decode_rows)])
-        self.count = n
 
     def __call__(self, qkv: torch.Tensor, q_size: int, kv_heads: int, kc: torch.Tensor,
                  vc: torch.Tensor) -> torch.Tensor:
@@ -282,7 +281,7 @@ class _PagedAttention:
         vh = qkv[:, q_size + kv_heads * d:].view(n, kv_heads, d)
         for span in self.long_spans:
             _span_attention(qh, kh, vh, kc, vc, span, out.view(n, self.heads, d))
-        if self.count:
+        if self.rows is not None:
             out.index_copy_(0, self.rows, self._paged(q.index_select(0, self.rows), kc, vc))
         return out
 

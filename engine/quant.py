@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import native
+
 GROUP = 32  # weights per int4 scale/offset group (GGUF's block size)
 KERNEL_DTYPE = torch.bfloat16  # activation dtype of the weight-only CPU kernels (fp16/fp32 run unvectorized)
 _DEQUANT_ROWS = 4096  # output rows expanded at once on the dequantize path (bounds the workspace)
@@ -156,9 +158,7 @@ class Int4Weight:
         """
         n, k, groups = stop - start, self.in_features, self.in_features // GROUP
         out = torch.empty(n, k, device=self.packed.device) if out is None else out
-        if self.packed.device.type == "cpu" and _native_available():  # one pass instead of five
-            from engine import native
-
+        if self.packed.device.type == "cpu" and native.available():  # one pass instead of five
             return native.int4_dequantize(self.packed, self.scales_zeros, start, stop, out)
         nb = n // 32
         u = self.packed[start:stop].view(nb, k, 16)
@@ -254,8 +254,6 @@ class Q8Weight:
         self._fallback: Int8Weight | None = None
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        from engine import native
-
         if native.available():
             return native.q8_matmul(x, self.q, self.scales)
         if self._fallback is None:
@@ -328,11 +326,6 @@ def fp16_supported() -> bool:
 
 Weight = DenseWeight | Int4Weight | Int8Weight | Q8Weight | FP16Weight
 
-
-def _native_available() -> bool:
-    from engine import native
-
-    return native.available()
 
 
 def _split_call(weight: Int4Weight | Int8Weight | Q8Weight, x: torch.Tensor, dequant_rows: int) -> torch.Tensor:

@@ -75,7 +75,7 @@ def test_int4_dequantize_is_the_torch_computation_bit_for_bit(monkeypatch):
 
     w = quant.Int4Weight.quantize(torch.randn(96, 256) * 0.05)
     got = [w.dequantize(), w.dequantize_rows(32, 96)]
-    monkeypatch.setattr(quant, "_native_available", lambda: False)
+    monkeypatch.setattr(native, "available", lambda: False)
     assert torch.equal(got[0], w.dequantize())
     assert torch.equal(got[1], w.dequantize_rows(32, 96))
 

@@ -1,5 +1,5 @@
 /* The small per-layer operations of a forward pass, in C: each is one call instead of the 5-10 torch
- * operations (and their dispatch, ~2-5 us each) it replaces. Built and loaded by engine/native.py.
+ * operations (and their dispatch, ~2-5 us each) it replaces. Built and loaded by engine/native/__init__.py.
  * float32 throughout; every output row depends only on its own input row, so a token computes the same
  * in any batch. Parallel over rows (or sequence x KV head) with OpenMP, on torch's own runtime. */
 #include <math.h>
