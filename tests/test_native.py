@@ -80,6 +80,41 @@ def test_int4_dequantize_is_the_torch_computation_bit_for_bit(monkeypatch):
     assert torch.equal(got[1], w.dequantize_rows(32, 96))
 
 
+def test_without_the_library_int4_runs_torchs_kernel_on_the_same_codes(monkeypatch):
+    from engine import quant
+
+    w = quant.Int4Weight.quantize(torch.randn(96, 256) * 0.05)
+    x = torch.randn(5, 256)
+    got = w(x)
+    monkeypatch.setattr(native, "available", lambda: False)
+    fallback = w(x)  # torch's int4 kernel, bfloat16 activations
+    assert fallback.dtype == torch.float32
+    assert (fallback - got).abs().max() <= 2e-2 * got.abs().max()
+
+
+def test_the_portable_c_computes_what_the_vector_c_does(monkeypatch, tmp_path):
+    """Built without -march=native (no AVX2 or F16C: the plain C loops), the quantized kernels give the same
+    results to float32 rounding, so a machine without AVX2 serves the same model."""
+    from engine import quant
+
+    w4 = quant.Int4Weight.quantize(torch.randn(64, 320 * 2) * 0.05)
+    w8 = quant.Q8Weight(torch.randint(-127, 128, (35, 96), dtype=torch.int8),
+                        (torch.rand(35, 3) * 1e-3).half().view(torch.int16))
+    x4, x8 = torch.randn(5, 640), torch.randn(5, 96)
+    vector = [w4(x4), w4(x4[:1]), w8(x8), w8(x8[:1])]
+    native.library.cache_clear()
+    try:
+        monkeypatch.setattr(native, "FLAGS", [f for f in native.FLAGS if f != "-march=native"])
+        monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+        assert native.available()
+        plain = [w4(x4), w4(x4[:1]), w8(x8), w8(x8[:1])]
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+    for a, b in zip(vector, plain):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_without_the_library_the_model_runs_torch_operations(monkeypatch, tmp_path):
     from engine.native import library
 

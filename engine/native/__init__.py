@@ -31,13 +31,15 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {
-    "tq_rms_norm": [_P, _P, _I, _I, _F, _P, _C],
+    "tq_rms_norm": [_P, _P, _P, _I, _I, _F, _P, _C],
+    "tq_silu_mul": [_P, _I, _I, _P, _C],
     "tq_rope_store": [_P, _I, _I, _P, _P, _P, _C, _C, _C, _P, _P, _I, _P, _P, _C],
     "tq_paged_attention": [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _C, _C, _C, _C, _F, _P, _C],
     "tq_q8_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
-    "tq_int4_dequant": [_P, _P, _I, _I, _I, _I, _P, _C],
+    "tq_q4_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
+    "tq_int4_dequant": [_P, _P, _I, _I, _I, _P, _C],
 }
-RETURNS = {"tq_q8_matmul": ctypes.c_int}
+RETURNS = {"tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int}
 
 
 def _cpu_key() -> str:
@@ -93,11 +95,21 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of the rows of a contiguous float32 [m, n] tensor (a new tensor)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of the rows of a contiguous float32 [m, n] tensor (a new tensor); with `residual`, x += residual
+    first, in place."""
     m, n = x.shape
     out = torch.empty_like(x)
-    library().tq_rms_norm(x.data_ptr(), weight.data_ptr(), m, n, eps, out.data_ptr(), _threads())
+    library().tq_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), m, n,
+                          eps, out.data_ptr(), _threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the rows of a contiguous float32 [m, 2 f] tensor [gate | up]: [m, f]."""
+    m, f2 = gate_up.shape
+    out = torch.empty(m, f2 // 2, dtype=torch.float32)
+    library().tq_silu_mul(gate_up.data_ptr(), m, f2 // 2, out.data_ptr(), _threads())
     return out
 
 
@@ -139,11 +151,20 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
     return out
 
 
-def int4_dequantize(packed: torch.Tensor, scales_zeros: torch.Tensor, start: int, stop: int,
-                    out: torch.Tensor) -> torch.Tensor:
-    """Rows [start, stop) of an int4 weight in torch's CPU layout (`engine.quant.Int4Weight`) as float32 into
-    `out` [stop - start, k], in one pass."""
-    n, k = scales_zeros.shape[1], out.shape[1]
-    library().tq_int4_dequant(packed.data_ptr(), scales_zeros.data_ptr(), n, k, start, stop, out.data_ptr(),
-                              _threads())
+def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """x [m, k] @ W.T as float32 [m, n] for int4 weights (`engine.quant.Int4Weight`: paired-group codes `qs`
+    [n, k / 2], float16 (d, m), as int16 bits, [n, 2, k / 32]); x is quantized to int8 per group of 32."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    n = qs.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if library().tq_q4_matmul(qs.data_ptr(), dm.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), _threads()):
+        raise MemoryError(f"int4 matmul of {m}x{k} by {n}x{k}: out of memory")
+    return out
+
+
+def int4_dequantize(qs: torch.Tensor, dm: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+    """Rows [start, stop) of an int4 weight (`engine.quant.Int4Weight`) as float32 into `out` [stop - start, k],
+    in one pass."""
+    library().tq_int4_dequant(qs.data_ptr(), dm.data_ptr(), out.shape[1], start, stop, out.data_ptr(), _threads())
     return out

@@ -9,12 +9,22 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
-/* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of n floats (x and out may alias). */
-void tq_rms_norm(const float *x, const float *w, int64_t m, int64_t n, float eps, float *out, int threads) {
+/* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of n floats (x and out may alias); with a residual, x[i] +=
+ * residual[i] first (in place: the residual stream's add and the next norm in one pass). */
+void tq_rms_norm(float *x, const float *residual, const float *w, int64_t m, int64_t n, float eps, float *out,
+                 int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static) if (m > 8)
     for (int64_t i = 0; i < m; i++) {
-        const float *row = x + i * n;
+        float *row = x + i * n;
+        if (residual) {
+            const float *add = residual + i * n;
+            #pragma omp simd
+            for (int64_t j = 0; j < n; j++) row[j] += add[j];
+        }
         float ss = 0.f;
         #pragma omp simd reduction(+ : ss)
         for (int64_t j = 0; j < n; j++) ss += row[j] * row[j];
@@ -53,6 +63,46 @@ void tq_rope_store(float *qkv, int64_t m, int64_t width, const int64_t *position
     }
 }
 
+#ifdef __AVX2__
+/* e^x for x <= 0 (scores minus their max), 8 at a time: 2^n e^r with |r| <= ln2 / 2, r's exponential a degree-6
+ * polynomial (relative error ~2e-7, as expf's); below -87 it is 0. */
+static inline __m256 exp_neg(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline float dot_d(const float *a, const float *b, int d) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= d; j += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), s1);
+    }
+    if (j < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+    __m256 v = _mm256_add_ps(s0, s1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#define ATTN_VECTOR(d) ((d) % 8 == 0 && (d) <= 256)
+#else
+#define ATTN_VECTOR(d) 0
+#endif
+
 /* Causal attention of query rows over the paged KV pool: row r (query heads `heads`, head h reading KV head
  * h / (heads / kv_heads)) attends to the first lens[r] tokens of the sequence whose block table is
  * tables[row_table[r] * table_stride ...] (token t in block table[t / block_size]); softmax(q . k * scale)
@@ -81,7 +131,8 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
             }
             const int64_t *table = tables + row_table[r] * table_stride;
             const float *qg = q + r * q_stride + g * group * d;
-            float mx[64];  /* group <= 64 query heads per KV head */
+            float *og = out + r * heads * d + g * group * d;
+            float mx[64], inv[64]; /* group <= 64 query heads per KV head */
             for (int hh = 0; hh < group; hh++) mx[hh] = -INFINITY;
             for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
                 const float *kb = keys + table[b] * block_stride + g * d;
@@ -91,25 +142,63 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
                     for (int hh = 0; hh < group; hh++) {
                         const float *qh = qg + hh * d;
                         float s = 0.f;
-                        #pragma omp simd reduction(+ : s)
-                        for (int j = 0; j < d; j++) s += qh[j] * k[j];
+#ifdef __AVX2__
+                        if (ATTN_VECTOR(d)) {
+                            s = dot_d(qh, k, d);
+                        } else
+#endif
+                        {
+                            #pragma omp simd reduction(+ : s)
+                            for (int j = 0; j < d; j++) s += qh[j] * k[j];
+                        }
                         s *= scale;
                         scores[hh * len + start + i] = s;
                         mx[hh] = s > mx[hh] ? s : mx[hh];
                     }
                 }
             }
-            float inv[64];
             for (int hh = 0; hh < group; hh++) {
                 float *sc = scores + hh * len, sum = 0.f;
-                for (int64_t t = 0; t < len; t++) {
+                int64_t t = 0;
+#ifdef __AVX2__
+                __m256 m8 = _mm256_set1_ps(mx[hh]), s8 = _mm256_setzero_ps();
+                for (; t + 8 <= len; t += 8) {
+                    __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc + t), m8));
+                    _mm256_storeu_ps(sc + t, e);
+                    s8 = _mm256_add_ps(s8, e);
+                }
+                float part[8];
+                _mm256_storeu_ps(part, s8);
+                for (int i = 0; i < 8; i++) sum += part[i];
+#endif
+                for (; t < len; t++) {
                     sc[t] = expf(sc[t] - mx[hh]);
                     sum += sc[t];
                 }
                 inv[hh] = 1.f / sum;
-                float *o = out + r * heads * d + (g * group + hh) * d;
-                for (int j = 0; j < d; j++) o[j] = 0.f;
             }
+#ifdef __AVX2__
+            if (ATTN_VECTOR(d)) {
+                for (int hh = 0; hh < group; hh++) { /* the head's output in registers, v read once per head */
+                    __m256 acc[32];
+                    for (int j = 0; j < d / 8; j++) acc[j] = _mm256_setzero_ps();
+                    const float *sc = scores + hh * len;
+                    for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
+                        const float *vb = values + table[b] * block_stride + g * d;
+                        int64_t count = len - start < block_size ? len - start : block_size;
+                        for (int64_t i = 0; i < count; i++) {
+                            __m256 p = _mm256_set1_ps(sc[start + i] * inv[hh]);
+                            const float *v = vb + i * kv;
+                            for (int j = 0; j < d / 8; j++) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), acc[j]);
+                        }
+                    }
+                    for (int j = 0; j < d / 8; j++) _mm256_storeu_ps(og + hh * d + 8 * j, acc[j]);
+                }
+                continue;
+            }
+#endif
+            for (int hh = 0; hh < group; hh++)
+                for (int j = 0; j < d; j++) og[hh * d + j] = 0.f;
             for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
                 const float *vb = values + table[b] * block_stride + g * d;
                 int64_t count = len - start < block_size ? len - start : block_size;
@@ -117,7 +206,7 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
                     const float *v = vb + i * kv;
                     for (int hh = 0; hh < group; hh++) {
                         float p = scores[hh * len + start + i] * inv[hh];
-                        float *o = out + r * heads * d + (g * group + hh) * d;
+                        float *o = og + hh * d;
                         #pragma omp simd
                         for (int j = 0; j < d; j++) o[j] += p * v[j];
                     }
@@ -128,18 +217,48 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
     }
 }
 
-/* ---------------------------------------------------------------- GGUF Q8_0 weights, float32 activations
- * W [n, k]: int8 codes q [n, k] and a float16 scale d per group of 32 along k ([n, k / 32]), w = d * q —
- * a GGUF's Q8_0 blocks exactly. out[r, j] = sum_g d[j, g] * sum_i q[j, 32 g + i] * x[r, 32 g + i], in
- * float32, the same order of operations for a row in any batch. */
-#if defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
+/* The MLP's gate: out[i, j] = silu(gu[i, j]) * gu[i, f + j] for rows of gu = [gate | up] (2 f floats). */
+void tq_silu_mul(const float *gu, int64_t m, int64_t f, float *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (m > 8)
+    for (int64_t i = 0; i < m; i++) {
+        const float *g = gu + i * 2 * f, *u = g + f;
+        float *o = out + i * f;
+        int64_t j = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.0f);
+        for (; j + 8 <= f; j += 8) { /* sigmoid from e^-|g| <= 1: no overflow either way */
+            __m256 x = _mm256_loadu_ps(g + j);
+            __m256 e = exp_neg(_mm256_or_ps(x, sign));
+            __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e));
+            __m256 sig = _mm256_blendv_ps(pos, _mm256_mul_ps(e, pos), x);
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + j)));
+        }
 #endif
+        for (; j < f; j++) o[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+    }
+}
 
+/* ---------------------------------------------------------------- quantized weights, int16 activations
+ * Two weight formats, both a GGUF's blocks as they are (groups of 32 along a row, float16 scales):
+ *   Q8_0: int8 codes q [n, k] and a scale d per group ([n, k / 32]): w = d q.
+ *   int4 (Q4_0/Q4_1): codes q in 0..15 with a scale d and an offset m per group, w = d q + m. Layout: qs
+ *     [n, k / 2] bytes in pairs of groups (byte i of pair p holds element i of group 2p in its low nibble and
+ *     of group 2p + 1 in its high one: one 32-byte load and two masks unpack 64 codes); dm [n, 2, groups]:
+ *     the row's d's, then its m's.
+ * Activations are quantized per group of 32 to int8 (x ~ xd xq, llama.cpp's Q8_1), so a group's dot product
+ * is integer (vpmaddubsw) and
+ *   out[r, j] = sum_g d[j, g] xd[r, g] sum_i q xq  (+ sum_g m[j, g] xd[r, g] sum_i xq for int4).
+ * Each output is computed by the same sequence of operations whatever the tile it is in, so a row's result
+ * does not depend on the other rows of its batch. */
 #define Q8_GROUP 32
-#define Q8_TILE 4 /* activation rows sharing one weight group's conversion to float */
+#define TILE_R 4 /* activation rows per tile */
+#define TILE_C 2 /* weight rows per tile at batch 1 (more independent sums in flight) */
+enum { KIND_Q8 = 8, KIND_Q4 = 4 };
 
 static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
     uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, f = h & 1023, bits;
     if (e == 0) {
         if (f == 0) {
@@ -160,116 +279,292 @@ static inline float half_to_float(uint16_t h) {
     float out;
     memcpy(&out, &bits, 4);
     return out;
-}
-
-static inline void halves(const uint16_t *h, int64_t count, float *out) {
-    int64_t i = 0;
-#ifdef __F16C__
-    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
 #endif
-    for (; i < count; i++) out[i] = half_to_float(h[i]);
 }
 
 #ifdef __AVX2__
-static inline float q8_hsum(__m256 v) {
+static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 q8_load8(const int8_t *q) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+/* A group's 32 codes (bytes, unsigned in 0..15 or signed) against its 32 int16 activations stored in
+ * unpack order (`quantize_rows`): 8 int32 partial sums, as float. */
+static inline __m256 dot_group(__m256i codes, __m256i high_bytes, const int16_t *y) {
+    __m256i lo = _mm256_madd_epi16(_mm256_unpacklo_epi8(codes, high_bytes), _mm256_loadu_si256((const __m256i *)y));
+    __m256i hi = _mm256_madd_epi16(_mm256_unpackhi_epi8(codes, high_bytes),
+                                   _mm256_loadu_si256((const __m256i *)(y + 16)));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
 }
 #endif
 
-/* `rows` (a constant after inlining) activation rows, x_stride apart, against weight row q/d. */
-static inline __attribute__((always_inline)) void q8_tile(const int8_t *q, const float *d, int64_t groups,
-                                                          const float *x, int64_t k, const int rows, float *out,
-                                                          int64_t out_stride) {
-#ifdef __AVX2__
-    __m256 acc[Q8_TILE];
-    for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const int8_t *b = q + g * Q8_GROUP;
-        __m256 w0 = q8_load8(b), w1 = q8_load8(b + 8), w2 = q8_load8(b + 16), w3 = q8_load8(b + 24);
-        __m256 dg = _mm256_broadcast_ss(d + g);
-        for (int t = 0; t < rows; t++) {
-            const float *y = x + t * k + g * Q8_GROUP;
-            __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(y));
-            s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(y + 8), s);
-            s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(y + 16), s);
-            s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(y + 24), s);
-            acc[t] = _mm256_fmadd_ps(dg, s, acc[t]);
-        }
-    }
-    for (int t = 0; t < rows; t++) out[t * out_stride] = q8_hsum(acc[t]);
-#else
-    for (int t = 0; t < rows; t++) {
-        float acc = 0.f;
-        for (int64_t g = 0; g < groups; g++) {
-            float s = 0.f;
-            for (int i = 0; i < Q8_GROUP; i++) s += (float)q[g * Q8_GROUP + i] * x[t * k + g * Q8_GROUP + i];
-            acc += d[g] * s;
-        }
-        out[t * out_stride] = acc;
-    }
-#endif
+typedef struct {
+    int16_t *q; /* [m, k], each group in unpack order (see quantize_rows) */
+    float *d;  /* [m, groups] */
+    float *s;  /* [m, groups]: d * sum(q) */
+} QuantizedRows;
+
+static QuantizedRows rows_at(QuantizedRows a, int64_t r, int64_t k) {
+    QuantizedRows t = {a.q + r * k, a.d + r * (k / Q8_GROUP), a.s + r * (k / Q8_GROUP)};
+    return t;
 }
 
-/* out [m, n] = x [m, k] @ W.T for W as above; k a multiple of 32. Returns nonzero without memory. */
-int tq_q8_matmul(const int8_t *q, const uint16_t *d16, int64_t n, int64_t k, const float *x, int64_t m, float *out,
-                 int threads) {
+/* Element e of a group sits at slot UNPACK_SLOT(e) of its int16 codes: the order in which vpunpck{l,h}bw
+ * widen a group's 32 weight bytes (slots 0-7: elements 0-7, 8-15: 16-23, 16-23: 8-15, 24-31: 24-31). */
+#define UNPACK_SLOT(e) ((e) < 8 || (e) >= 24 ? (e) : (e) < 16 ? (e) + 8 : (e) - 8)
+
+static void quantize_rows(const float *x, int64_t m, int64_t k, QuantizedRows a, int threads) {
     int64_t groups = k / Q8_GROUP;
-    float *scales = (float *)malloc((size_t)(groups * threads) * sizeof(float));
-    if (!scales) return -1;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (m * k > 65536)
+    for (int64_t rg = 0; rg < m * groups; rg++) {
+        const float *v = x + rg * Q8_GROUP;
+        int16_t *q = a.q + rg * Q8_GROUP;
+#ifdef __AVX2__
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+               v3 = _mm256_loadu_ps(v + 24);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+        __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        int sum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+        /* packs interleaves 128-bit lanes: (0-3, 16-19 | 4-7, 20-23) -> (0-7 | 16-23) */
+        _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i2), 0xD8));
+        _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i1, i3), 0xD8));
+#else
+        float amax = 0.f;
+        for (int i = 0; i < Q8_GROUP; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+        float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        int sum = 0;
+        for (int i = 0; i < Q8_GROUP; i++) {
+            int c = (int)lrintf(v[i] * inv);
+            q[UNPACK_SLOT(i)] = (int16_t)c;
+            sum += c;
+        }
+#endif
+        a.d[rg] = amax / 32767.f;
+        a.s[rg] = a.d[rg] * (float)sum;
+    }
+}
+
+/* Per-tile scalars: ds[(c R + r) groups + g] = d[j + c, g] xd[r, g], and (int4) off[c][r] = sum_g m xs. */
+static inline __attribute__((always_inline)) void tile_scales(const uint16_t *d16, int64_t d_stride,
+                                                              const uint16_t *m16, QuantizedRows a, int64_t groups,
+                                                              const int R, const int C, float *ds,
+                                                              float off[TILE_C][TILE_R]) {
+    for (int c = 0; c < C; c++) {
+        for (int r = 0; r < R; r++) {
+            float *dsr = ds + (c * R + r) * groups, o = 0.f;
+            const uint16_t *dc = d16 + c * d_stride, *mc = m16 ? m16 + c * d_stride : NULL;
+            const float *xd = a.d + r * groups, *xs = a.s + r * groups;
+            int64_t g = 0;
+#ifdef __AVX2__
+            __m256 ov = _mm256_setzero_ps();
+            for (; g + 8 <= groups; g += 8) {
+                __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dc + g)));
+                _mm256_storeu_ps(dsr + g, _mm256_mul_ps(dv, _mm256_loadu_ps(xd + g)));
+                if (mc)
+                    ov = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mc + g))),
+                                         _mm256_loadu_ps(xs + g), ov);
+            }
+            o = hsum8(ov);
+#endif
+            for (; g < groups; g++) {
+                dsr[g] = half_to_float(dc[g]) * xd[g];
+                if (mc) o += half_to_float(mc[g]) * xs[g];
+            }
+            off[c][r] = o;
+        }
+    }
+}
+
+/* One tile: R activation rows x C weight rows of `kind` (R, C, kind constants after inlining); writes
+ * out[r * os + c]. ds: scratch for R C groups floats. */
+static inline __attribute__((always_inline)) void tile(const int kind, const void *w, const uint16_t *scales,
+                                                       int64_t k, QuantizedRows a, const int R, const int C,
+                                                       float *ds, float *out, int64_t os) {
+    int64_t groups = k / Q8_GROUP;
+    float off[TILE_C][TILE_R];
+    if (kind == KIND_Q4)
+        tile_scales(scales, 2 * groups, scales + groups, a, groups, R, C, ds, off);
+    else
+        tile_scales(scales, groups, NULL, a, groups, R, C, ds, off);
+#ifdef __AVX2__
+    __m256 acc0[TILE_C][TILE_R], acc1[TILE_C][TILE_R];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) acc0[c][r] = acc1[c][r] = _mm256_setzero_ps();
+    const __m256i zero = _mm256_setzero_si256();
+    for (int64_t g = 0; g < groups; g += 2) { /* two groups: the int4 pair, or two Q8_0 groups */
+        int two = g + 1 < groups; /* Q8_0 rows of an odd number of groups end with one */
+        for (int c = 0; c < C; c++) {
+            __m256i u0, u1, h0, h1; /* codes, and the high bytes that widen them to int16 */
+            if (kind == KIND_Q4) {
+                const __m256i low = _mm256_set1_epi8(0x0F);
+                __m256i b = _mm256_loadu_si256((const __m256i *)((const uint8_t *)w + c * (k / 2) + g * 16));
+                u0 = _mm256_and_si256(b, low);
+                u1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+                h0 = h1 = zero;
+            } else {
+                const int8_t *q = (const int8_t *)w + c * k + g * Q8_GROUP;
+                u0 = _mm256_loadu_si256((const __m256i *)q);
+                u1 = two ? _mm256_loadu_si256((const __m256i *)(q + Q8_GROUP)) : zero;
+                h0 = _mm256_cmpgt_epi8(zero, u0);
+                h1 = _mm256_cmpgt_epi8(zero, u1);
+            }
+            for (int r = 0; r < R; r++) {
+                const int16_t *y = a.q + r * k + g * Q8_GROUP;
+                const float *dsr = ds + (c * R + r) * groups + g;
+                acc0[c][r] = _mm256_fmadd_ps(dot_group(u0, h0, y), _mm256_broadcast_ss(dsr), acc0[c][r]);
+                if (kind == KIND_Q4 || two)
+                    acc1[c][r] = _mm256_fmadd_ps(dot_group(u1, h1, y + Q8_GROUP), _mm256_broadcast_ss(dsr + 1),
+                                                 acc1[c][r]);
+            }
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) out[r * os + c] = hsum8(_mm256_add_ps(acc0[c][r], acc1[c][r])) + off[c][r];
+#else
+    for (int c = 0; c < C; c++) {
+        for (int r = 0; r < R; r++) {
+            const float *dsr = ds + (c * R + r) * groups;
+            const int16_t *y = a.q + r * k;
+            float acc = 0.f;
+            for (int64_t g = 0; g < groups; g++) {
+                int32_t dot = 0;
+                for (int i = 0; i < Q8_GROUP; i++) {
+                    int32_t code;
+                    if (kind == KIND_Q4) {
+                        uint8_t byte = ((const uint8_t *)w)[c * (k / 2) + (g / 2) * 32 + i];
+                        code = g % 2 ? byte >> 4 : byte & 15;
+                    } else {
+                        code = ((const int8_t *)w)[c * k + g * Q8_GROUP + i];
+                    }
+                    dot += code * y[g * Q8_GROUP + UNPACK_SLOT(i)];
+                }
+                acc += (float)dot * dsr[g];
+            }
+            out[r * os + c] = acc + off[c][r];
+        }
+    }
+#endif
+}
+
+typedef struct {
+    const void *w;
+    const uint16_t *scales;
+    int64_t n, k, m;
+    QuantizedRows a;
+    float *out;
+} Matmul;
+
+/* This thread's share of the tiles (an orphaned `omp for`: call it inside a parallel region). Batch 1 runs
+ * tiles of 1 x TILE_C where rows are short (k < 1024); larger batches tiles of TILE_R x 1, in blocks of rows
+ * whose int16 codes stay in L1. `kind` must be a constant here: a parallel region's body is outlined, and
+ * its captured variables are not. */
+static inline __attribute__((always_inline)) void share_tiles(const int kind, Matmul mm, float *ds) {
+    int64_t n = mm.n, k = mm.k, m = mm.m, groups = k / Q8_GROUP;
+    int64_t row_bytes = kind == KIND_Q4 ? k / 2 : k, scale_stride = kind == KIND_Q4 ? 2 * groups : groups;
+    int64_t rblock = (8192 / k) / TILE_R * TILE_R;
+    rblock = rblock < TILE_R ? TILE_R : rblock;
+    int cols = m == 1 && k < 1024 ? TILE_C : 1;
+    for (int64_t r0 = 0; r0 < m; r0 += rblock) {
+        int64_t r1 = r0 + rblock < m ? r0 + rblock : m;
+        #pragma omp for schedule(static) nowait
+        for (int64_t jb = 0; jb < (n + cols - 1) / cols; jb++) {
+            int64_t j = jb * cols;
+            const void *wj = (const uint8_t *)mm.w + j * row_bytes;
+            const uint16_t *sj = mm.scales + j * scale_stride;
+            if (cols == TILE_C) {
+                if (j + TILE_C <= n)
+                    tile(kind, wj, sj, k, mm.a, 1, TILE_C, ds, mm.out + j, n);
+                else /* an odd row count's last row */
+                    tile(kind, wj, sj, k, mm.a, 1, 1, ds, mm.out + j, n);
+                continue;
+            }
+            int64_t r = r0;
+            for (; r + TILE_R <= r1; r += TILE_R)
+                tile(kind, wj, sj, k, rows_at(mm.a, r, k), TILE_R, 1, ds, mm.out + r * n + j, n);
+            QuantizedRows t = rows_at(mm.a, r, k);
+            switch (r1 - r) {
+            case 1: tile(kind, wj, sj, k, t, 1, 1, ds, mm.out + r * n + j, n); break;
+            case 2: tile(kind, wj, sj, k, t, 2, 1, ds, mm.out + r * n + j, n); break;
+            case 3: tile(kind, wj, sj, k, t, 3, 1, ds, mm.out + r * n + j, n); break;
+            default: break;
+            }
+        }
+    }
+}
+
+static void share_tiles_q4(Matmul mm, float *ds) { share_tiles(KIND_Q4, mm, ds); }
+static void share_tiles_q8(Matmul mm, float *ds) { share_tiles(KIND_Q8, mm, ds); }
+
+/* out [m, n] = x [m, k] @ W.T (k a multiple of 32; of 64 for int4). Returns nonzero without memory. */
+static int quantized_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
+                            int64_t m, float *out, int threads) {
+    int64_t groups = k / Q8_GROUP;
+    int16_t *codes = (int16_t *)malloc((size_t)(m * k) * sizeof(int16_t));
+    float *floats = (float *)malloc((size_t)(2 * m * groups + threads * TILE_R * TILE_C * groups) * sizeof(float));
+    if (!codes || !floats) {
+        free(codes);
+        free(floats);
+        return -1;
+    }
+    Matmul mm = {w, scales, n, k, m, {codes, floats, floats + m * groups}, out};
+    quantize_rows(x, m, k, mm.a, threads);
     #pragma omp parallel num_threads(threads)
     {
         int tid = 0;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        float *d = scales + groups * tid;
-        #pragma omp for schedule(static)
-        for (int64_t j = 0; j < n; j++) {
-            halves(d16 + j * groups, groups, d);
-            const int8_t *row = q + j * k;
-            int64_t r = 0;
-            for (; r + Q8_TILE <= m; r += Q8_TILE) q8_tile(row, d, groups, x + r * k, k, Q8_TILE, out + r * n + j, n);
-            switch (m - r) {
-            case 1: q8_tile(row, d, groups, x + r * k, k, 1, out + r * n + j, n); break;
-            case 2: q8_tile(row, d, groups, x + r * k, k, 2, out + r * n + j, n); break;
-            case 3: q8_tile(row, d, groups, x + r * k, k, 3, out + r * n + j, n); break;
-            default: break;
-            }
-        }
+        float *ds = floats + 2 * m * groups + (int64_t)tid * TILE_R * TILE_C * groups;
+        if (kind == KIND_Q4)
+            share_tiles_q4(mm, ds);
+        else
+            share_tiles_q8(mm, ds);
     }
-    free(scales);
+    free(floats);
+    free(codes);
     return 0;
 }
 
+int tq_q8_matmul(const int8_t *q, const uint16_t *d16, int64_t n, int64_t k, const float *x, int64_t m, float *out,
+                 int threads) {
+    return quantized_matmul(KIND_Q8, q, d16, n, k, x, m, out, threads);
+}
+
+int tq_q4_matmul(const uint8_t *qs, const uint16_t *dm, int64_t n, int64_t k, const float *x, int64_t m,
+                 float *out, int threads) {
+    return quantized_matmul(KIND_Q4, qs, dm, n, k, x, m, out, threads);
+}
+
 /* ---------------------------------------------------------------- int4 weights to float32
- * Rows [start, stop) (multiples of 32) of torch's CPU int4 layout (`_convert_weight_to_int4pack_for_cpu`:
- * for each block of 32 output rows and each input column, 16 bytes whose low nibble is row j and high
- * nibble row j + 16) with bfloat16 (scale, zero) per group of 32 along a row ([groups, n, 2]):
- * w = q * scale + (zero - 8 scale). One pass, row by row, for the prefill's dequantize + GEMM path. */
-void tq_int4_dequant(const uint8_t *packed, const uint16_t *scales_zeros, int64_t n, int64_t k, int64_t start,
-                     int64_t stop, float *out, int threads) {
-    int64_t blocks = (stop - start) / 32;
+ * Rows [start, stop) of the int4 layout above as float32 (w = d q + m), one pass, for the prefill's
+ * dequantize + GEMM path. */
+void tq_int4_dequant(const uint8_t *qs, const uint16_t *dm, int64_t k, int64_t start, int64_t stop, float *out,
+                     int threads) {
+    int64_t groups = k / Q8_GROUP;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t rb = 0; rb < blocks * 32; rb++) {
-        int64_t b = rb / 32, j = rb % 32, row = start + rb;
-        const uint8_t *u = packed + (start / 32 + b) * k * 16 + (j % 16);
-        int shift = j < 16 ? 0 : 4;
-        float *o = out + rb * k;
-        for (int64_t g = 0; g < k / 32; g++) {
-            const uint16_t *sz = scales_zeros + (g * n + row) * 2;
-            uint32_t sb = (uint32_t)sz[0] << 16, zb = (uint32_t)sz[1] << 16;
-            float s, z;
-            memcpy(&s, &sb, 4);
-            memcpy(&z, &zb, 4);
-            float z8 = z - 8.f * s;
-            for (int64_t c = g * 32; c < g * 32 + 32; c++) o[c] = (float)((u[c * 16] >> shift) & 15) * s + z8;
+    for (int64_t j = start; j < stop; j++) {
+        const uint8_t *b = qs + j * (k / 2);
+        const uint16_t *d16 = dm + j * 2 * groups, *m16 = d16 + groups;
+        float *o = out + (j - start) * k;
+        for (int64_t p = 0; p < groups / 2; p++) {
+            float da = half_to_float(d16[2 * p]), ma = half_to_float(m16[2 * p]);
+            float db = half_to_float(d16[2 * p + 1]), mb = half_to_float(m16[2 * p + 1]);
+            for (int i = 0; i < 32; i++) {
+                o[p * 64 + i] = (float)(b[p * 32 + i] & 15) * da + ma;
+                o[p * 64 + 32 + i] = (float)(b[p * 32 + i] >> 4) * db + mb;
+            }
         }
     }
 }
