@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from engine import native
 from engine.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_type
-from engine.quant import KERNELS, DenseWeight, Weight, Workspace, weight_from_tensors
+from engine.quant import KERNELS, DenseWeight, Int4Weight, Q8Weight, Weight, Workspace, weight_from_tensors
 from kv.pool import KVPool
 
 
@@ -133,6 +133,7 @@ class LlamaModel:
         self.native = self.device.type == "cpu" and dtype == torch.float32 and native.available()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.fused = self._fused_layers()
 
     @property
     def weight_bytes(self) -> int:
@@ -151,25 +152,40 @@ class LlamaModel:
         """
         cfg = self.cfg
         h = self.embed.rows(batch.tokens).to(self.dtype)
-        n = h.shape[0]
-        heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qk_size = self.q_size + self.kv_size
-        use_native = self.native and pool.tensor.dtype == torch.float32
-        if use_native:
-            paged = _PagedAttention(batch, heads, hd)
+        if self.native and pool.tensor.dtype == torch.float32:
+            paged = _PagedAttention(batch, cfg.num_heads, cfg.head_dim)
+            if self.fused is not None and batch.dequant_rows == 0 and not paged.long_spans:
+                self._fused_forward(h, batch, paged, pool, layer_done)
+            else:
+                self._layer_ops(h, batch, pool, layer_done, paged=paged)
         else:
             decode = _DecodeAttention(batch, pool.layout.block_size) if batch.decode_tables is not None else None
-            cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
-            sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
-        dq = batch.dequant_rows
+            angles = (self.cos.index_select(0, batch.positions).unsqueeze(1),
+                      self.sin.index_select(0, batch.positions).unsqueeze(1))
+            self._layer_ops(h, batch, pool, layer_done, torch_attn=(decode, *angles))
+        if batch.logit_rows.numel() == 0:
+            return h.new_empty((0, self.lm_head.out_features), dtype=torch.float32)
+        h = self._norm(h.index_select(0, batch.logit_rows), self.norm)
+        rows = h.shape[0]  # one per sampled sequence: the kernel, always, so a token's logits never depend on its step
+        return self.lm_head(h, rows if rows > KERNELS.lm_head_kernel_max_rows else 0).float()
+
+    def _layer_ops(self, h: torch.Tensor, batch: ForwardBatch, pool: KVPool,
+                   layer_done: Callable[[int], None] | None, paged: _PagedAttention | None = None,
+                   torch_attn: tuple | None = None) -> None:
+        """The layers one operation at a time (`paged`: engine.native's attention; else torch's, with
+        `torch_attn` = the decode attention and the RoPE angles)."""
+        cfg = self.cfg
+        n, heads, kv_heads, hd = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk_size, dq = self.q_size + self.kv_size, batch.dequant_rows
         slots = (batch.slot_blocks, batch.slot_offsets)
+        decode, cos, sin = torch_attn or (None, None, None)
         # int8 weights answer in bfloat16 (torch's kernel's dtype): the residual stream, RoPE and attention stay in
         # the model dtype (the adds promote). Each sublayer's output joins the residual stream in the next norm.
         out = None
         for li, layer in enumerate(self.layers):
             qkv = layer.wqkv(self._norm(h, layer.attn_norm, out), dq)
             kc, vc = pool.keys(li), pool.values(li)
-            if use_native:  # RoPE in place with the K/V write, then attention through the pool: two calls
+            if paged is not None:  # RoPE in place with the K/V write, then attention through the pool: two calls
                 qkv = qkv.float().contiguous()
                 native.rope_store(qkv, batch.positions, self.cos, self.sin, heads, kv_heads, kc, vc, *slots)
                 attn = paged(qkv, self.q_size, kv_heads, kc, vc)
@@ -186,11 +202,40 @@ class LlamaModel:
                 layer_done(li)
         if out is not None:
             h.add_(out)
-        if batch.logit_rows.numel() == 0:
-            return h.new_empty((0, self.lm_head.out_features), dtype=torch.float32)
-        h = self._norm(h.index_select(0, batch.logit_rows), self.norm)
-        rows = h.shape[0]  # one per sampled sequence: the kernel, always, so a token's logits never depend on its step
-        return self.lm_head(h, rows if rows > KERNELS.lm_head_kernel_max_rows else 0).float()
+
+    def _fused_forward(self, h: torch.Tensor, batch: ForwardBatch, paged: _PagedAttention, pool: KVPool,
+                       layer_done: Callable[[int], None] | None) -> None:
+        """Each layer as one `engine.native` call (all linear layers int4/Q8_0, every row on the kernels)."""
+        cfg = self.cfg
+        step = native.LayerStep(h, self.fused[0], batch.positions, batch.slot_blocks, batch.slot_offsets, self.cos,
+                                self.sin, cfg.num_heads, cfg.num_kv_heads, pool.keys(0), paged.tables,
+                                paged.row_table, paged.lens, cfg.rms_eps, paged.scale)
+        for li, layer in enumerate(self.fused):
+            step.run(layer, pool.keys(li), pool.values(li))
+            if layer_done is not None:
+                layer_done(li)
+        h.add_(step.pending)
+
+    def _fused_layers(self) -> list[native.Layer] | None:
+        """The layers for `engine.native`'s one-call-per-layer path, where every linear layer is a kind it
+        multiplies; None elsewhere."""
+        if not self.native:
+            return None
+
+        def linear(w: Weight) -> native.Linear | None:
+            if isinstance(w, Int4Weight):
+                return native.linear("int4", w.qs, w.dm)
+            if isinstance(w, Q8Weight):
+                return native.linear("q8_0", w.q, w.scales)
+            return None
+
+        layers = []
+        for layer in self.layers:
+            linears = [linear(w) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+            if any(lin is None for lin in linears):
+                return None
+            layers.append(native.layer(layer.attn_norm, layer.ffn_norm, *linears))
+        return layers
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm of the residual stream `h`, after adding a sublayer's output `residual` to it (in place)."""

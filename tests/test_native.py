@@ -157,6 +157,25 @@ def test_the_model_decodes_the_same_with_native_and_torch_operations():
         assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < 1e-3
 
 
+def test_one_call_per_layer_computes_what_the_operations_do(smollm):
+    """The default model's layers are all int4/Q8_0: a decode step runs each layer as one `tq_decoder_layer`
+    call; its tokens and logprobs are bit for bit those of the same step run one operation at a time."""
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.params import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
+    prompts = [chat_ids(smollm, q) for q in ("What is the capital of France?", "Write a haiku about rain.")]
+    outputs = []
+    for fused in (True, False):
+        engine = LLMEngine(smollm, EngineConfig(num_blocks=64, enable_prefix_cache=False))
+        assert engine.model.fused is not None
+        if not fused:
+            engine.model.fused = None
+        seqs = engine.generate(prompts, params)
+        outputs.append([(s.output_ids, [lp.logprob for lp in s.logprobs]) for s in seqs])
+    assert outputs[0] == outputs[1]
+
+
 def test_a_short_chunks_token_computes_exactly_as_it_decodes(smollm):
     """With the default weights: resuming a stream (its prompt and first tokens prefilled as one chunk of
     up to `KERNELS.kernel_max_chunk` tokens) gives the next tokens' logprobs bit for bit, because that

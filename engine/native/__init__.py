@@ -38,8 +38,9 @@ SIGNATURES = {
     "tq_q8_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
     "tq_q4_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
     "tq_int4_dequant": [_P, _P, _I, _I, _I, _P, _C],
+    "tq_decoder_layer": [_P, _P, _P, _P],
 }
-RETURNS = {"tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int}
+RETURNS = {"tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int, "tq_decoder_layer": ctypes.c_int}
 
 
 def _cpu_key() -> str:
@@ -168,3 +169,68 @@ def int4_dequantize(qs: torch.Tensor, dm: torch.Tensor, start: int, stop: int, o
     in one pass."""
     library().tq_int4_dequant(qs.data_ptr(), dm.data_ptr(), out.shape[1], start, stop, out.data_ptr(), _threads())
     return out
+
+
+KINDS = {"int4": 4, "q8_0": 8}  # weight kinds tq_decoder_layer multiplies (engine.quant's kind -> ops.c's)
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("kind", _I64), ("w", _PTR), ("scales", _PTR), ("n", _I64), ("k", _I64)]
+
+
+class Layer(ctypes.Structure):
+    """One decoder layer's weights for tq_decoder_layer (pointers: the tensors must outlive it)."""
+
+    _fields_ = [("attn_norm", _PTR), ("ffn_norm", _PTR), ("wqkv", Linear), ("wo", Linear), ("gate_up", Linear),
+                ("down", Linear)]
+
+
+class _LayerStep(ctypes.Structure):
+    _fields_ = [(name, _I64) for name in ("m", "hidden", "q_size", "width", "ffn")] \
+        + [(name, _PTR) for name in ("h", "res", "x", "qkv", "attn", "gu", "act", "positions", "blocks", "offsets",
+                                     "cos_t", "sin_t")] \
+        + [(name, _I64) for name in ("heads", "kv_heads", "d", "block_size", "block_stride")] \
+        + [("tables", _PTR), ("row_table", _PTR), ("lens", _PTR), ("table_stride", _I64), ("eps", _F32),
+           ("scale", _F32), ("has_res", _I64), ("threads", _I64)]
+
+
+def linear(kind: str, w: torch.Tensor, scales: torch.Tensor) -> Linear:
+    n = w.shape[0]
+    k = w.shape[1] * (2 if kind == "int4" else 1)
+    return Linear(KINDS[kind], w.data_ptr(), scales.data_ptr(), n, k)
+
+
+def layer(attn_norm: torch.Tensor, ffn_norm: torch.Tensor, wqkv: Linear, wo: Linear, gate_up: Linear,
+          down: Linear) -> Layer:
+    return Layer(attn_norm.data_ptr(), ffn_norm.data_ptr(), wqkv, wo, gate_up, down)
+
+
+class LayerStep:
+    """The buffers and row metadata of one forward pass that runs each layer as one `tq_decoder_layer` call:
+    `h` [m, hidden] (the residual stream, updated in place) and `pending` (the last layer's MLP output, which
+    the caller adds to h)."""
+
+    def __init__(self, h: torch.Tensor, first: Layer, positions: torch.Tensor, blocks: torch.Tensor,
+                 offsets: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                 keys: torch.Tensor, tables: torch.Tensor, row_table: torch.Tensor, lens: torch.Tensor, eps: float,
+                 scale: float):
+        m, hidden = h.shape
+        _, block_size, _, d = keys.shape
+        width, ffn = first.wqkv.n, first.gate_up.n // 2
+        self.buffers = {name: torch.empty(m, cols, dtype=torch.float32) for name, cols in (
+            ("res", hidden), ("x", hidden), ("qkv", width), ("attn", heads * d), ("gu", 2 * ffn), ("act", ffn))}
+        self._keep = (h, positions, blocks, offsets, cos, sin, tables, row_table, lens)
+        b = self.buffers
+        self.s = _LayerStep(m, hidden, heads * d, width, ffn, h.data_ptr(), *(b[k].data_ptr() for k in b),
+                            positions.data_ptr(), blocks.data_ptr(), offsets.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                            heads, kv_heads, d, block_size, keys.stride(0), tables.data_ptr(), row_table.data_ptr(),
+                            lens.data_ptr(), tables.stride(0), eps, scale, 0, _threads())
+
+    def run(self, layer: Layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if library().tq_decoder_layer(ctypes.byref(layer), ctypes.byref(self.s), keys.data_ptr(), values.data_ptr()):
+            raise MemoryError(f"decoder layer of {self.s.m} rows: out of memory")
+
+    @property
+    def pending(self) -> torch.Tensor:
+        return self.buffers["res"]
