@@ -164,8 +164,9 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         f"{platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {dtype}; copy bandwidth "
         f"{bw / 1e9:.1f} GB/s this run. Medians of {rounds} rounds, engines taking turns after a warm-up."
-        + (" `, torch ops`: the same weights with torch's operations in place of `engine.native`'s RMSNorm, "
-           "RoPE + K/V write and attention." if torch_ops else ""),
+        + (" `, torch ops`: the same weights and matmul kernels with torch's operations in place of "
+           "`engine.native`'s RMSNorm, RoPE + K/V write, attention and SiLU gate (and of its one call per layer)."
+           if torch_ops else ""),
         "",
         "| measure | " + " | ".join(columns) + " |",
         "|---|" + "---:|" * len(columns),

@@ -3,7 +3,9 @@
     python -m bench.quality [--quantization fp16,int8,int4,auto] [--write]
 
 The text is tests/data/perplexity.txt (original prose shipped with the tests), scored in windows of
-1,024 tokens; greedy agreement is the share of a fixed set of chat prompts whose first 16 greedy
+1,024 tokens, twice: each window as one prompt (the prefill path: dequantized weights and MKL) and as
+chunks of `KERNELS.kernel_max_chunk` tokens (every row on the quantized kernels, as decode steps are);
+greedy agreement is the share of a fixed set of chat prompts whose first 16 greedy
 tokens equal those of `--quantization none` (float32 of the dequantized weights).
 """
 
@@ -21,6 +23,7 @@ from engine.loader import LoadedModel, load_model
 from engine.model import ForwardBatch, PrefillSpan
 from engine.model_files import DEFAULT_MODEL
 from engine.params import SamplingParams
+from engine.quant import KERNELS
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "perplexity.txt"
 WINDOW = 1024
@@ -38,36 +41,44 @@ PROMPTS = [
 @dataclass
 class Quality:
     label: str
-    perplexity: float
+    perplexity: float  # windows as whole prompts
+    kernel_perplexity: float  # windows in chunks that run on the kernels
     greedy: list[list[int]]
 
 
 def score(loaded: LoadedModel, text: str = "") -> Quality:
-    """Perplexity of the text (mean over its windows' next-token log-likelihoods) and greedy outputs."""
+    """Perplexity of the text (mean over its windows' next-token log-likelihoods, per path) and greedy outputs."""
     engine = LLMEngine(loaded, EngineConfig(num_blocks=WINDOW // 16 + 8, max_step_tokens=WINDOW, max_batch=len(PROMPTS),
                                             enable_prefix_cache=False))
     ids = loaded.tokenizer.encode(text or TEXT.read_text())
-    nll, count = 0.0, 0
-    bs = engine.cfg.block_size
-    for start in range(0, len(ids) - 1, WINDOW):
-        window = ids[start:start + WINDOW]
-        if len(window) < 2:
-            break
-        blocks = engine.blocks.allocate((len(window) + bs - 1) // bs)
-        table = torch.tensor(blocks)
-        pos = torch.arange(len(window))
-        batch = ForwardBatch(torch.tensor(window), pos, table[pos // bs], pos % bs,
-                             [PrefillSpan(0, len(window), len(window), table)], len(window), None, None,
-                             torch.arange(len(window)))
-        logits = engine.model.forward(batch, engine.pool)
-        engine.blocks.release(blocks)
-        logp = torch.log_softmax(logits[:-1], dim=-1)
-        nll -= logp.gather(1, torch.tensor(window[1:]).unsqueeze(1)).sum().item()
-        count += len(window) - 1
+    windows = [ids[s:s + WINDOW] for s in range(0, len(ids) - 1, WINDOW) if len(ids[s:s + WINDOW]) >= 2]
+    perplexities = [_perplexity(engine, windows, chunk) for chunk in (WINDOW, KERNELS.kernel_max_chunk)]
     prompts = [loaded.tokenizer.encode(loaded.chat_template.render([{"role": "user", "content": p}]))
                for p in PROMPTS]
     greedy = engine.generate(prompts, SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True))
-    return Quality(loaded.quantization, math.exp(nll / count), [s.output_ids for s in greedy])
+    return Quality(loaded.quantization, *perplexities, [s.output_ids for s in greedy])
+
+
+def _perplexity(engine: LLMEngine, windows: list[list[int]], chunk: int) -> float:
+    """Each window's tokens scored with a forward pass per `chunk` tokens (the window's earlier KV cached)."""
+    nll, count = 0.0, 0
+    bs = engine.cfg.block_size
+    for window in windows:
+        blocks = engine.blocks.allocate((len(window) + bs - 1) // bs)
+        table = torch.tensor(blocks)
+        logits = []
+        for start in range(0, len(window), chunk):
+            stop = min(len(window), start + chunk)
+            pos = torch.arange(start, stop)
+            batch = ForwardBatch(torch.tensor(window[start:stop]), pos, table[pos // bs], pos % bs,
+                                 [PrefillSpan(0, stop - start, stop, table)], stop - start, None, None,
+                                 torch.arange(stop - start), dequant_rows=stop - start if stop - start > KERNELS.kernel_max_chunk else 0)
+            logits.append(engine.model.forward(batch, engine.pool))
+        engine.blocks.release(blocks)
+        logp = torch.log_softmax(torch.cat(logits)[:-1], dim=-1)
+        nll -= logp.gather(1, torch.tensor(window[1:]).unsqueeze(1)).sum().item()
+        count += len(window) - 1
+    return math.exp(nll / count)
 
 
 def agreement(a: Quality, b: Quality) -> int:
@@ -87,16 +98,19 @@ def main(argv: list[str] | None = None) -> int:
         "## Engine: quality of the weight formats",
         "",
         f"`python -m bench.quality` on {args.model}: perplexity of tests/data/perplexity.txt "
-        f"(windows of {WINDOW} tokens) and how many of {len(PROMPTS)} chat prompts give the same first "
-        f"{GREEDY_TOKENS} greedy tokens as `none` (float32 of the dequantized weights).",
+        f"(windows of {WINDOW} tokens, each as one prompt, then in chunks of {KERNELS.kernel_max_chunk} that "
+        f"run on the quantized kernels as decode steps do) and how many of {len(PROMPTS)} chat prompts give "
+        f"the same first {GREEDY_TOKENS} greedy tokens as `none` (float32 of the dequantized weights).",
         "",
-        "| quantization | weights | perplexity | vs none | greedy 16 tokens equal |",
-        "|---|---|---:|---:|---:|",
-        f"| none | none | {ref.perplexity:.3f} | 1.000 | {len(PROMPTS)}/{len(PROMPTS)} |",
+        "| quantization | weights | perplexity | vs none | perplexity, kernels | vs none | greedy 16 tokens equal |",
+        "|---|---|---:|---:|---:|---:|---:|",
+        f"| none | none | {ref.perplexity:.3f} | 1.000 | {ref.kernel_perplexity:.3f} | 1.000 | "
+        f"{len(PROMPTS)}/{len(PROMPTS)} |",
     ]
     for mode in args.quantization.split(","):
         q = score(load_model(args.model, "float32", mode))
         lines.append(f"| {mode} | {q.label} | {q.perplexity:.3f} | {q.perplexity / ref.perplexity:.4f} | "
+                     f"{q.kernel_perplexity:.3f} | {q.kernel_perplexity / ref.kernel_perplexity:.4f} | "
                      f"{agreement(q, ref)}/{len(PROMPTS)} |")
     report = "\n".join(lines) + "\n"
     print(report)

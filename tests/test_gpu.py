@@ -41,7 +41,7 @@ def test_cuda_capital_of_france(smollm, cuda_engine_factory):
 
 
 def test_cuda_logits_match_cpu(smollm):
-    """The same float32 weights on both devices (the CPU's int4 kernel rounds activations to bfloat16)."""
+    """The same float32 weights on both devices (the CPU's int4 kernel rounds activations to int16 per group)."""
     from engine.loader import load_model
     from engine.model_files import DEFAULT_MODEL
     from tests.test_model_reference import engine_logits

@@ -20,7 +20,8 @@ SCHEMAS = [("person", PERSON, "Describe a famous scientist as JSON."),
            ("city", CITY, "Describe Paris as JSON."),
            ("answer", {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
                                                         "reason": {"type": "string", "maxLength": 60}},
-                       "required": ["answer", "reason"]}, "Is the sky blue? Answer as JSON.")]
+                       "required": ["answer", "reason"], "additionalProperties": False},
+            "Is the sky blue? Answer as JSON.")]
 
 
 def schema_grammar(schema: dict) -> Grammar:

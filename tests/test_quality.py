@@ -21,7 +21,9 @@ def test_auto_perplexity_within_one_percent_and_greedy_mostly_equal(smollm, floa
     ref, got = score(float32_model), score(smollm)
     assert 20 < ref.perplexity < 100  # the text is ordinary English the model reads well
     assert abs(got.perplexity / ref.perplexity - 1) <= 0.01, (got.perplexity, ref.perplexity)
-    assert agreement(got, ref) > len(PROMPTS) // 2  # measured: 13 of 20 (bench.quality)
+    assert abs(got.kernel_perplexity / ref.kernel_perplexity - 1) <= 0.01, (got.kernel_perplexity, ref.kernel_perplexity)
+    assert abs(ref.kernel_perplexity / ref.perplexity - 1) <= 1e-3  # float32: the chunking itself changes nothing
+    assert agreement(got, ref) > len(PROMPTS) // 2  # measured: 20 of 20 (bench.quality)
 
 
 def test_auto_weights_take_at_most_a_third_of_float32(smollm, float32_model):
