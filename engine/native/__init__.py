@@ -1,8 +1,10 @@
-"""The forward pass's small operations in C (``ops.c``), compiled on first use and loaded with ctypes.
+"""The forward pass in C (``ops.c``): small operations, quantized matmuls, whole layers; compiled on first
+use and loaded with ctypes.
 
 A decode step of the default model is ~30 layers of tiny tensors; in torch each RMSNorm, RoPE, KV write and
 decode attention is several operations of 2-20 µs dispatch each, which added up to more than the matmuls.
-Here each is one call. The library is built with the machine's C compiler (``cc``, ``-O3 -march=native
+Here each is one call, the int4/Q8_0 weights are multiplied as the GGUF stores them (`q4_matmul`,
+`q8_matmul`), and a layer of such weights can run as one call (`LayerStep`). The library is built with the machine's C compiler (``cc``, ``-O3 -march=native
 -fopenmp``) into ``<cache>/native/`` under a key of the source, the compiler and the CPU, once per machine;
 a process that cannot build it (no compiler, ``TANDEM_NATIVE=0``) runs the torch operations instead, which
 are also the reference the tests compare with.

@@ -1,7 +1,8 @@
-/* The small per-layer operations of a forward pass, in C: each is one call instead of the 5-10 torch
- * operations (and their dispatch, ~2-5 us each) it replaces. Built and loaded by engine/native/__init__.py.
- * float32 throughout; every output row depends only on its own input row, so a token computes the same
- * in any batch. Parallel over rows (or sequence x KV head) with OpenMP, on torch's own runtime. */
+/* A forward pass's work on the CPU, in C: the small per-layer operations (each one call instead of the 5-10
+ * torch operations, and their dispatch of ~2-5 us each, it replaces), the int4/Q8_0 matmul kernels, and a
+ * whole decoder layer as one call. Built and loaded by engine/native/__init__.py. float32 activations; every
+ * output row depends only on its own input row, so a token computes the same in any batch. Parallel over
+ * rows, weight rows or sequence x KV head with OpenMP, on torch's own runtime. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
