@@ -173,9 +173,11 @@ def test_q8_0_kernel_is_the_files_blocks_times_16_bit_activations():
 
 def test_int4_kernel_is_the_codes_times_16_bit_activations():
     """The int4 kernel (GGUF Q4 blocks against activations rounded to int16 per group of 32) is x @ W.T to
-    ~1e-5 relative, for one row and for tiles of many, including a weight of an odd number of tile rows."""
-    for n, k in ((96, 256), (64, 1536)):
-        w = Int4Weight.quantize(torch.randn(n, k) * 0.05)
+    ~1e-5 relative, for one row and for tiles of many."""
+    odd = Int4Weight.quantize(torch.randn(64, 256) * 0.05)
+    for w in (Int4Weight.quantize(torch.randn(96, 256) * 0.05), Int4Weight.quantize(torch.randn(64, 1536) * 0.05),
+              Int4Weight(odd.qs[:33], odd.dm[:33])):  # an odd number of rows: batch 1's 1 x 2 tiles end with one
+        n, k = w.out_features, w.in_features
         for rows in (1, 3, 4, 9, 40):
             x = torch.randn(rows, k)
             want = x @ w.dequantize().T
