@@ -11,7 +11,7 @@ float32, int8 in bfloat16, the others in x's dtype:
 
 The int4 and Q8_0 kernels are `engine.native`'s: the activations are rounded to int16 per group of 32 (a
 relative error of ~1e-5: the first 16 greedy tokens of the quality prompts equal float32's) and each group's
-dot product is integer. int8 activations (llama.cpp's Q8_1) were 1.3x faster at batch 1 but changed 12 of
+dot product is integer. int8 activations (llama.cpp's Q8_1) were 1.07-1.26x faster at batch 1 but changed 12 of
 those 20 greedy outputs, bfloat16 (torch's int4 kernel, the fallback without a C compiler) 3 of them.
 
 Two paths, chosen per row so that a token's result never depends on what else is in its step:

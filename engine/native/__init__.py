@@ -145,24 +145,22 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, t
 def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] for GGUF Q8_0 weights (`engine.quant.Q8Weight`: int8 codes `q`
     [n, k], float16 scales, as int16 bits, [n, k / 32])."""
-    x = x.float().contiguous()
-    m, k = x.shape
-    n = q.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32)
-    if library().tq_q8_matmul(q.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), _threads()):
-        raise MemoryError(f"q8_0 matmul of {m}x{k} by {n}x{k}: out of memory")
-    return out
+    return _quantized_matmul("tq_q8_matmul", "q8_0", x, q, scales)
 
 
 def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] for int4 weights (`engine.quant.Int4Weight`: paired-group codes `qs`
-    [n, k / 2], float16 (d, m), as int16 bits, [n, 2, k / 32]); x is quantized to int8 per group of 32."""
+    [n, k / 2], float16 (d, m), as int16 bits, [n, 2, k / 32]); x is quantized to int16 per group of 32."""
+    return _quantized_matmul("tq_q4_matmul", "int4", x, qs, dm)
+
+
+def _quantized_matmul(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     x = x.float().contiguous()
     m, k = x.shape
-    n = qs.shape[0]
+    n = w.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    if library().tq_q4_matmul(qs.data_ptr(), dm.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), _threads()):
-        raise MemoryError(f"int4 matmul of {m}x{k} by {n}x{k}: out of memory")
+    if getattr(library(), name)(w.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), _threads()):
+        raise MemoryError(f"{kind} matmul of {m}x{k} by {n}x{k}: out of memory")
     return out
 
 
