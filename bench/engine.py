@@ -1,11 +1,12 @@
 """Engine micro-benchmark: weight formats side by side, and llama.cpp's server on the same GGUF.
 
     python -m bench.engine [--quantization none,auto] [--batches 1,8,32,64] [--prefill 128,512,2048]
-                           [--threads N] [--rounds 3] [--torch-ops] [--write]
+                           [--threads N] [--rounds 3] [--torch-ops] [--baseline REV] [--write]
 
 For each measure, every engine (one per `--quantization`; with `--torch-ops` a second one per format that runs
 torch's operations in place of `engine.native`'s) and `llama-server` (when it can be started,
-see bench/llama_server.py) run in turn, `--rounds` times, after a warm-up; the table gives medians,
+see bench/llama_server.py) and, with `--baseline REV`, the engine of an earlier commit (its float32 weights,
+see bench/baseline.py) run in turn, `--rounds` times, after a warm-up; the table gives medians,
 so drift on a shared machine hits every column alike. Decode tok/s is timed over pure decode steps
 of a batch of 64-token prompts; prefill tok/s is a whole prompt to its first token. llama-server
 reports its own `timings` (decode: the rates of concurrent requests added up).
@@ -118,7 +119,7 @@ def _interleaved(runners: dict[str, Callable[[int], float]], rounds: int) -> dic
 
 
 def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: list[int], rounds: int,
-        peer: bool, plot: bool = False, torch_ops: bool = False) -> str:
+        peer: bool, plot: bool = False, torch_ops: bool = False, baseline: str | None = None) -> str:
     engines: dict[str, LLMEngine] = {}
     facts: dict[str, dict[str, str]] = {}
     for mode in modes:
@@ -133,17 +134,28 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
             engines[column] = e
             facts[column] = {"weights (MB)": f"{weight_bytes(e) / 1e6:,.1f}",
                              "load cold / warm (s)": f"{cold:.1f} / {warm:.2f}"}
-    llama = _start_llama(model, peer)
-    columns = list(engines) + (["llama-server"] if llama else [])
+    old = None
+    if baseline:
+        from bench.baseline import Baseline
+
+        old = Baseline(baseline, model, dtype, torch.get_num_threads(), 64 * 8 + 160, max(batches), max(prefills))
+    old_column = f"float32 at {baseline}"
+    llama = None
     rows: list[tuple[str, dict[str, float]]] = []
     try:
+        llama = _start_llama(model, peer)
+        columns = list(engines) + ([old_column] if old else []) + (["llama-server"] if llama else [])
         for n in prefills:
             runners = {name: (lambda r, e=e, n=n: engine_prefill(e, n, 10 + r)) for name, e in engines.items()}
+            if old:
+                runners[old_column] = lambda r, n=n: old.prefill(n, 10 + r)
             if llama:
                 runners["llama-server"] = lambda r, n=n: llama.prefill_tok_s(_prompt(n, 10 + r))
             rows.append((f"prefill {n} tokens (prompt tok/s)", _interleaved(runners, rounds)))
         for b in batches:
             runners = {name: (lambda r, e=e, b=b: engine_decode(e, b, 20 + r)) for name, e in engines.items()}
+            if old:
+                runners[old_column] = lambda r, b=b: old.decode(b, 20 + r)
             if llama:
                 runners["llama-server"] = lambda r, b=b: llama.decode_tok_s(
                     [_prompt(DECODE_PROMPT, (20 + r) * 1000 + i) for i in range(b)], DECODE_STEPS + 8)
@@ -154,13 +166,16 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
     finally:
         if llama:
             llama.stop()
+        if old:
+            old.stop()
     for e in engines.values():
         e.blocks.check_idle()
     bw = copy_bandwidth()
     lines = [
         "## Engine: weight formats",
         "",
-        f"`python -m bench.engine --quantization {','.join(modes)}{' --torch-ops' if torch_ops else ''}` on "
+        f"`python -m bench.engine --quantization {','.join(modes)}{' --torch-ops' if torch_ops else ''}"
+        f"{' --baseline ' + baseline if baseline else ''}` on "
         f"{platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {dtype}; copy bandwidth "
         f"{bw / 1e9:.1f} GB/s this run. Medians of {rounds} rounds, engines taking turns after a warm-up."
@@ -214,13 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-llama-server", dest="peer", action="store_false", help="do not start llama-server")
     p.add_argument("--torch-ops", action="store_true",
                    help="also run each format with torch's operations in place of engine.native's C ones")
+    p.add_argument("--baseline", metavar="REV", help="also run the engine of commit REV (float32), side by side")
     p.add_argument("--write", action="store_true", help="update the section in docs/benchmarks.md")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run(args.model, args.dtype, args.quantization.split(","), [int(b) for b in args.batches.split(",")],
                  [int(n) for n in args.prefill.split(",")], args.rounds, args.peer, plot=args.write,
-                 torch_ops=args.torch_ops)
+                 torch_ops=args.torch_ops, baseline=args.baseline)
     print(report)
     if args.write:
         from bench.report import write_section

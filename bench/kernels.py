@@ -4,7 +4,8 @@
 
 For each distinct linear layer shape of layer 0 (and the LM head), times the weight-only kernel and
 the dequantize + float32 GEMM path (`engine.quant`) at 1..512 rows, min of repeated runs, and reports
-the smallest row count at which dequantizing wins. `KERNELS.kernel_max_chunk` is set from this.
+the smallest row count at which dequantizing wins. `KERNELS.kernel_max_chunk` is set from this and
+from the C attention's cost (engine/quant.py `KernelChoice`).
 """
 
 from __future__ import annotations

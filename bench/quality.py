@@ -4,9 +4,10 @@
 
 The text is tests/data/perplexity.txt (original prose shipped with the tests), scored in windows of
 1,024 tokens, twice: each window as one prompt (the prefill path: dequantized weights and MKL) and as
-chunks of `KERNELS.kernel_max_chunk` tokens (every row on the quantized kernels, as decode steps are);
-greedy agreement is the share of a fixed set of chat prompts whose first 16 greedy
-tokens equal those of `--quantization none` (float32 of the dequantized weights).
+chunks of `small_rows()` tokens (every row on the quantized kernels with int16 activations, as decode
+batches below `native.panel_min_rows` are); greedy agreement is the share of a fixed set of chat prompts
+whose first 16 greedy tokens equal those of `--quantization none` (float32 of the dequantized weights),
+decoded in batches of `small_rows()` and all in one batch (where int4 layers take the float32 panels).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from engine import native
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel, load_model
 from engine.model import ForwardBatch, PrefillSpan
@@ -42,8 +44,16 @@ PROMPTS = [
 class Quality:
     label: str
     perplexity: float  # windows as whole prompts
-    kernel_perplexity: float  # windows in chunks that run on the kernels
-    greedy: list[list[int]]
+    kernel_perplexity: float  # windows in chunks that run on the kernels with int16 activations
+    greedy: list[list[int]]  # all prompts decoded in one batch
+    greedy_small: list[list[int]]  # in batches of small_rows()
+
+
+def small_rows() -> int:
+    """Rows a step may have and still run every quantized matmul on int16 activations."""
+    if not native.available():
+        return KERNELS.kernel_max_chunk
+    return min(8, native.panel_min_rows("int4") - 1, native.panel_min_rows("q8_0") - 1)
 
 
 def score(loaded: LoadedModel, text: str = "") -> Quality:
@@ -52,11 +62,14 @@ def score(loaded: LoadedModel, text: str = "") -> Quality:
                                             enable_prefix_cache=False))
     ids = loaded.tokenizer.encode(text or TEXT.read_text())
     windows = [ids[s:s + WINDOW] for s in range(0, len(ids) - 1, WINDOW) if len(ids[s:s + WINDOW]) >= 2]
-    perplexities = [_perplexity(engine, windows, chunk) for chunk in (WINDOW, KERNELS.kernel_max_chunk)]
+    perplexities = [_perplexity(engine, windows, chunk) for chunk in (WINDOW, small_rows())]
     prompts = [loaded.tokenizer.encode(loaded.chat_template.render([{"role": "user", "content": p}]))
                for p in PROMPTS]
-    greedy = engine.generate(prompts, SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True))
-    return Quality(loaded.quantization, *perplexities, [s.output_ids for s in greedy])
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+    together = [s.output_ids for s in engine.generate(prompts, params)]
+    n = small_rows()
+    apart = [s.output_ids for i in range(0, len(prompts), n) for s in engine.generate(prompts[i:i + n], params)]
+    return Quality(loaded.quantization, *perplexities, together, apart)
 
 
 def _perplexity(engine: LLMEngine, windows: list[list[int]], chunk: int) -> float:
@@ -81,9 +94,10 @@ def _perplexity(engine: LLMEngine, windows: list[list[int]], chunk: int) -> floa
     return math.exp(nll / count)
 
 
-def agreement(a: Quality, b: Quality) -> int:
-    """Prompts whose first greedy tokens are the same under both."""
-    return sum(x == y for x, y in zip(a.greedy, b.greedy))
+def agreement(a: Quality, b: Quality, small: bool = False) -> int:
+    """Prompts whose first greedy tokens are the same under both (decoded in one batch, or `small` ones)."""
+    pairs = zip(a.greedy_small, b.greedy_small) if small else zip(a.greedy, b.greedy)
+    return sum(x == y for x, y in pairs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,9 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         "## Engine: quality of the weight formats",
         "",
         f"`python -m bench.quality` on {args.model}: perplexity of tests/data/perplexity.txt "
-        f"(windows of {WINDOW} tokens, each as one prompt, then in chunks of {KERNELS.kernel_max_chunk} that "
-        f"run on the quantized kernels as decode steps do) and how many of {len(PROMPTS)} chat prompts give "
-        f"the same first {GREEDY_TOKENS} greedy tokens as `none` (float32 of the dequantized weights).",
+        f"(windows of {WINDOW} tokens, each as one prompt, then in chunks of {small_rows()} that run on the "
+        f"quantized kernels with int16 activations, as small decode batches do) and how many of {len(PROMPTS)} "
+        f"chat prompts give the same first {GREEDY_TOKENS} greedy tokens as `none` (float32 of the dequantized "
+        f"weights), decoded in batches of {small_rows()} / all {len(PROMPTS)} in one batch (float32 panels).",
         "",
         "| quantization | weights | perplexity | vs none | perplexity, kernels | vs none | greedy 16 tokens equal |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -111,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         q = score(load_model(args.model, "float32", mode))
         lines.append(f"| {mode} | {q.label} | {q.perplexity:.3f} | {q.perplexity / ref.perplexity:.4f} | "
                      f"{q.kernel_perplexity:.3f} | {q.kernel_perplexity / ref.kernel_perplexity:.4f} | "
-                     f"{agreement(q, ref)}/{len(PROMPTS)} |")
+                     f"{agreement(q, ref, small=True)}/{len(PROMPTS)} / {agreement(q, ref)}/{len(PROMPTS)} |")
     report = "\n".join(lines) + "\n"
     print(report)
     if args.write:

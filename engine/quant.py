@@ -9,15 +9,18 @@ float32, int8 in bfloat16, the others in x's dtype:
 - ``Q8Weight``: a GGUF's Q8_0 blocks exactly (int8 with a float16 scale per 32).
 - ``FP16Weight``: float16 in fbgemm's packed layout.
 
-The int4 and Q8_0 kernels are `engine.native`'s: the activations are rounded to int16 per group of 32 (a
-relative error of ~1e-5: the first 16 greedy tokens of the quality prompts equal float32's) and each group's
-dot product is integer. int8 activations (llama.cpp's Q8_1) were 1.07-1.26x faster at batch 1 but changed 12 of
-those 20 greedy outputs, bfloat16 (torch's int4 kernel, the fallback without a C compiler) 3 of them.
+The int4 and Q8_0 kernels are `engine.native`'s. Below `native.panel_min_rows` rows the activations are
+rounded to int16 per group of 32 (a relative error of ~1e-5: the first 16 greedy tokens of the quality prompts
+equal float32's) and each group's dot product is integer; from there on the weights are dequantized into
+float32 panels and multiplied with FMAs (compute-bound, where integer products are no faster on AVX2). int8
+activations (llama.cpp's Q8_1) were 1.07-1.26x faster at batch 1 but changed 12 of those 20 greedy outputs,
+bfloat16 (torch's int4 kernel, the fallback without a C compiler) 3 of them.
 
-Two paths, chosen per row so that a token's result never depends on what else is in its step:
+Two paths, chosen per chunk so that a token's result does not depend on what else is in its step beyond
+its row count:
 
-- the kernel reads the compact weights directly; a row's result does not depend on the other rows.
-  Decode rows and short prefill chunks use it.
+- the kernels read the compact weights directly; a row's result does not depend on the other rows
+  (on either side of `panel_min_rows`). Decode rows and short prefill chunks use them.
 - dequantize + MKL, for the rows of prefill chunks longer than ``KERNELS.kernel_max_chunk``, where
   a float32 GEMM is faster than the kernel: the weights are expanded into a shared float32 workspace
   (in chunks of output rows) and multiplied in float32.
@@ -38,9 +41,11 @@ _DEQUANT_ROWS = 4096  # output rows expanded at once on the dequantize path (bou
 
 @dataclass
 class KernelChoice:
-    """Where the dequantize + MKL path takes over from the weight-only kernel (see bench/kernels.py)."""
+    """Where the dequantize + MKL path takes over from the weight-only kernels (see bench/kernels.py: their
+    float32 panels lead MKL up to ~256-512 rows; a chunk on them also takes the C attention, one query row
+    at a time, which is what falls behind SDPA past ~128 tokens)."""
 
-    kernel_max_chunk: int = 64  # prefill chunks up to this many tokens use the kernel, as decode rows do
+    kernel_max_chunk: int = 128  # prefill chunks up to this many tokens use the kernels, as decode rows do
     lm_head_kernel_max_rows: int = 256  # more logit rows than this (scoring a whole text) dequantize
 
 

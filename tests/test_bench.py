@@ -426,3 +426,23 @@ def test_engine_bench_sets_torch_operations_beside_the_native_ones(monkeypatch) 
     assert [e.model.native for e in built] == [native.available(), False]
     rows = [line for line in report.splitlines() if line.startswith(("| prefill", "| decode"))]
     assert len(rows) == 2 and all(float(c.replace(",", "")) > 0 for r in rows for c in r.strip("|").split("|")[1:])
+
+
+def test_baseline_engine_answers_bench_engines_measures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.engine --baseline REV: REV's tree is extracted once and its engine, in a child process, answers
+    the prefill and decode measures (here REV is HEAD, so the child's engine is this one)."""
+    import bench.baseline
+    from bench.baseline import Baseline, source_tree
+
+    monkeypatch.setattr(bench.baseline, "cache_dir", lambda: tmp_path)
+    tree = source_tree("HEAD")
+    assert (tree / "engine" / "engine.py").is_file() and source_tree("HEAD") == tree
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    old = Baseline("HEAD", DEFAULT_MODEL, "float32", 1, num_blocks=64, max_batch=2, max_step_tokens=128)
+    try:
+        assert old.prefill(16, 1) > 0 and old.decode(2, 1) > 0
+    finally:
+        old.stop()
+    assert old.proc.returncode == 0
+    with pytest.raises(subprocess.CalledProcessError):
+        source_tree("no-such-rev")

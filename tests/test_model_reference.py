@@ -116,9 +116,11 @@ def test_tiny_llama_logits_match_transformers(tiny_dirs, smollm, variant, ref, a
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < atol
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.95
-    # Chunked: the second chunk reads the first chunk's K/V back from the paged pool.
-    torch.testing.assert_close(engine_logits(engine, ids, split=21), got, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(decode_logits(engine, ids), got[-1], atol=1e-4, rtol=1e-4)
+    # Chunked: the second chunk reads the first chunk's K/V back from the paged pool. Q8_0 chunks of 21 and
+    # of all rows fall on the two sides of native.panel_min_rows (int16 activations, float32 panels).
+    tol = 1e-3 if variant == "gguf_q8" else 1e-4
+    torch.testing.assert_close(engine_logits(engine, ids, split=21), got, atol=tol, rtol=tol)
+    torch.testing.assert_close(decode_logits(engine, ids), got[-1], atol=tol, rtol=tol)
     engine.blocks.check_idle()
 
 

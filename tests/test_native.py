@@ -22,9 +22,9 @@ def test_rms_norm_matches_torch():
     assert torch.allclose(native.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
 
 
-def _pool(blocks: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+def _pool(blocks: int = 40, d: int = D) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's key and value views of a pool laid out as kv.pool's: [blocks, layers, 2, block, kv_heads, d]."""
-    pool = torch.randn(blocks, 4, 2, BLOCK, KV_HEADS, D)
+    pool = torch.randn(blocks, 4, 2, BLOCK, KV_HEADS, d)
     return pool[:, 2, 0], pool[:, 2, 1]
 
 
@@ -47,26 +47,27 @@ def test_rope_store_rotates_q_and_k_and_writes_k_and_v_to_their_slots():
     assert torch.equal(vc[blocks, offsets], qkv[:, (HEADS + KV_HEADS) * D:].view(n, KV_HEADS, D))
 
 
-def test_paged_attention_matches_sdpa_over_each_sequences_own_blocks():
+@pytest.mark.parametrize("d", [64, 40, 120, 128])  # the value sums run 64, 32, 16 and 8 floats at a time
+def test_paged_attention_matches_sdpa_over_each_sequences_own_blocks(d):
     """Decode rows (one query each) and a prompt chunk's rows (causal, after cached tokens) in one call."""
-    kc, vc = _pool()
+    kc, vc = _pool(d=d)
     g = torch.Generator().manual_seed(0)
     tables = torch.stack([torch.randperm(40, generator=g)[:8] for _ in range(4)])
     # rows 0-2: a chunk of sequence 0 at positions 30..32 (30 cached); rows 3-6: decode rows of sequences 1-3
     # and 0 again with a context of 1
     row_table = torch.tensor([0, 0, 0, 1, 2, 3, 0])
     lens = torch.tensor([31, 32, 33, 70, 1, 128, 1])
-    qkv = torch.randn(len(lens), (HEADS + 2 * KV_HEADS) * D)
-    q = qkv[:, : HEADS * D]  # strided rows, as the model passes them
-    got = native.paged_attention(q, kc, vc, tables, row_table, lens, HEADS, 1 / math.sqrt(D))
+    qkv = torch.randn(len(lens), (HEADS + 2 * KV_HEADS) * d)
+    q = qkv[:, : HEADS * d]  # strided rows, as the model passes them
+    got = native.paged_attention(q, kc, vc, tables, row_table, lens, HEADS, 1 / math.sqrt(d))
     for r, (seq, length) in enumerate(zip(row_table.tolist(), lens.tolist())):
         ks = kc[tables[seq]].flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
         vs = vc[tables[seq]].flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
-        want = F.scaled_dot_product_attention(q[r].view(1, HEADS, 1, D), ks, vs, enable_gqa=True)
+        want = F.scaled_dot_product_attention(q[r].view(1, HEADS, 1, d), ks, vs, enable_gqa=True)
         assert torch.allclose(got[r], want.reshape(-1), atol=1e-5), r
     # a row's result does not depend on the other rows of its call: a prompt row equals the same decode row
     alone = native.paged_attention(q[1:2].clone(), kc, vc, tables[:1].clone(), torch.tensor([0]), lens[1:2].clone(),
-                                   HEADS, 1 / math.sqrt(D))
+                                   HEADS, 1 / math.sqrt(d))
     assert torch.equal(alone[0], got[1])
 
 
@@ -93,26 +94,36 @@ def test_without_the_library_int4_runs_torchs_kernel_on_the_same_codes(monkeypat
 
 
 def test_the_portable_c_computes_what_the_vector_c_does(monkeypatch, tmp_path):
-    """Built without -march=native (no AVX2 or F16C: the plain C loops), the quantized kernels give the same
-    results to float32 rounding, so a machine without AVX2 serves the same model."""
+    """Built without -march=native (no AVX2 or F16C: the plain C loops, int16 activations at any row count),
+    the quantized kernels give the same results to float32 rounding, or, where the vector build multiplies
+    float32 panels (many rows), to the int16 rounding (~1e-5), so a machine without AVX2 serves the same
+    model."""
     from engine import quant
 
     w4 = quant.Int4Weight.quantize(torch.randn(64, 320 * 2) * 0.05)
     w8 = quant.Q8Weight(torch.randint(-127, 128, (35, 96), dtype=torch.int8),
                         (torch.rand(35, 3) * 1e-3).half().view(torch.int16))
-    x4, x8 = torch.randn(5, 640), torch.randn(5, 96)
-    vector = [w4(x4), w4(x4[:1]), w8(x8), w8(x8[:1])]
+    x4, x8 = torch.randn(40, 640), torch.randn(40, 96)
+
+    def outputs() -> list[torch.Tensor]:
+        return [w4(x4[:5]), w4(x4[:1]), w8(x8[:5]), w8(x8[:1]), w4(x4), w8(x8)]
+
+    vector = outputs()
     native.library.cache_clear()
     try:
         monkeypatch.setattr(native, "FLAGS", [f for f in native.FLAGS if f != "-march=native"])
         monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
         assert native.available()
-        plain = [w4(x4), w4(x4[:1]), w8(x8), w8(x8[:1])]
+        assert native.panel_min_rows("int4") > len(x4)
+        plain = outputs()
     finally:
         monkeypatch.undo()
         native.library.cache_clear()
-    for a, b in zip(vector, plain):
+    assert native.panel_min_rows("int4") <= len(x4) and native.panel_min_rows("q8_0") <= len(x8)
+    for a, b in zip(vector[:4], plain[:4]):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(vector[4:], plain[4:]):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
 
 
 def test_without_the_library_the_model_runs_torch_operations(monkeypatch, tmp_path):
@@ -177,18 +188,19 @@ def test_one_call_per_layer_computes_what_the_operations_do(smollm):
 
 
 def test_a_short_chunks_token_computes_exactly_as_it_decodes(smollm):
-    """With the default weights: resuming a stream (its prompt and first tokens prefilled as one chunk of
-    up to `KERNELS.kernel_max_chunk` tokens) gives the next tokens' logprobs bit for bit, because that
-    chunk's rows run the decode rows' kernels and attention."""
+    """With the default weights: resuming a short stream (its prompt and first tokens prefilled as one chunk
+    of fewer than `native.panel_min_rows` tokens) gives the next tokens' logprobs bit for bit, because that
+    chunk's rows run the decode rows' kernels and attention. (A longer chunk's linear layers run on float32
+    panels: the same tokens, logprobs equal to float32 rounding; test_resume checks those streams.)"""
     from engine.engine import EngineConfig, LLMEngine
     from engine.params import SamplingParams
     from engine.quant import KERNELS
 
-    prompt = chat_ids(smollm, "Name three rivers.")
+    prompt = smollm.tokenizer.encode("Rivers of Europe: the")
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
     whole = LLMEngine(smollm, EngineConfig(num_blocks=64, enable_prefix_cache=False)).generate([prompt], params)[0]
     k = 4
-    assert len(prompt) + k <= KERNELS.kernel_max_chunk
+    assert len(prompt) + k < min(native.panel_min_rows("int4"), KERNELS.kernel_max_chunk)
     engine = LLMEngine(smollm, EngineConfig(num_blocks=64, enable_prefix_cache=False))
     seq = engine.add_request("resumed", prompt, params, resume_ids=whole.output_ids[:k])
     while not seq.finished:

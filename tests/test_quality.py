@@ -23,7 +23,9 @@ def test_auto_perplexity_within_one_percent_and_greedy_mostly_equal(smollm, floa
     assert abs(got.perplexity / ref.perplexity - 1) <= 0.01, (got.perplexity, ref.perplexity)
     assert abs(got.kernel_perplexity / ref.kernel_perplexity - 1) <= 0.01, (got.kernel_perplexity, ref.kernel_perplexity)
     assert abs(ref.kernel_perplexity / ref.perplexity - 1) <= 1e-3  # float32: the chunking itself changes nothing
-    assert agreement(got, ref) > len(PROMPTS) // 2  # measured: 20 of 20 (bench.quality)
+    # measured (bench.quality): 20 of 20 both ways
+    assert agreement(got, ref, small=True) > len(PROMPTS) // 2  # int16 activations
+    assert agreement(got, ref) > len(PROMPTS) // 2  # int4 layers on float32 panels
 
 
 def test_auto_weights_take_at_most_a_third_of_float32(smollm, float32_model):

@@ -111,14 +111,28 @@ def test_gguf_int4_codes_are_the_files_values_exactly(gguf_tensors):
         assert torch.equal(w.codes(), _q4_codes(t, 0)[0])
 
 
+def assert_rows_independent(w, x: torch.Tensor, split: int) -> None:
+    """Row r of w(x[a:b]) is row r of w(x) whenever b - a and len(x) are on the same side of `split`."""
+    full, few = w(x), w(x[: split - 1])
+    for start, stop in ((0, 1), (3, 4), (5, 12)):
+        assert torch.equal(w(x[start:stop].clone()), few[start:stop])
+    for start, stop in ((len(x) - split, len(x)), (2, split + 2)):
+        assert torch.equal(w(x[start:stop].clone()), full[start:stop])
+
+
+def panel_split(kind: str) -> int:
+    from engine import native
+
+    return native.panel_min_rows(kind) if native.available() else 10**6
+
+
 @pytest.mark.parametrize("cls", [Int4Weight, Int8Weight])
 def test_kernel_rows_do_not_depend_on_the_other_rows(cls):
-    """The weight-only kernels give a row the same bits alone and inside any batch."""
+    """A row gets the same bits alone and inside any batch on its side of the int4 kernel's switch to float32
+    panels (Int8Weight, torch's kernel, has one side)."""
     w = cls.quantize(torch.randn(96, 128) * 0.05)
-    x = torch.randn(40, 128)
-    full = w(x)
-    for start, stop in ((0, 1), (3, 4), (5, 12), (17, 40)):
-        assert torch.equal(w(x[start:stop].clone()), full[start:stop])
+    split = min(panel_split("int4") if cls is Int4Weight else 16, 36)
+    assert_rows_independent(w, torch.randn(40, 128), split)
 
 
 @pytest.mark.parametrize("cls", [Int4Weight, Int8Weight])
@@ -156,29 +170,31 @@ def q8_weight(rows: int = 96, cols: int = 128) -> Q8Weight:
 
 
 def test_q8_0_kernel_is_the_files_blocks_times_16_bit_activations():
-    """Q8_0 kept as the file's blocks: the kernel gives x @ W.T in float32 with activations rounded to int16 per
-    group of 32 (relative error ~1e-5, where int8 activations were ~1e-2), a row the same bits alone and inside
-    any batch, and embedding rows are the dequantized rows."""
+    """Q8_0 kept as the file's blocks: the kernel gives x @ W.T in float32 (below `panel_min_rows` with
+    activations rounded to int16 per group of 32: relative error ~1e-5, where int8 activations were ~1e-2), a
+    row the same bits alone and inside any batch on its side of that switch, and embedding rows are the
+    dequantized rows."""
     w = q8_weight()
-    x = torch.randn(40, 128)
-    full = w(x)
-    want = x @ w.dequantize().T
-    assert full.dtype == torch.float32
-    assert (full - want).abs().max() <= 1e-4 * want.abs().max()
-    for start, stop in ((0, 1), (3, 4), (5, 12), (17, 40)):
-        assert torch.equal(w(x[start:stop].clone()), full[start:stop])
+    split = panel_split("q8_0")
+    x = torch.randn(max(40, split + 8), 128)
+    for rows in (1, 5, split - 1, split, x.shape[0]):
+        got, want = w(x[:rows]), x[:rows] @ w.dequantize().T
+        assert got.dtype == torch.float32
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), rows
+    assert_rows_independent(w, x, split)
     ids = torch.tensor([0, 95, 33, 33, 64])
     assert torch.equal(w.rows(ids), w.dequantize()[ids])
 
 
 def test_int4_kernel_is_the_codes_times_16_bit_activations():
-    """The int4 kernel (GGUF Q4 blocks against activations rounded to int16 per group of 32) is x @ W.T to
-    ~1e-5 relative, for one row and for tiles of many."""
+    """The int4 kernel (GGUF Q4 blocks against activations rounded to int16 per group of 32, or, from
+    `panel_min_rows` rows on, dequantized to float32 panels) is x @ W.T to ~1e-5 relative, for one row and
+    for tiles of many."""
     odd = Int4Weight.quantize(torch.randn(64, 256) * 0.05)
     for w in (Int4Weight.quantize(torch.randn(96, 256) * 0.05), Int4Weight.quantize(torch.randn(64, 1536) * 0.05),
               Int4Weight(odd.qs[:33], odd.dm[:33])):  # an odd number of rows: batch 1's 1 x 2 tiles end with one
         n, k = w.out_features, w.in_features
-        for rows in (1, 3, 4, 9, 40):
+        for rows in (1, 3, 4, 9, 15, 16, 23, 40):  # both sides of panel_min_rows("int4"), and the panels' tail tiles
             x = torch.randn(rows, k)
             want = x @ w.dequantize().T
             assert (w(x) - want).abs().max() <= 1e-4 * want.abs().max(), (n, k, rows)

@@ -41,8 +41,10 @@ SIGNATURES = {
     "tq_q4_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
     "tq_int4_dequant": [_P, _P, _I, _I, _I, _P, _C],
     "tq_decoder_layer": [_P, _P, _P, _P],
+    "tq_panel_min_rows": [_C],
 }
-RETURNS = {"tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int, "tq_decoder_layer": ctypes.c_int}
+RETURNS = {"tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int, "tq_decoder_layer": ctypes.c_int,
+           "tq_panel_min_rows": ctypes.c_int64}
 
 
 def _cpu_key() -> str:
@@ -150,8 +152,15 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
 
 def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] for int4 weights (`engine.quant.Int4Weight`: paired-group codes `qs`
-    [n, k / 2], float16 (d, m), as int16 bits, [n, 2, k / 32]); x is quantized to int16 per group of 32."""
+    [n, k / 2], float16 (d, m), as int16 bits, [n, 2, k / 32]); below `panel_min_rows` rows x is quantized to
+    int16 per group of 32, from there on the weights are dequantized to float32 panels."""
     return _quantized_matmul("tq_q4_matmul", "int4", x, qs, dm)
+
+
+def panel_min_rows(kind: str) -> int:
+    """The fewest rows a matmul of `kind` ("int4", "q8_0") computes with float32 panels instead of int16
+    activations: a row's bits are the same in any batch on its side of this (ops.c says why it switches)."""
+    return int(library().tq_panel_min_rows(KINDS[kind]))
 
 
 def _quantized_matmul(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 /* A forward pass's work on the CPU, in C: the small per-layer operations (each one call instead of the 5-10
  * torch operations, and their dispatch of ~2-5 us each, it replaces), the int4/Q8_0 matmul kernels, and a
  * whole decoder layer as one call. Built and loaded by engine/native/__init__.py. float32 activations; every
- * output row depends only on its own input row, so a token computes the same in any batch. Parallel over
+ * output row depends only on its own input row and on which side of a matmul's PANEL_MIN_ROWS its batch is,
+ * so a token computes the same in any batch of that side. Parallel over
  * rows, weight rows or sequence x KV head with OpenMP, on torch's own runtime. */
 #include <math.h>
 #include <stdint.h>
@@ -112,6 +113,26 @@ static inline __m256 dot8_tokens(const float *q, const float *k, int64_t k_strid
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* o[0:width] = sum_t sc[t] inv v_t[col:col + width] over the first len tokens of a block table (`width`
+ * a constant <= 64 after inlining: its sums stay in registers; each one runs over t in order). */
+static inline __attribute__((always_inline)) void weigh_values(const int width, const float *sc, float inv,
+                                                               const float *values, const int64_t *table,
+                                                               int64_t block_stride, int64_t col, int64_t kv,
+                                                               int64_t len, int block_size, float *o) {
+    __m256 acc[8];
+    for (int j = 0; j < width / 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
+        const float *vb = values + table[b] * block_stride + col;
+        int64_t count = len - start < block_size ? len - start : block_size;
+        for (int64_t i = 0; i < count; i++) {
+            __m256 p = _mm256_set1_ps(sc[start + i] * inv);
+            const float *v = vb + i * kv;
+            for (int j = 0; j < width / 8; j++) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), acc[j]);
+        }
+    }
+    for (int j = 0; j < width / 8; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
+}
+
 static inline float hmax8(__m256 v) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -208,20 +229,23 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
             }
 #ifdef __AVX2__
             if (ATTN_VECTOR(d)) {
-                for (int hh = 0; hh < group; hh++) { /* the head's output in registers, v read once per head */
-                    __m256 acc[32];
-                    for (int j = 0; j < d / 8; j++) acc[j] = _mm256_setzero_ps();
+                for (int hh = 0; hh < group; hh++) { /* the head's output in registers, 64 floats at a time */
                     const float *sc = scores + hh * len;
-                    for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
-                        const float *vb = values + table[b] * block_stride + g * d;
-                        int64_t count = len - start < block_size ? len - start : block_size;
-                        for (int64_t i = 0; i < count; i++) {
-                            __m256 p = _mm256_set1_ps(sc[start + i] * inv[hh]);
-                            const float *v = vb + i * kv;
-                            for (int j = 0; j < d / 8; j++) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), acc[j]);
-                        }
+                    float *oh = og + hh * d;
+                    int64_t col = g * d;
+                    int j = 0;
+                    for (; j + 64 <= d; j += 64)
+                        weigh_values(64, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
+                    for (int width = 32; width >= 8; width /= 2) {
+                        if (j + width > d) continue;
+                        if (width == 32)
+                            weigh_values(32, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
+                        else if (width == 16)
+                            weigh_values(16, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
+                        else
+                            weigh_values(8, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
+                        j += width;
                     }
-                    for (int j = 0; j < d / 8; j++) _mm256_storeu_ps(og + hh * d + 8 * j, acc[j]);
                 }
                 continue;
             }
@@ -274,11 +298,11 @@ void tq_silu_mul(const float *gu, int64_t m, int64_t f, float *out, int threads)
  *     [n, k / 2] bytes in pairs of groups (byte i of pair p holds element i of group 2p in its low nibble and
  *     of group 2p + 1 in its high one: one 32-byte load and two masks unpack 64 codes); dm [n, 2, groups]:
  *     the row's d's, then its m's.
- * Activations are quantized per group of 32 to int8 (x ~ xd xq, llama.cpp's Q8_1), so a group's dot product
- * is integer (vpmaddubsw) and
+ * Up to PANEL_MIN_ROWS rows (decode batches, where the weight bytes bound the time), activations are
+ * quantized per group of 32 to int16 (x ~ xd xq), so a group's dot product is integer (vpmaddwd) and
  *   out[r, j] = sum_g d[j, g] xd[r, g] sum_i q xq  (+ sum_g m[j, g] xd[r, g] sum_i xq for int4).
  * Each output is computed by the same sequence of operations whatever the tile it is in, so a row's result
- * does not depend on the other rows of its batch. */
+ * does not depend on the other rows of its batch. More rows take the float32 panels below. */
 #define Q8_GROUP 32
 #define TILE_R 4 /* activation rows per tile */
 #define TILE_C 2 /* int4 weight rows per tile at batch 1 (more independent sums in flight: 1.13-1.16x) */
@@ -536,9 +560,177 @@ static inline __attribute__((always_inline)) void share_tiles(const int kind, Ma
 static void share_tiles_q4(Matmul mm, float *ds) { share_tiles(KIND_Q4, mm, ds); }
 static void share_tiles_q8(Matmul mm, float *ds) { share_tiles(KIND_Q8, mm, ds); }
 
+/* ---------------------------------------------------------------- many rows: float32 panels
+ * With many rows a matmul is compute-bound, and there the int16 kernel above is no faster than float32: its
+ * two vpmaddwd, convert and FMA per row and group of 32 take the same two vector pipes as four float32 FMAs.
+ * So from PANEL_MIN_ROWS rows on, each panel of PANEL weight rows is dequantized once (w = d q + m, as
+ * tq_int4_dequant) into float32 [k][PANEL] in this thread's scratch, and multiplied by PANEL_R x PANEL
+ * register tiles of FMAs (an activation broadcast against two vectors of the panel). An output's sum runs
+ * over k in the same order in every tile: a row computes the same in any batch of PANEL_MIN_ROWS rows or
+ * more, as it does in any batch of fewer. The crossovers were measured on a 2-core AMD EPYC (AVX2): int4
+ * from 16 rows; Q8_0, whose int16 kernel has no nibbles to unpack, from 32. */
+#define PANEL_MIN_ROWS(kind) ((kind) == KIND_Q4 ? 16 : 32)
+#define PANEL 16
+#define PANEL_R 6
+
+#ifdef __AVX2__
+/* In: r[c] = 32 bytes of weight row c. Out: r[i] = byte i of the 16 rows in its low 128 bits, byte 16 + i in
+ * its high 128 bits (four rounds of interleaving rows c and c + 8 transpose 16 x 16 bytes, in each half). */
+static inline void transpose_bytes(__m256i r[PANEL]) {
+    for (int round = 0; round < 4; round++) {
+        __m256i t[PANEL];
+        for (int c = 0; c < PANEL / 2; c++) {
+            t[2 * c] = _mm256_unpacklo_epi8(r[c], r[c + PANEL / 2]);
+            t[2 * c + 1] = _mm256_unpackhi_epi8(r[c], r[c + PANEL / 2]);
+        }
+        for (int c = 0; c < PANEL; c++) r[c] = t[c];
+    }
+}
+
+/* 16 codes (one per panel row, unsigned int4 or signed int8) of one k as floats d q + m into panel row o. */
+static inline __attribute__((always_inline)) void panel_codes(const int kind, __m128i b, const float *d,
+                                                              const float *m, float *o) {
+    for (int h = 0; h < 2; h++) {
+        __m128i part = h ? _mm_srli_si128(b, 8) : b;
+        __m256 q = _mm256_cvtepi32_ps(kind == KIND_Q4 ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part));
+        _mm256_storeu_ps(o + 8 * h, kind == KIND_Q4 ? _mm256_fmadd_ps(q, _mm256_loadu_ps(d + 8 * h),
+                                                                      _mm256_loadu_ps(m + 8 * h))
+                                                    : _mm256_mul_ps(q, _mm256_loadu_ps(d + 8 * h)));
+    }
+}
+
+/* Weight rows [j, j + PANEL) (zeros past n) as panel[i * PANEL + c] = w[j + c, i]: each 32-byte run of the
+ * 16 rows (an int4 group pair, or a Q8_0 group) transposed as bytes, then widened to floats 16 at a time. */
+static inline __attribute__((always_inline)) void dequant_panel(const int kind, const void *w,
+                                                                const uint16_t *scales, int64_t n, int64_t k,
+                                                                int64_t j, float *panel) {
+    int64_t groups = k / Q8_GROUP, row_bytes = kind == KIND_Q4 ? k / 2 : k;
+    int64_t scale_stride = kind == KIND_Q4 ? 2 * groups : groups;
+    int step = kind == KIND_Q4 ? 2 : 1; /* groups per 32-byte run */
+    for (int64_t g = 0; g < groups; g += step) {
+        __m256i r[PANEL];
+        float d[2][PANEL], m[2][PANEL];
+        for (int c = 0; c < PANEL; c++) {
+            int live = j + c < n;
+            const uint8_t *run = (const uint8_t *)w + (j + c) * row_bytes + g * Q8_GROUP / (kind == KIND_Q4 ? 2 : 1);
+            r[c] = live ? _mm256_loadu_si256((const __m256i *)run) : _mm256_setzero_si256();
+            const uint16_t *sc = scales + (j + c) * scale_stride;
+            for (int s = 0; s < step; s++) {
+                d[s][c] = live ? half_to_float(sc[g + s]) : 0.f;
+                m[s][c] = live && kind == KIND_Q4 ? half_to_float(sc[groups + g + s]) : 0.f;
+            }
+        }
+        transpose_bytes(r);
+        for (int i = 0; i < 16; i++) {
+            __m128i lo = _mm256_castsi256_si128(r[i]), hi = _mm256_extracti128_si256(r[i], 1);
+            float *o = panel + (g * Q8_GROUP + i) * PANEL;
+            if (kind == KIND_Q4) {
+                const __m128i low = _mm_set1_epi8(0x0F);
+                panel_codes(kind, _mm_and_si128(lo, low), d[0], m[0], o);
+                panel_codes(kind, _mm_and_si128(hi, low), d[0], m[0], o + 16 * PANEL);
+                panel_codes(kind, _mm_and_si128(_mm_srli_epi16(lo, 4), low), d[1], m[1], o + 32 * PANEL);
+                panel_codes(kind, _mm_and_si128(_mm_srli_epi16(hi, 4), low), d[1], m[1], o + 48 * PANEL);
+            } else {
+                panel_codes(kind, lo, d[0], m[0], o);
+                panel_codes(kind, hi, d[0], m[0], o + 16 * PANEL);
+            }
+        }
+    }
+}
+
+/* out[r * os + c] = sum_i x[r * k + i] panel[i * PANEL + c] for R rows and the first `cols` columns. */
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t k, const float *panel,
+                                                             const int R, int cols, float *out, int64_t os) {
+    __m256 lo[PANEL_R], hi[PANEL_R];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        __m256 b0 = _mm256_loadu_ps(panel + i * PANEL), b1 = _mm256_loadu_ps(panel + i * PANEL + 8);
+        for (int r = 0; r < R; r++) {
+            __m256 a = _mm256_broadcast_ss(x + r * k + i);
+            lo[r] = _mm256_fmadd_ps(a, b0, lo[r]);
+            hi[r] = _mm256_fmadd_ps(a, b1, hi[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (cols == PANEL) {
+            _mm256_storeu_ps(out + r * os, lo[r]);
+            _mm256_storeu_ps(out + r * os + 8, hi[r]);
+        } else {
+            float t[PANEL];
+            _mm256_storeu_ps(t, lo[r]);
+            _mm256_storeu_ps(t + 8, hi[r]);
+            memcpy(out + r * os, t, (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+/* This thread's share of the panels (an orphaned `omp for`), in blocks of rows whose activations stay in
+ * L2; `kind` a constant, as in share_tiles. scratch: PANEL k floats. */
+static inline __attribute__((always_inline)) void share_panels(const int kind, const void *w,
+                                                               const uint16_t *scales, int64_t n, int64_t k,
+                                                               const float *x, int64_t m, float *out,
+                                                               float *scratch) {
+    int64_t rblock = (65536 / k) / PANEL_R * PANEL_R;
+    rblock = rblock < PANEL_R ? PANEL_R : rblock;
+    float *panel = scratch;
+    for (int64_t r0 = 0; r0 < m; r0 += rblock) {
+        int64_t r1 = r0 + rblock < m ? r0 + rblock : m;
+        #pragma omp for schedule(static) nowait
+        for (int64_t j = 0; j < n; j += PANEL) {
+            int cols = n - j < PANEL ? (int)(n - j) : PANEL;
+            dequant_panel(kind, w, scales, n, k, j, panel);
+            int64_t r = r0;
+            for (; r + PANEL_R <= r1; r += PANEL_R) panel_tile(x + r * k, k, panel, PANEL_R, cols, out + r * n + j, n);
+            const float *xr = x + r * k;
+            float *o = out + r * n + j;
+            switch (r1 - r) {
+            case 1: panel_tile(xr, k, panel, 1, cols, o, n); break;
+            case 2: panel_tile(xr, k, panel, 2, cols, o, n); break;
+            case 3: panel_tile(xr, k, panel, 3, cols, o, n); break;
+            case 4: panel_tile(xr, k, panel, 4, cols, o, n); break;
+            case 5: panel_tile(xr, k, panel, 5, cols, o, n); break;
+            default: break;
+            }
+        }
+    }
+}
+
+static void share_panels_q4(const void *w, const uint16_t *s, int64_t n, int64_t k, const float *x, int64_t m,
+                            float *out, float *scratch) {
+    share_panels(KIND_Q4, w, s, n, k, x, m, out, scratch);
+}
+static void share_panels_q8(const void *w, const uint16_t *s, int64_t n, int64_t k, const float *x, int64_t m,
+                            float *out, float *scratch) {
+    share_panels(KIND_Q8, w, s, n, k, x, m, out, scratch);
+}
+
+static int panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
+                        int64_t m, float *out, int threads) {
+    int64_t per_thread = PANEL * k; /* floats; a multiple of 16, so each thread's panel starts a cache line */
+    float *scratch = (float *)aligned_alloc(64, (size_t)(threads * per_thread) * sizeof(float));
+    if (!scratch) return -1;
+    #pragma omp parallel num_threads(threads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        if (kind == KIND_Q4)
+            share_panels_q4(w, scales, n, k, x, m, out, scratch + tid * per_thread);
+        else
+            share_panels_q8(w, scales, n, k, x, m, out, scratch + tid * per_thread);
+    }
+    free(scratch);
+    return 0;
+}
+#endif
+
 /* out [m, n] = x [m, k] @ W.T (k a multiple of 32; of 64 for int4). Returns nonzero without memory. */
 static int quantized_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
                             int64_t m, float *out, int threads) {
+#ifdef __AVX2__
+    if (m >= PANEL_MIN_ROWS(kind)) return panel_matmul(kind, w, scales, n, k, x, m, out, threads);
+#endif
     int64_t groups = k / Q8_GROUP;
     int16_t *codes = (int16_t *)malloc((size_t)(m * k) * sizeof(int16_t));
     float *floats = (float *)malloc((size_t)(2 * m * groups + threads * TILE_R * TILE_C * groups) * sizeof(float));
@@ -564,6 +756,16 @@ static int quantized_matmul(int kind, const void *w, const uint16_t *scales, int
     free(floats);
     free(codes);
     return 0;
+}
+
+/* The fewest rows a matmul of `kind` (4: int4, 8: Q8_0) runs on the float32 panels; without AVX2, never. */
+int64_t tq_panel_min_rows(int kind) {
+#ifdef __AVX2__
+    return PANEL_MIN_ROWS(kind);
+#else
+    (void)kind;
+    return INT64_MAX;
+#endif
 }
 
 int tq_q8_matmul(const int8_t *q, const uint16_t *d16, int64_t n, int64_t k, const float *x, int64_t m, float *out,
