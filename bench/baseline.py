@@ -26,11 +26,10 @@ import torch
 bench_file, model, dtype, threads, num_blocks, max_batch, max_step = sys.argv[1:8]
 if int(threads):
     torch.set_num_threads(int(threads))
-for new, old in (("engine.params", "engine.sampling"),):
-    try:
-        importlib.import_module(new)
-    except ImportError:
-        sys.modules[new] = importlib.import_module(old)
+try:
+    importlib.import_module("engine.params")
+except ImportError:
+    sys.modules["engine.params"] = importlib.import_module("engine.sampling")
 try:
     importlib.import_module("engine.model_files")
 except ImportError:

@@ -236,16 +236,16 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
                     int j = 0;
                     for (; j + 64 <= d; j += 64)
                         weigh_values(64, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
-                    for (int width = 32; width >= 8; width /= 2) {
-                        if (j + width > d) continue;
-                        if (width == 32)
-                            weigh_values(32, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
-                        else if (width == 16)
-                            weigh_values(16, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
-                        else
-                            weigh_values(8, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
-                        j += width;
+                    if (j + 32 <= d) {
+                        weigh_values(32, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
+                        j += 32;
                     }
+                    if (j + 16 <= d) {
+                        weigh_values(16, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
+                        j += 16;
+                    }
+                    if (j < d) /* d is a multiple of 8 (ATTN_VECTOR) */
+                        weigh_values(8, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
                 }
                 continue;
             }
@@ -612,7 +612,7 @@ static inline __attribute__((always_inline)) void dequant_panel(const int kind, 
         float d[2][PANEL], m[2][PANEL];
         for (int c = 0; c < PANEL; c++) {
             int live = j + c < n;
-            const uint8_t *run = (const uint8_t *)w + (j + c) * row_bytes + g * Q8_GROUP / (kind == KIND_Q4 ? 2 : 1);
+            const uint8_t *run = (const uint8_t *)w + (j + c) * row_bytes + g * Q8_GROUP / step;
             r[c] = live ? _mm256_loadu_si256((const __m256i *)run) : _mm256_setzero_si256();
             const uint16_t *sc = scales + (j + c) * scale_stride;
             for (int s = 0; s < step; s++) {
@@ -665,14 +665,13 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
 }
 
 /* This thread's share of the panels (an orphaned `omp for`), in blocks of rows whose activations stay in
- * L2; `kind` a constant, as in share_tiles. scratch: PANEL k floats. */
+ * L2; `kind` a constant, as in share_tiles. panel: this thread's PANEL k floats. */
 static inline __attribute__((always_inline)) void share_panels(const int kind, const void *w,
                                                                const uint16_t *scales, int64_t n, int64_t k,
                                                                const float *x, int64_t m, float *out,
-                                                               float *scratch) {
+                                                               float *panel) {
     int64_t rblock = (65536 / k) / PANEL_R * PANEL_R;
     rblock = rblock < PANEL_R ? PANEL_R : rblock;
-    float *panel = scratch;
     for (int64_t r0 = 0; r0 < m; r0 += rblock) {
         int64_t r1 = r0 + rblock < m ? r0 + rblock : m;
         #pragma omp for schedule(static) nowait
@@ -696,12 +695,12 @@ static inline __attribute__((always_inline)) void share_panels(const int kind, c
 }
 
 static void share_panels_q4(const void *w, const uint16_t *s, int64_t n, int64_t k, const float *x, int64_t m,
-                            float *out, float *scratch) {
-    share_panels(KIND_Q4, w, s, n, k, x, m, out, scratch);
+                            float *out, float *panel) {
+    share_panels(KIND_Q4, w, s, n, k, x, m, out, panel);
 }
 static void share_panels_q8(const void *w, const uint16_t *s, int64_t n, int64_t k, const float *x, int64_t m,
-                            float *out, float *scratch) {
-    share_panels(KIND_Q8, w, s, n, k, x, m, out, scratch);
+                            float *out, float *panel) {
+    share_panels(KIND_Q8, w, s, n, k, x, m, out, panel);
 }
 
 static int panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
