@@ -4,7 +4,7 @@ Issue targets are stated against the engine as it was ("batch 32 >= 2x today's f
 speeds on these shared machines move 2x from day to day; so the old engine is measured again, side by side,
 instead of quoting its figure. `Baseline(rev)` extracts `rev` of this repository (`git archive`, once, under
 the cache directory), starts a Python child on that tree, and asks it for bench.engine's own measures:
-the child runs this tree's `bench/engine.py` functions against the old `engine` package (its float32
+the child runs this tree's `bench/engine.py` measures against the old `engine` package (its float32
 weights, its model code), with the modules that moved since then given their old names.
 """
 
@@ -45,10 +45,22 @@ from engine.loader import load_model
 engine = LLMEngine(load_model(model, dtype), EngineConfig(dtype=dtype, num_blocks=int(num_blocks),
                    max_batch=int(max_batch), max_step_tokens=int(max_step), enable_prefix_cache=False))
 print("@@" + json.dumps({"ready": True}), flush=True)
+run = None
 for line in sys.stdin:
-    kind, size, seed = line.split()
-    fn = measures.engine_prefill if kind == "prefill" else measures.engine_decode
-    print("@@" + json.dumps({"value": fn(engine, int(size), int(seed))}), flush=True)
+    kind, *args = line.split()
+    if kind == "prefill":
+        value = measures.engine_prefill(engine, int(args[0]), int(args[1]))
+    elif kind == "decode":
+        run = measures.DecodeRun(engine, int(args[0]), int(args[1]))
+        value = 0.0
+    elif kind == "step":
+        value = run.step()
+    elif kind == "close":
+        run.close()
+        value = 0.0
+    else:
+        raise SystemExit(f"bench.baseline: unknown command {kind!r}")
+    print("@@" + json.dumps({"value": value}), flush=True)
 """
 
 
@@ -87,17 +99,20 @@ class Baseline:
                 return json.loads(line[2:])
         raise RuntimeError(f"the baseline engine ({self.rev}) stopped with exit code {self.proc.wait()}")
 
-    def _measure(self, kind: str, size: int, seed: int) -> float:
+    def ask(self, *command: object) -> float:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{kind} {size} {seed}\n")
+        self.proc.stdin.write(" ".join(map(str, command)) + "\n")
         self.proc.stdin.flush()
         return float(self._reply()["value"])
 
     def prefill(self, n: int, seed: int) -> float:
-        return self._measure("prefill", n, seed)
+        """Prompt tok/s of one whole prefill of `n` tokens (bench.engine.engine_prefill)."""
+        return self.ask("prefill", n, seed)
 
-    def decode(self, batch: int, seed: int) -> float:
-        return self._measure("decode", batch, seed)
+    def start_decode(self, batch: int, seed: int) -> BaselineDecode:
+        """A batch prefilled in the child, to be decoded a step at a time (bench.engine.DecodeRun)."""
+        self.ask("decode", batch, seed)
+        return BaselineDecode(self)
 
     def stop(self) -> None:
         if self.proc.stdin is not None:
@@ -107,3 +122,16 @@ class Baseline:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class BaselineDecode:
+    """The child's DecodeRun: `step` and `close` as bench.engine.DecodeRun's (a step's time is the child's own)."""
+
+    def __init__(self, baseline: Baseline):
+        self.baseline = baseline
+
+    def step(self) -> float:
+        return self.baseline.ask("step")
+
+    def close(self) -> None:
+        self.baseline.ask("close")

@@ -7,9 +7,11 @@ For each measure, every engine (one per `--quantization`; with `--torch-ops` a s
 torch's operations in place of `engine.native`'s) and `llama-server` (when it can be started,
 see bench/llama_server.py) and, with `--baseline REV`, the engine of an earlier commit (its float32 weights,
 see bench/baseline.py) run in turn, `--rounds` times, after a warm-up; the table gives medians,
-so drift on a shared machine hits every column alike. Decode tok/s is timed over pure decode steps
-of a batch of 64-token prompts; prefill tok/s is a whole prompt to its first token. llama-server
-reports its own `timings` (decode: the rates of concurrent requests added up).
+so drift on a shared machine hits every column alike. Prefill tok/s is a whole prompt to its first token,
+the engines taking turns a prompt each. Decode tok/s is timed over pure decode steps of a batch of 64-token
+prompts, the engines taking turns a step each (every engine holds its own batch), so that even a drift of
+seconds falls on all of them. llama-server reports its own `timings` (decode: the rates of concurrent
+requests added up) and takes its turn once a round.
 """
 
 from __future__ import annotations
@@ -57,22 +59,37 @@ def engine_prefill(engine: LLMEngine, n: int, seed: int) -> float:
     return n / (time.perf_counter() - t)
 
 
-def engine_decode(engine: LLMEngine, batch: int, seed: int) -> float:
-    """Output tokens per second across the batch, median over pure decode steps."""
-    params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0.0, ignore_eos=True)
-    seqs = [engine.add_request(f"d{batch}-{seed}-{i}", _prompt(DECODE_PROMPT, seed * 1000 + i), params)
-            for i in range(batch)]
-    while any(s.num_computed < len(s.prompt_ids) for s in seqs):  # prefill everyone first
+class DecodeRun:
+    """`batch` 64-token prompts prefilled on `engine`, then decoded one timed step at a time."""
+
+    def __init__(self, engine: LLMEngine, batch: int, seed: int):
+        self.engine = engine
+        params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0.0, ignore_eos=True)
+        self.seqs = [engine.add_request(f"d{batch}-{seed}-{i}", _prompt(DECODE_PROMPT, seed * 1000 + i), params)
+                     for i in range(batch)]
+        while any(s.num_computed < len(s.prompt_ids) for s in self.seqs):  # one step, with decode_step_budget
+            engine.step()
         engine.step()
-    engine.step()
-    times = []
-    for _ in range(DECODE_STEPS):
+
+    def step(self) -> float:
+        """Seconds of one decode step of the whole batch."""
         t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    for s in seqs:
-        engine.abort(s.request_id)
-    return batch / statistics.median(times)
+        out = self.engine.step()
+        elapsed = time.perf_counter() - t
+        if len(out) != len(self.seqs) or any(o.finish_reason for o in out):
+            raise RuntimeError(f"a decode step of {len(out)} rows, not the batch's {len(self.seqs)}")
+        return elapsed
+
+    def close(self) -> None:
+        for s in self.seqs:
+            self.engine.abort(s.request_id)
+
+
+def decode_step_budget(batches: list[int], prefills: list[int]) -> int:
+    """max_step_tokens for the bench's engines: the longest prompt measured, or every decode batch's prompts
+    in one step. (Prefilled in chunks, the first rows would decode while the last were still prefilling, and
+    finish before the timed steps ended: the "batch 32" steps were of fewer rows.)"""
+    return max(max(prefills), max(batches) * DECODE_PROMPT)
 
 
 def weight_bytes(engine: LLMEngine) -> int:
@@ -118,9 +135,37 @@ def _interleaved(runners: dict[str, Callable[[int], float]], rounds: int) -> dic
     return {name: statistics.median(v) for name, v in got.items()}
 
 
+def _interleaved_decode(starts: dict[str, Callable[[int], DecodeRun]], whole: dict[str, Callable[[int], float]],
+                        batch: int, rounds: int) -> dict[str, float]:
+    """Output tok/s of each engine over `rounds` x DECODE_STEPS steps, the engines taking turns step by step
+    (each holding its own batch), so that a minute of a slower machine slows every engine alike; `whole`
+    runners (llama-server: one call decodes every step) take their turn after each round. One warm-up each."""
+    for fn in whole.values():
+        fn(-1)
+    times: dict[str, list[float]] = {name: [] for name in starts}
+    got: dict[str, list[float]] = {name: [] for name in whole}
+    for r in [-1, *range(rounds)]:
+        runs = {name: fn(r) for name, fn in starts.items()}
+        try:
+            for _ in range(DECODE_STEPS):
+                for name, run in runs.items():
+                    t = run.step()
+                    if r >= 0:
+                        times[name].append(t)
+        finally:
+            for run in runs.values():
+                run.close()
+        if r >= 0:
+            for name, fn in whole.items():
+                got[name].append(fn(r))
+    return {**{name: batch / statistics.median(t) for name, t in times.items()},
+            **{name: statistics.median(v) for name, v in got.items()}}
+
+
 def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: list[int], rounds: int,
         peer: bool, plot: bool = False, torch_ops: bool = False, baseline: str | None = None) -> str:
     engines: dict[str, LLMEngine] = {}
+    budget = decode_step_budget(batches, prefills)
     facts: dict[str, dict[str, str]] = {}
     for mode in modes:
         cold, warm = start_times(model, dtype, mode)
@@ -128,7 +173,7 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         name = f"{mode} ({loaded.quantization})" if loaded.quantization != mode else mode
         for native_ops in (True, False) if torch_ops else (True,):
             e = LLMEngine(loaded, EngineConfig(dtype=dtype, num_blocks=64 * 8 + 160, max_batch=max(batches),
-                                               max_step_tokens=max(prefills), enable_prefix_cache=False))
+                                               max_step_tokens=budget, enable_prefix_cache=False))
             e.model.native = e.model.native and native_ops
             column = name if native_ops else f"{name}, torch ops"
             engines[column] = e
@@ -138,7 +183,7 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
     if baseline:
         from bench.baseline import Baseline
 
-        old = Baseline(baseline, model, dtype, torch.get_num_threads(), 64 * 8 + 160, max(batches), max(prefills))
+        old = Baseline(baseline, model, dtype, torch.get_num_threads(), 64 * 8 + 160, max(batches), budget)
     old_column = f"float32 at {baseline}"
     llama = None
     rows: list[tuple[str, dict[str, float]]] = []
@@ -153,13 +198,15 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
                 runners["llama-server"] = lambda r, n=n: llama.prefill_tok_s(_prompt(n, 10 + r))
             rows.append((f"prefill {n} tokens (prompt tok/s)", _interleaved(runners, rounds)))
         for b in batches:
-            runners = {name: (lambda r, e=e, b=b: engine_decode(e, b, 20 + r)) for name, e in engines.items()}
+            starts: dict[str, Callable[[int], DecodeRun]] = {
+                name: (lambda r, e=e, b=b: DecodeRun(e, b, 20 + r)) for name, e in engines.items()}
             if old:
-                runners[old_column] = lambda r, b=b: old.decode(b, 20 + r)
+                starts[old_column] = lambda r, b=b: old.start_decode(b, 20 + r)
+            whole = {}
             if llama:
-                runners["llama-server"] = lambda r, b=b: llama.decode_tok_s(
+                whole["llama-server"] = lambda r, b=b: llama.decode_tok_s(
                     [_prompt(DECODE_PROMPT, (20 + r) * 1000 + i) for i in range(b)], DECODE_STEPS + 8)
-            rows.append((f"decode batch {b} (output tok/s)", _interleaved(runners, rounds)))
+            rows.append((f"decode batch {b} (output tok/s)", _interleaved_decode(starts, whole, b, rounds)))
         if llama:
             facts["llama-server"] = {"weights (MB)": f"{resolve_model_path(model).stat().st_size / 1e6:,.1f} (file)",
                                      "load cold / warm (s)": "", "RSS (MB)": f"{llama.rss_bytes() / 1e6:,.0f}"}
@@ -178,7 +225,8 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         f"{' --baseline ' + baseline if baseline else ''}` on "
         f"{platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {dtype}; copy bandwidth "
-        f"{bw / 1e9:.1f} GB/s this run. Medians of {rounds} rounds, engines taking turns after a warm-up."
+        f"{bw / 1e9:.1f} GB/s this run. Medians of {rounds} rounds after a warm-up, engines taking turns: "
+        f"prefill a prompt each, decode a step each (of {rounds} x {DECODE_STEPS} steps; llama-server a round each)."
         + (" `, torch ops`: the same weights and matmul kernels with torch's operations in place of "
            "`engine.native`'s RMSNorm, RoPE + K/V write, attention and SiLU gate (and of its one call per layer)."
            if torch_ops else ""),

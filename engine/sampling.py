@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import native
 from engine.grammar import GrammarState
 from engine.params import SamplingParams
 
@@ -48,7 +49,7 @@ class Sampler:
         constrained = [i for i, g in enumerate(grammars or ()) if g is not None]
         if constrained:
             logits = _apply_grammars(logits, constrained, grammars)
-        tokens = logits.argmax(dim=-1)
+        tokens = native.argmax(logits) if native.available() else logits.argmax(dim=-1)
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
             tokens[drawn] = _draw(logits[drawn], [params[i] for i in drawn], [generators[i] for i in drawn])

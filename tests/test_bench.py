@@ -405,6 +405,36 @@ def test_pd_report_checks_the_targets_and_names_where_prompts_were_prefilled() -
     assert "measured only one of them" in sweep
 
 
+def test_engine_bench_decodes_in_turns_a_step_each() -> None:
+    """bench.engine's decode: every engine holds its own batch and they take turns a step at a time; a whole
+    runner (llama-server) takes its turn after each round; a warm-up round of each comes first."""
+    from bench import engine as engine_bench
+
+    log: list[tuple] = []
+
+    class Run:
+        def __init__(self, name: str, r: int):
+            self.name, self.r = name, r
+            log.append(("start", name, r))
+
+        def step(self) -> float:
+            log.append(("step", self.name, self.r))
+            return {"a": 0.5, "b": 0.25}[self.name]
+
+        def close(self) -> None:
+            log.append(("close", self.name, self.r))
+
+    starts = {"a": lambda r: Run("a", r), "b": lambda r: Run("b", r)}
+    got = engine_bench._interleaved_decode(starts, {"w": lambda r: log.append(("whole", r)) or 7.0}, 4, 2)
+    assert got == {"a": 8.0, "b": 16.0, "w": 7.0}
+    for r in (-1, 0, 1):
+        turns = [e for e in log if e[-1] == r and e[0] != "whole"]
+        assert turns[:2] == [("start", "a", r), ("start", "b", r)] and turns[-2:] == [("close", "a", r), ("close", "b", r)]
+        assert [e[1] for e in turns[2:-2]] == ["a", "b"] * engine_bench.DECODE_STEPS
+    assert [e for e in log if e[0] == "whole"] == [("whole", -1), ("whole", 0), ("whole", 1)]
+    assert log.index(("whole", 0)) > log.index(("close", "b", 0)) and log.index(("whole", 0)) < log.index(("start", "a", 1))
+
+
 def test_engine_bench_sets_torch_operations_beside_the_native_ones(monkeypatch) -> None:
     """`bench.engine --torch-ops` measures each format twice, the second engine without engine.native."""
     from bench import engine as engine_bench
@@ -430,7 +460,8 @@ def test_engine_bench_sets_torch_operations_beside_the_native_ones(monkeypatch) 
 
 def test_baseline_engine_answers_bench_engines_measures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bench.engine --baseline REV: REV's tree is extracted once and its engine, in a child process, answers
-    the prefill and decode measures (here REV is HEAD, so the child's engine is this one)."""
+    the prefill measure and decodes a batch a step at a time (here REV is HEAD, so the child's engine is this
+    one)."""
     import bench.baseline
     from bench.baseline import Baseline, source_tree
 
@@ -440,7 +471,14 @@ def test_baseline_engine_answers_bench_engines_measures(tmp_path: Path, monkeypa
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     old = Baseline("HEAD", DEFAULT_MODEL, "float32", 1, num_blocks=64, max_batch=2, max_step_tokens=128)
     try:
-        assert old.prefill(16, 1) > 0 and old.decode(2, 1) > 0
+        assert old.prefill(16, 1) > 0
+        run = old.start_decode(2, 1)
+        steps = [run.step() for _ in range(3)]
+        run.close()
+        assert all(0 < t < 60 for t in steps)
+        again = old.start_decode(2, 2)  # the child takes the next batch after a close
+        assert again.step() > 0
+        again.close()
     finally:
         old.stop()
     assert old.proc.returncode == 0

@@ -65,10 +65,28 @@ def test_paged_attention_matches_sdpa_over_each_sequences_own_blocks(d):
         vs = vc[tables[seq]].flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
         want = F.scaled_dot_product_attention(q[r].view(1, HEADS, 1, d), ks, vs, enable_gqa=True)
         assert torch.allclose(got[r], want.reshape(-1), atol=1e-5), r
-    # a row's result does not depend on the other rows of its call: a prompt row equals the same decode row
+    # a row's result does not depend on the other rows of its call (7 rows: a row's KV heads are one work item;
+    # 1 row: each KV head is one): a prompt row equals the same decode row
     alone = native.paged_attention(q[1:2].clone(), kc, vc, tables[:1].clone(), torch.tensor([0]), lens[1:2].clone(),
                                    HEADS, 1 / math.sqrt(d))
     assert torch.equal(alone[0], got[1])
+
+
+def test_argmax_is_torchs_with_ties_infinities_and_nans():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 49152 + 5, generator=g)  # a tail past the last 8
+    x[1, [7, 300, 49000]] = 9.0  # ties: the first
+    x[2] = -math.inf
+    x[3, [12, 5000]] = math.nan  # a NaN wins: the first
+    x[4, -1] = 50.0  # in the tail
+    x[5, :] = 0.0
+    x[5, 17] = -0.0
+    x[6, 49152 + 2] = math.nan
+    got = native.argmax(x)
+    assert got.dtype == torch.long and torch.equal(got, x.argmax(dim=-1)), (got[:8], x.argmax(dim=-1)[:8])
+    assert got[1] == 7 and got[3] == 12 and got[4] == 49156
+    small = torch.tensor([[1.0, 3.0, 2.0], [-1.0, -1.0, -2.0]])  # shorter than a vector
+    assert native.argmax(small).tolist() == [1, 0]
 
 
 def test_int4_dequantize_is_the_torch_computation_bit_for_bit(monkeypatch):

@@ -35,6 +35,7 @@ _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {
     "tq_rms_norm": [_P, _P, _P, _I, _I, _F, _P, _C],
     "tq_silu_mul": [_P, _I, _I, _P, _C],
+    "tq_argmax": [_P, _I, _I, _P, _C],
     "tq_rope_store": [_P, _I, _I, _P, _P, _P, _C, _C, _C, _P, _P, _I, _P, _P, _C],
     "tq_paged_attention": [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _C, _C, _C, _C, _F, _P, _C],
     "tq_q8_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
@@ -115,6 +116,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     m, f2 = gate_up.shape
     out = torch.empty(m, f2 // 2, dtype=torch.float32)
     library().tq_silu_mul(gate_up.data_ptr(), m, f2 // 2, out.data_ptr(), _threads())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, as torch.argmax(x, dim=-1) (first of equals, NaN first), for
+    float32 [rows, n]; on the library's threads."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    library().tq_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _threads())
     return out
 
 

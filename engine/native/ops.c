@@ -3,7 +3,7 @@
  * whole decoder layer as one call. Built and loaded by engine/native/__init__.py. float32 activations; every
  * output row depends only on its own input row and on which side of a matmul's PANEL_MIN_ROWS its batch is,
  * so a token computes the same in any batch of that side. Parallel over
- * rows, weight rows or sequence x KV head with OpenMP, on torch's own runtime. */
+ * rows, weight rows, sequences or sequence x KV head with OpenMP, on torch's own runtime. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -157,12 +157,16 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
     int64_t kv = (int64_t)kv_heads * d, total = 0;
     for (int64_t r = 0; r < rows; r++) total += lens[r];
     /* one thread for a small call: the parallel region costs more than ~64 tokens of context */
+    /* a row's KV heads in one work item when there are rows enough to share: a thread then reads whole token
+     * rows of the pool, not every kv_heads-th 256 bytes of them, and the other core's prefetches are its own */
+    int64_t per_item = rows >= 2 * threads ? kv_heads : 1;
     #pragma omp parallel num_threads(threads) if (total * kv_heads > 256)
     {
         int64_t cap = 0;
         float *scores = NULL;
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < rows * kv_heads; w++) {
+        for (int64_t item = 0; item < rows * kv_heads / per_item; item++)
+        for (int64_t w = item * per_item; w < (item + 1) * per_item; w++) {
             int64_t r = w / kv_heads, g = w % kv_heads, len = lens[r];
             if (len > cap) {
                 free(scores);
@@ -267,6 +271,48 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
             }
         }
         free(scores);
+    }
+}
+
+/* out[i] = the index of the largest of row i's n floats: the first of equal ones, or the first NaN (as
+ * torch.argmax). The greedy sampler's pick from the logits, which torch scans on one thread. */
+void tq_argmax(const float *x, int64_t m, int64_t n, int64_t *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (m * n > 65536)
+    for (int64_t i = 0; i < m; i++) {
+        const float *row = x + i * n;
+        float best = -INFINITY;
+        int nan = 0;
+        int64_t j = 0;
+#ifdef __AVX2__
+        __m256 mx = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+        for (; j + 8 <= n; j += 8) {
+            __m256 v = _mm256_loadu_ps(row + j);
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            mx = _mm256_max_ps(mx, v);
+        }
+        nan = _mm256_movemask_ps(unordered) != 0;
+        best = hmax8(mx);
+#endif
+        for (; j < n; j++) {
+            if (row[j] != row[j]) nan = 1;
+            else if (row[j] > best) best = row[j];
+        }
+        j = 0;
+#ifdef __AVX2__
+        if (!nan) {
+            __m256 b = _mm256_set1_ps(best);
+            for (; j + 8 <= n; j += 8) {
+                int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), b, _CMP_EQ_OQ));
+                if (hit) {
+                    j += __builtin_ctz(hit);
+                    break;
+                }
+            }
+        }
+#endif
+        for (; j < n; j++)
+            if (nan ? row[j] != row[j] : row[j] == best) break;
+        out[i] = j;
     }
 }
 
