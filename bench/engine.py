@@ -69,6 +69,8 @@ class DecodeRun:
                      for i in range(batch)]
         while any(s.num_computed < len(s.prompt_ids) for s in self.seqs):  # one step, with decode_step_budget
             engine.step()
+            if not engine.last_plan_size:
+                raise RuntimeError(f"a batch of {batch} does not fit the engine's KV blocks or max_batch")
         engine.step()
 
     def step(self) -> float:
