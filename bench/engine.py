@@ -141,9 +141,7 @@ def _interleaved_decode(starts: dict[str, Callable[[int], DecodeRun]], whole: di
                         batch: int, rounds: int) -> dict[str, float]:
     """Output tok/s of each engine over `rounds` x DECODE_STEPS steps, the engines taking turns step by step
     (each holding its own batch), so that a minute of a slower machine slows every engine alike; `whole`
-    runners (llama-server: one call decodes every step) take their turn after each round. One warm-up each."""
-    for fn in whole.values():
-        fn(-1)
+    runners (llama-server: one call decodes every step) take their turn after each round. A warm-up round first."""
     times: dict[str, list[float]] = {name: [] for name in starts}
     got: dict[str, list[float]] = {name: [] for name in whole}
     for r in [-1, *range(rounds)]:
@@ -157,9 +155,10 @@ def _interleaved_decode(starts: dict[str, Callable[[int], DecodeRun]], whole: di
         finally:
             for run in runs.values():
                 run.close()
-        if r >= 0:
-            for name, fn in whole.items():
-                got[name].append(fn(r))
+        for name, fn in whole.items():
+            value = fn(r)
+            if r >= 0:
+                got[name].append(value)
     return {**{name: batch / statistics.median(t) for name, t in times.items()},
             **{name: statistics.median(v) for name, v in got.items()}}
 

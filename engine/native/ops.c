@@ -156,17 +156,17 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
     int group = heads / kv_heads;
     int64_t kv = (int64_t)kv_heads * d, total = 0;
     for (int64_t r = 0; r < rows; r++) total += lens[r];
+    /* a row's KV heads go to one thread together when there are rows enough to share: a thread then reads
+     * whole token rows of the pool, not every kv_heads-th 256 bytes of them, and the other core's prefetches
+     * are its own */
+    int chunk = rows >= 2 * threads ? kv_heads : 1;
     /* one thread for a small call: the parallel region costs more than ~64 tokens of context */
-    /* a row's KV heads in one work item when there are rows enough to share: a thread then reads whole token
-     * rows of the pool, not every kv_heads-th 256 bytes of them, and the other core's prefetches are its own */
-    int64_t per_item = rows >= 2 * threads ? kv_heads : 1;
     #pragma omp parallel num_threads(threads) if (total * kv_heads > 256)
     {
         int64_t cap = 0;
         float *scores = NULL;
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < rows * kv_heads / per_item; item++)
-        for (int64_t w = item * per_item; w < (item + 1) * per_item; w++) {
+        #pragma omp for schedule(dynamic, chunk)
+        for (int64_t w = 0; w < rows * kv_heads; w++) {
             int64_t r = w / kv_heads, g = w % kv_heads, len = lens[r];
             if (len > cap) {
                 free(scores);
