@@ -29,6 +29,7 @@ from bus.messages import (
     KVMetaRequest,
     MessageError,
     PayloadTooLarge,
+    StreamMessage,
     WorkerStats,
     decode,
     encode,
@@ -291,6 +292,12 @@ class WorkerActor:
 
     async def answer_duplicate(self, item: object, where: str) -> None:
         """A copy of work ``where`` already took was dropped; a role may say so where the sender listens."""
+
+    async def publish_stream(self, subject: str, msg: StreamMessage) -> None:
+        """Publish on a request's stream subject, signed with this worker's id and process (the gateway shows
+        only what comes from the worker holding the request)."""
+        msg.worker_id, msg.incarnation = self.worker_id, self.incarnation
+        await publish(self.nc, check_subject(subject, "stream_subject"), msg)
 
     async def answer_malformed(self, data: bytes, error: str) -> None:
         """A work message that did not decode but names where to answer (JSON ``stream_subject`` /

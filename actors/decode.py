@@ -133,9 +133,7 @@ class DecodeActor(WorkerActor):
             return
         r.mode, r.prefill_reason = mode, reason
         r.seq = 1
-        await publish(self.nc, req.stream_subject,
-                      StreamTokens(request_id=req.request_id, seq=0, token_ids=[], worker_id=self.worker_id,
-                                   incarnation=self.incarnation))
+        await self.publish_stream(req.stream_subject, StreamTokens(request_id=req.request_id, seq=0, token_ids=[]))
         count_decision(mode, reason)
         log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids), extra={"request_id": req.request_id})
         if mode == "remote":
@@ -151,7 +149,7 @@ class DecodeActor(WorkerActor):
             subject = check_subject(item.stream_subject, "stream_subject")
         except ValueError:
             return
-        await publish(self.nc, subject, StreamError(
+        await self.publish_stream(subject, StreamError(
             request_id=item.request_id, seq=0, code=ErrorCode.DUPLICATE_REQUEST, status=409,
             message=f"request_id {item.request_id!r} was already taken by {where}; this copy is dropped "
                     "(send each request with a new request_id)"))
@@ -162,7 +160,7 @@ class DecodeActor(WorkerActor):
         if not isinstance(subject, str):
             return
         rid = body.get("request_id")
-        await publish(self.nc, check_subject(subject, "stream_subject"), StreamError(
+        await self.publish_stream(subject, StreamError(
             request_id=rid if isinstance(rid, str) else "", seq=0, code=ErrorCode.BAD_REQUEST, status=400,
             message=f"malformed generate request: {error}"))
 
@@ -311,7 +309,7 @@ class DecodeActor(WorkerActor):
                 msg.logprobs = [lp.logprob for lp in out.logprobs]
                 msg.top_logprobs = [lp.top for lp in out.logprobs]
             r.seq += 1
-            await publish(self.nc, r.req.stream_subject, msg)
+            await self.publish_stream(r.req.stream_subject, msg)
         if out.finish_reason is not None:
             first = r.first_token_at or now
             fin = StreamFinish(
@@ -321,17 +319,18 @@ class DecodeActor(WorkerActor):
                 timings=Timings(queue=max(0.0, r.accepted - r.req.created), prefill=r.prefill_s or first - r.accepted,
                                 transfer=r.transfer_s, decode=now - first, prefill_step=r.prefill_step_s),
                 prefill_mode=r.mode if self.role == "decode_only" else "aggregate",
-                prefill_worker_id=r.prefill_worker, decode_worker_id=self.worker_id,
+                prefill_worker_id=r.prefill_worker,
             )
             r.seq += 1
             self.requests.pop(rid, None)
-            await publish(self.nc, r.req.stream_subject, fin)
+            await self.publish_stream(r.req.stream_subject, fin)
 
     async def _fail(self, r: Request, code: str, message: str, status: int) -> None:
         self.requests.pop(r.req.request_id, None)
         log.warning("request %s failed (%s): %s", r.req.request_id, code, message, extra={"request_id": r.req.request_id})
-        await publish(self.nc, r.req.stream_subject,
-                      StreamError(request_id=r.req.request_id, seq=r.seq, code=code, message=message, status=status))
+        await self.publish_stream(r.req.stream_subject,
+                                  StreamError(request_id=r.req.request_id, seq=r.seq, code=code, message=message,
+                                              status=status))
 
     # ---------------------------------------------------------------- cancel
 
@@ -340,9 +339,8 @@ class DecodeActor(WorkerActor):
         if r is None:
             return
         log.info("request %s cancelled (%s)", request_id, reason or "no reason given", extra={"request_id": request_id})
-        await publish(self.nc, r.req.stream_subject,
-                      StreamFinish(request_id=request_id, seq=r.seq, finish_reason="cancelled",
-                                   decode_worker_id=self.worker_id))
+        await self.publish_stream(r.req.stream_subject,
+                                  StreamFinish(request_id=request_id, seq=r.seq, finish_reason="cancelled"))
 
     async def hand_back(self, everything: bool = False) -> None:
         """Requests that have not streamed a token go back to their gateway, which re-sends them; at the end

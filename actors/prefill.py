@@ -100,7 +100,7 @@ class PrefillActor(WorkerActor):
             stream = body.get("stream_subject")
             if isinstance(stream, str):
                 rid = body.get("request_id")
-                await publish(self.nc, check_subject(stream, "stream_subject"), StreamError(
+                await self.publish_stream(stream, StreamError(
                     request_id=rid if isinstance(rid, str) else "", seq=0, code=ErrorCode.BAD_REQUEST, status=400,
                     message=f"{self.subjects.prefill_pool} takes prefill jobs (this looks like a generate request: "
                             f"publish it on {self.subjects.generate_pool}): {error}"))
@@ -288,7 +288,8 @@ class LayerStream:
 
     def _write(self, local: list[int], remote: list[int], notify: str, layers: tuple[int, int] | None):
         return self.actor.transfer.write(self.job.dst.worker_id, local, remote, notify=notify, layers=layers,
-                                         deadline=self.deadline, incarnation=self.job.dst.incarnation)
+                                         deadline=self.deadline, incarnation=self.job.dst.incarnation,
+                                         grant=self.job.dst.grant)
 
     async def finish(self) -> None:
         """Wait for every write (woken by the engine, the loop never blocks), then, layer-wise, send the

@@ -345,12 +345,13 @@ class RemotePrefill:
         if self.req.deadline:
             deadline = min(deadline, self.req.deadline)
         self.deadline = deadline
+        grant = hub.transfer.grant(fresh, deadline)  # revoked when this attempt ends: a late write is refused
         job = PrefillJob(
             request_id=rid, prompt_ids=self.prompt_ids, sampling=self.req.sampling,
             layout_fingerprint=hub.layout.fingerprint(), layout=hub.layout.to_dict(),
             dst=KVDestination(engine=hub.transfer.name, worker_id=hub.worker_id, incarnation=hub.incarnation,
                               block_ids=fresh, first_token_index=first_index,
-                              endpoint=hub.subjects.kv_meta(hub.worker_id)),
+                              endpoint=hub.subjects.kv_meta(hub.worker_id), grant=grant),
             reply_subject=hub.subjects.prefill_done(hub.worker_id, rid), deadline=deadline,
             decode_worker_id=hub.worker_id, attempt=self.attempt, model=hub.model,
         )
@@ -371,6 +372,7 @@ class RemotePrefill:
                 return None
             return done
         finally:
+            hub.transfer.revoke(grant)
             hub.attempts.pop(tag, None)
             hub.landings.settled(tag)
 

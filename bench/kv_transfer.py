@@ -76,8 +76,10 @@ def _command(engine: Any, seen: dict[str, float], cmd: str, args: dict[str, Any]
             for tag in engine.completed():
                 seen[tag] = time.monotonic()
         return [seen.get(t) for t in args["tags"]]
+    if cmd == "grant":  # the receiver's token for these blocks, as a prefill job carries it
+        return engine.grant(args["blocks"], time.time() + 600)
     if cmd == "write":
-        # args: peer, local, remote, tag, layerwise. Returns (start, sender_done) monotonic times.
+        # args: peer, local, remote, tag, layerwise, grant. Returns (start, sender_done) monotonic times.
         layers = [(i, i + 1) for i in range(LAYOUT.num_layers)] if args["layerwise"] else [None]
         t0 = time.monotonic()
         handles = [
@@ -88,6 +90,7 @@ def _command(engine: Any, seen: dict[str, float], cmd: str, args: dict[str, Any]
                 f"{args['tag']}/{i}",
                 layers=rng,
                 deadline=time.monotonic() + 60,
+                grant=args["grant"],
             )
             for i, rng in enumerate(layers)
         ]
@@ -138,7 +141,8 @@ def measure_engine(kind: str, reps: int, device: str) -> dict[str, Any]:
                 counter += 1
                 tag = f"t{counter}"
                 t0, t_done = pre.call(
-                    "write", peer="bench-dec", local=local, remote=remote, tag=tag, layerwise=layerwise
+                    "write", peer="bench-dec", local=local, remote=remote, tag=tag, layerwise=layerwise,
+                    grant=dec.call("grant", blocks=remote)
                 )
                 count = LAYOUT.num_layers if layerwise else 1
                 seen = dec.call("seen", tags=[f"{tag}/{j}" for j in range(count)])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import ipaddress
 import logging
 import os
 import random
@@ -26,6 +27,8 @@ from urllib.parse import urlsplit, urlunsplit
 import nats
 import nats.errors
 from nats.aio.client import Client
+
+from bus.subjects import DEFAULT_INBOX, check_token
 
 log = logging.getLogger("tandem.bus.connection")
 
@@ -91,6 +94,9 @@ class BusOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_hostname: str | None = None
+    #: Where replies to this process arrive (``<prefix>.<unique>``): a server that locks each user
+    #: to its own prefix (bus/nats_config.py) keeps other processes from reading them.
+    inbox_prefix: str = DEFAULT_INBOX
     #: Deadline for the first connection (seconds); afterwards reconnects never stop.
     connect_timeout: float = 30.0
     #: Reconnect backoff: first wait, cap. Each failed round doubles the wait (±20 % jitter).
@@ -112,6 +118,7 @@ class BusOptions:
         object.__setattr__(self, "servers", servers)
         if self.tls_key and not self.tls_cert:
             raise ValueError("tls_key given without tls_cert")
+        check_token(self.inbox_prefix, "TANDEM_NATS_INBOX_PREFIX")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> BusOptions:
@@ -136,11 +143,28 @@ class BusOptions:
             tls_ca=get("TANDEM_NATS_TLS_CA"),
             tls_cert=get("TANDEM_NATS_TLS_CERT"),
             tls_key=get("TANDEM_NATS_TLS_KEY"),
+            inbox_prefix=get("TANDEM_NATS_INBOX_PREFIX") or DEFAULT_INBOX,
         )
         changes = {k: v for k, v in overrides.items() if v is not None}
         if isinstance(changes.get("servers"), str):
             changes["servers"] = tuple(u.strip() for u in changes["servers"].split(",") if u.strip())
         return replace(opts, **changes) if changes else opts
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether any credential is set (a certificate counts: the server may map it to a user)."""
+        return any((self.user, self.token, self.nkey_seed, self.creds, self.tls_cert))
+
+    def unauthenticated_remote(self) -> list[str]:
+        """Servers off this machine that this process would reach without any credential (redacted)."""
+        if self.authenticated:
+            return []
+        out = []
+        for url in self.servers:
+            host = urlsplit(url if "://" in url else f"nats://{url}").hostname or ""
+            if not _is_loopback(host):
+                out.append(redact_url(url))
+        return out
 
     @property
     def display_servers(self) -> str:
@@ -162,7 +186,7 @@ class BusOptions:
 
     def connect_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``nats.connect`` carrying servers, credentials and TLS."""
-        kw: dict[str, Any] = {"servers": list(self.servers)}
+        kw: dict[str, Any] = {"servers": list(self.servers), "inbox_prefix": self.inbox_prefix}
         if self.user is not None:
             kw["user"] = self.user
         if self.password is not None:
@@ -189,6 +213,15 @@ class BusOptions:
         return kw
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
+
+
 def backoff_delay(attempt: int, wait_min: float, wait_max: float, rng: random.Random | None = None) -> float:
     """Seconds to wait before reconnect attempt ``attempt`` (0-based): doubling, capped, ±20 %."""
     base = min(wait_max, wait_min * (2 ** min(attempt, 30)))
@@ -198,6 +231,15 @@ def backoff_delay(attempt: int, wait_min: float, wait_max: float, rng: random.Ra
 
 # Errors that announce a disconnect; the disconnect line reports them.
 _DISCONNECT_CAUSES = (nats.errors.UnexpectedEOF, nats.errors.StaleConnectionError, ConnectionError)
+
+
+def _inbox_hint(err: BaseException, inbox_prefix: str) -> str:
+    """What to do when the server refuses this process its own inbox (a locked-down config)."""
+    text = str(err)
+    if "permissions violation for subscription" not in text.lower() or f"{inbox_prefix}." not in text:
+        return ""
+    return (f"; this user may not read replies under {inbox_prefix}: set TANDEM_NATS_INBOX_PREFIX to the prefix "
+            "the server allows it (tandem's configs give user X the prefix _INBOX_X)")
 
 
 def _is_permanent_error(err: BaseException) -> bool:
@@ -226,6 +268,11 @@ async def connect(
     """
     opts = opts or BusOptions.from_env()
     kwargs = opts.connect_kwargs()
+    open_remote = opts.unauthenticated_remote()
+    if open_remote:
+        log.warning("nats %s: connecting to %s without credentials: whoever reaches that server reads and writes "
+                    "tandem's subjects (set TANDEM_NATS_USER/PASSWORD, _NKEY_SEED or _CREDS: docs/operations.md, "
+                    "Security)", name, ", ".join(open_remote))
     nc = Client()
     connected = asyncio.Event()
     first_error: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
@@ -240,7 +287,7 @@ async def connect(
                 first_error.set_result(err)
             log.debug("nats %s: connect attempt failed: %r", name, err)
         elif (nc.is_connected and not isinstance(err, _DISCONNECT_CAUSES)) or _is_permanent_error(err):
-            log.warning("nats %s: error: %r", name, err)
+            log.warning("nats %s: error: %r%s", name, err, _inbox_hint(err, opts.inbox_prefix))
         else:
             # the cause of a disconnect, or a failed reconnect attempt: the disconnect and
             # reconnect lines tell the story, so these stay at debug
@@ -340,23 +387,3 @@ def _url_of(nc: Client) -> str:
 
 def _server_urls(nc: Client) -> Sequence[str]:
     return [u.geturl() for u in getattr(nc, "discovered_servers", []) or []]
-
-
-class CliConnectError(Exception):
-    """Why a command-line tool could not connect, and the exit code it should end with."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-async def connect_for_cli(nats_url: str | None, connect_timeout: float, name: str) -> tuple[Client, BusOptions]:
-    """:func:`connect` for `tandem status` and `tandem tail`: bad options exit 2, no reachable server 1."""
-    try:
-        opts = BusOptions.from_env(servers=nats_url, connect_timeout=connect_timeout)
-    except ValueError as e:
-        raise CliConnectError(str(e), 2) from e
-    try:
-        return await connect(opts, name=name), opts
-    except BusConnectError as e:
-        raise CliConnectError(f"cannot reach NATS: {e}", 1) from e

@@ -102,7 +102,9 @@ class KVDestination(_Part, kw_only=True):
     shm segment, host:port), fetched once per ``incarnation``, which
     changes when the decode worker restarts, so writes to a dead pool are refused.
     ``first_token_index`` is the first uncached prompt token: blocks cover tokens from
-    there on (the prefix before it is already in the decode worker's cache).
+    there on (the prefix before it is already in the decode worker's cache). ``grant`` is the
+    token the decode worker's pool made for these blocks and this attempt: an engine that takes
+    writes from the network (TCP) refuses one without it (``kv.transfer.base.WriteGrants``).
     """
 
     engine: str
@@ -111,6 +113,7 @@ class KVDestination(_Part, kw_only=True):
     block_ids: list[NonNegInt]
     first_token_index: NonNegInt = 0
     endpoint: str | None = None
+    grant: str = ""
 
 
 class Usage(_Part, kw_only=True):
@@ -229,54 +232,67 @@ class PrefillDone(_Msg, tag="prefill_done", kw_only=True):
     wrote: bool = False
 
 
-class StreamTokens(_Msg, tag="stream_tokens", kw_only=True):
-    """Decode worker → gateway: the tokens of one or more steps, in order.
+class _StreamMsg(_Msg, kw_only=True):
+    """Base of the messages on one request's stream subject (decode worker → gateway).
 
     ``seq`` starts at 0 and grows by one per message of the request's stream (tokens,
     finish and error share the counter), so the gateway can detect gaps and duplicates.
-    Message 0 carries no tokens and names the worker and its process (``incarnation``): it
-    says the request was admitted, so the gateway knows whose liveness to watch while the
-    prompt is prefilled, and notices when that worker restarts under the same id.
+    Every one names its sender: ``worker_id`` and ``incarnation`` (its process). The gateway
+    shows a message only when it comes from the worker holding the request (the one it sent the
+    request to, or the one that admitted it from the pool), so a process that may publish on
+    stream subjects cannot write into another worker's answers.
+    """
+
+    request_id: str
+    seq: NonNegInt = 0
+    worker_id: str = ""
+    incarnation: str = ""
+
+
+class StreamTokens(_StreamMsg, tag="stream_tokens", kw_only=True):
+    """The tokens of one or more steps, in order.
+
+    Message 0 carries no tokens: it says the request was admitted, so the gateway knows whose
+    liveness to watch while the prompt is prefilled (and binds a pool request to its worker).
     ``logprobs[i]`` belongs to ``token_ids[i]``; ``top_logprobs[i]`` is its
     ``[token_id, logprob]`` list.
     """
 
-    request_id: str
-    seq: NonNegInt
     token_ids: list[TokenId]
     text: str = ""
-    worker_id: str = ""  # the decode worker streaming it (set on message 0)
-    incarnation: str = ""  # that worker's process (set on message 0)
     logprobs: list[float] | None = None
     top_logprobs: list[list[TopLogprob]] | None = None
 
 
-class StreamFinish(_Msg, tag="stream_finish", kw_only=True):
-    """Decode worker → gateway: the last message of a successful (or cancelled) request.
+class StreamFinish(_StreamMsg, tag="stream_finish", kw_only=True):
+    """The last message of a successful (or cancelled) request.
 
     ``finish_reason`` is ``stop``, ``length`` or ``cancelled``; ``prefill_mode`` says
     how the prompt was computed: ``remote``, ``local`` (decode worker) or ``aggregate``.
     """
 
-    request_id: str
-    seq: NonNegInt
     finish_reason: str
     usage: Usage = msgspec.field(default_factory=Usage)
     timings: Timings = msgspec.field(default_factory=Timings)
     prefill_mode: str | None = None
     prefill_worker_id: str | None = None
-    decode_worker_id: str = ""
     text: str = ""
 
 
-class StreamError(_Msg, tag="stream_error", kw_only=True):
-    """Decode worker → gateway: the request failed; ``status`` is the HTTP status to report."""
+class StreamError(_StreamMsg, tag="stream_error", kw_only=True):
+    """The request failed; ``status`` is the HTTP status to report."""
 
-    request_id: str
-    seq: NonNegInt = 0
     code: str = ErrorCode.INTERNAL
     message: str
     status: Annotated[int, msgspec.Meta(ge=400, le=599)] = 500
+
+
+class StreamSender(msgspec.Struct):
+    """Who a stream message says it is from, read from any JSON object (a message of a newer schema too)."""
+
+    request_id: str = ""
+    worker_id: str = ""
+    incarnation: str = ""
 
 
 class Cancel(_Msg, tag="cancel", kw_only=True):
@@ -427,6 +443,14 @@ def decode(data: bytes | bytearray | memoryview | str, type_: Any) -> Any:
             f"({SCHEMA_VERSION}); upgrade this process"
         )
     return msg
+
+
+def sender_of(data: bytes | bytearray | memoryview | str) -> StreamSender:
+    """The sender a stream message names, read leniently (empty when the data says nothing readable)."""
+    try:
+        return msgspec.json.decode(data, type=StreamSender)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return StreamSender()
 
 
 def decode_any(data: bytes | bytearray | memoryview | str) -> Any:

@@ -50,8 +50,12 @@ ROLE_PREFILL_ONLY = "prefill_only"
 ROLE_DECODE_ONLY = "decode_only"
 ROLES = (ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY, ROLE_DECODE_ONLY)
 
-#: Role name used for the gateway in permission helpers (it is not a pipeline role).
+#: Role names used for the gateway and for read-only tools in permission helpers (not pipeline roles).
 ROLE_GATEWAY = "gateway"
+ROLE_OBSERVER = "observer"
+
+#: nats-py's default inbox prefix (replies, pull deliveries); a locked-down server gives each process its own.
+DEFAULT_INBOX = "_INBOX"
 
 # First tokens after the namespace that have a fixed meaning; a model token equal to one
 # of them would make e.g. ``tandem.stream.generate.x`` ambiguous, so it gets a prefix.
@@ -254,26 +258,36 @@ class Subjects:
         """``tandem.kv.meta.*``: every worker's metadata endpoint."""
         return f"{self.namespace}.kv.meta.*"
 
-    def jetstream_setup_subjects(self) -> list[str]:
-        """JetStream API subjects :func:`bus.streams.ensure_streams` publishes to.
-
-        Every process ensures the streams at start, so every role's permissions include these.
-        """
+    def jetstream_info_subjects(self) -> list[str]:
+        """JetStream API subjects that read the pools' and claims' state (``ensure_streams`` when they exist)."""
         out = ["$JS.API.INFO"]
         for stream, consumer in (
             (self.generate_stream, self.generate_consumer),
             (self.prefill_stream, self.prefill_consumer),
         ):
+            out += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.CONSUMER.INFO.{stream}.{consumer}"]
+        out.append(f"$JS.API.STREAM.INFO.{self.claims_stream}")
+        return out
+
+    def jetstream_setup_subjects(self) -> list[str]:
+        """JetStream API subjects :func:`bus.streams.ensure_streams` publishes to when it creates or updates.
+
+        Where the processes create the streams at start (Compose), every role has these; where
+        someone else does (``tandem up``, the Kubernetes Job), the roles only read (:meth:`jetstream_info_subjects`).
+        """
+        out = self.jetstream_info_subjects()
+        for stream, consumer in (
+            (self.generate_stream, self.generate_consumer),
+            (self.prefill_stream, self.prefill_consumer),
+        ):
             out += [
-                f"$JS.API.STREAM.INFO.{stream}",
                 f"$JS.API.STREAM.CREATE.{stream}",
                 f"$JS.API.STREAM.UPDATE.{stream}",
-                f"$JS.API.CONSUMER.INFO.{stream}.{consumer}",
                 f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}",
                 f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}.>",
                 f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
             ]
-        out += [f"$JS.API.STREAM.{op}.{self.claims_stream}" for op in ("INFO", "CREATE", "UPDATE")]
+        out += [f"$JS.API.STREAM.{op}.{self.claims_stream}" for op in ("CREATE", "UPDATE")]
         return out
 
     def _pull_subjects(self, stream: str, consumer: str) -> list[str]:
@@ -283,23 +297,28 @@ class Subjects:
             f"$JS.ACK.{stream}.{consumer}.>",
         ]
 
-    def permissions(self, role: str, worker_id: str = "*") -> dict[str, list[str]]:
+    def permissions(self, role: str, worker_id: str = "*", *, inbox: str = DEFAULT_INBOX,
+                    create_streams: bool = True) -> dict[str, list[str]]:
         """What a role may publish and subscribe to, as NATS permission lists.
 
         Returns ``{"publish": [...], "subscribe": [...]}`` for a nats-server ``permissions``
-        block (``deploy/render_nats_conf.py`` renders the deploy config from it). ``role`` is a
-        pipeline role or ``"gateway"``; ``worker_id="*"`` gives the rule for any worker of the
-        role (one credential per role), a concrete id narrows the worker's own subjects (for a
-        gateway, the id is the gateway id). Every role may create the pool streams
-        (``ensure_streams`` runs in every process), use ``_INBOX.>`` (replies, pull
-        deliveries) and ``$SRV.>`` (NATS micro discovery); every worker serves its micro
-        endpoints ``tandem.svc.<worker>.info|stats``. Enable ``allow_responses`` too so
-        request–reply endpoints may answer.
+        block (:mod:`bus.nats_config` renders every server config from it). ``role`` is a
+        pipeline role, ``"gateway"`` or ``"observer"`` (``tandem status``/``tail``, the ``nats`` CLI:
+        reads everything, publishes only discovery and stats requests, which change nothing);
+        ``worker_id="*"`` gives the rule for any process of the role (one credential per role), a
+        concrete id narrows the process's own subjects (for a gateway, the id is the gateway id).
+        ``inbox`` is the process's inbox prefix (``TANDEM_NATS_INBOX_PREFIX``): it subscribes to
+        replies there only, so nobody else's replies (pulled jobs, transfer metadata) reach it.
+        ``create_streams`` lets the role create and update the pool streams (``ensure_streams`` at
+        start) rather than only read them. Every role uses ``$SRV.>`` (NATS micro discovery); every
+        worker serves its micro endpoints ``tandem.svc.<worker>.info|stats``. The server config
+        must also set ``allow_responses`` for the workers and the gateway, so request–reply
+        endpoints may answer.
         """
         ns = self.namespace
         me = worker_id if worker_id == "*" else check_token(worker_id, "worker id")
-        common = ["$SRV.>", "_INBOX.>"]
-        setup = self.jetstream_setup_subjects()
+        replies = [f"{check_token(inbox, 'inbox prefix')}.>"]
+        setup = self.jetstream_setup_subjects() if create_streams else self.jetstream_info_subjects()
         # NATS micro endpoints of one worker (actors/base.py registers info and stats).
         micro = [f"{ns}.svc.{me}.info", f"{ns}.svc.{me}.stats"]
         if role == ROLE_PREFILL_ONLY:
@@ -311,10 +330,10 @@ class Subjects:
                     f"{ns}.stats.{role}.{me}",
                     self.claims,  # a job delivered twice is served once
                     self.kv_meta_all,  # asks the decode worker for its transfer metadata
-                    *common,
+                    "$SRV.>",
                 ],
                 "subscribe": [
-                    f"{self.prefill_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *micro, *common,
+                    f"{self.prefill_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *micro, "$SRV.>", *replies,
                 ],
             }
         if role in (ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE):
@@ -324,9 +343,9 @@ class Subjects:
                 f"{ns}.stream.*.*",
                 f"{ns}.stats.{role}.{me}",
                 self.claims,  # a request delivered twice is served once
-                *common,
+                "$SRV.>",
             ]
-            sub = [f"{self.generate_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *micro, *common]
+            sub = [f"{self.generate_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *micro, "$SRV.>", *replies]
             if role == ROLE_DECODE_ONLY:
                 # prefill jobs go to the pool (JetStream) or to one prefill worker (core);
                 # a decode worker cancels the prefills it gave up on, hears the prefill
@@ -336,7 +355,12 @@ class Subjects:
             return {"publish": pub, "subscribe": sub}
         if role == ROLE_GATEWAY:
             return {
-                "publish": [*setup, self.generate_pool, f"{self.generate_pool}.*", self.cancel_all, *common],
-                "subscribe": [f"{ns}.stream.{me}.*", self.stats_all, *common],
+                "publish": [*setup, self.generate_pool, f"{self.generate_pool}.*", self.cancel_all, "$SRV.>"],
+                "subscribe": [f"{ns}.stream.{me}.*", self.stats_all, "$SRV.>", *replies],
             }
-        raise ValueError(f"unknown role {role!r}; expected one of {(*ROLES, ROLE_GATEWAY)}")
+        if role == ROLE_OBSERVER:
+            return {
+                "publish": ["$SRV.>", f"{ns}.svc.*.*", self.autoscale_state, *self.jetstream_info_subjects()],
+                "subscribe": [self.all, *replies],
+            }
+        raise ValueError(f"unknown role {role!r}; expected one of {(*ROLES, ROLE_GATEWAY, ROLE_OBSERVER)}")

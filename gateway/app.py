@@ -71,7 +71,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
         opts = BusOptions.from_env(servers=config.nats_url, connect_timeout=config.connect_timeout)
         bus = GatewayBus(subjects, config.gateway_id, registry, opts)
         await bus.start(ensure=config.ensure_streams)
-        gw = Gateway(config, tm, bus, registry)
+        gw = Gateway(config, tm, bus, registry, metrics)
         state["gw"] = gw
         app.state.gateway = gw
         pruner = asyncio.create_task(_prune(registry))

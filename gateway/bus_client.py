@@ -31,6 +31,7 @@ from bus.messages import (
     StreamTokens,
     WorkerStats,
     decode,
+    sender_of,
 )
 from bus.publish import js_publish, publish
 from bus.streams import ensure_streams
@@ -56,10 +57,11 @@ class NoResponders:
 
 
 class Unreadable:
-    """A message on request ``request_id``'s stream that does not parse (e.g. from a newer tandem)."""
+    """A message on request ``request_id``'s stream that does not parse (e.g. from a newer tandem), with the
+    sender it names, if any (only the worker holding the request may fail it this way)."""
 
-    def __init__(self, request_id: str, error: str) -> None:
-        self.request_id, self.error = request_id, error
+    def __init__(self, request_id: str, error: str, worker_id: str = "", incarnation: str = "") -> None:
+        self.request_id, self.error, self.worker_id, self.incarnation = request_id, error, worker_id, incarnation
 
 # JetStream API error code for a stream at its max_msgs/max_bytes with discard=new.
 _JS_STREAM_FULL = (10077, 10047)
@@ -80,7 +82,7 @@ class GatewayBus:
         self._tasks: set[asyncio.Task[None]] = set()
         self._prefix = f"{subjects.namespace}.stream.{gateway_id}."
         # targeted requests carry a reply subject here, so NATS reports "no responders" at once
-        self._inbox = f"_INBOX.{gateway_id}."
+        self._inbox = f"{opts.inbox_prefix}.{gateway_id}."
         self.dropped = 0
         self._cancelled_at: OrderedDict[str, float] = OrderedDict()  # request id → when we last cancelled it
 
@@ -134,7 +136,8 @@ class GatewayBus:
             body = decode(msg.data, StreamMessage)
         except MessageError as e:  # waiting on would hang the request or show a gap later
             log.warning("bad message on %s: %s", msg.subject, e)
-            queue.put_nowait((tag, Unreadable(rid, str(e))))
+            sender = sender_of(msg.data)
+            queue.put_nowait((tag, Unreadable(rid, str(e), sender.worker_id, sender.incarnation)))
             return
         queue.put_nowait((tag, body))
 

@@ -35,6 +35,28 @@ _GIVEN_BACK = {
 }
 #: a pool request not taken this long after its ``start_by`` fails here (the worker that pulls it drops it)
 START_GRACE_S = 2.0
+#: what workers publish on a request's stream subject
+_FROM_WORKERS = (StreamTokens, StreamFinish, StreamError, Unreadable)
+
+
+def _not_from_holder(job: Job, msg: StreamTokens | StreamFinish | StreamError | Unreadable) -> str:
+    """Why ``msg`` is not from the worker holding ``job`` ('' when it is).
+
+    The holder is the worker the job was sent to, or for a pool job the first that names itself (its
+    admission notice); its process (incarnation) is learnt from its load reports or that first message.
+    """
+    if not msg.worker_id:
+        return "unsigned"
+    if job.worker_id is None:
+        job.worker_id, job.worker_incarnation = msg.worker_id, msg.incarnation
+        return ""
+    if msg.worker_id != job.worker_id:
+        return "other_worker"
+    if not job.worker_incarnation:
+        job.worker_incarnation = msg.incarnation
+    elif msg.incarnation != job.worker_incarnation:
+        return "other_process"
+    return ""
 
 
 @dataclass
@@ -50,6 +72,7 @@ class Job:
     worker_id: str | None = None
     worker_incarnation: str = ""  # the process of ``worker_id`` holding the job, when known
     route_reason: str = ""
+    pooled: bool = False  # sent to the pool: its worker is whichever admitted it
     retried: bool = False
     migrations: int = 0  # times it moved to another decode worker mid-stream
     queued: bool = False  # when dispatched, every place was taken: it had to wait (admission's measurements)
@@ -164,6 +187,7 @@ class Run:
             gw.bus.close_request(job.request_id)
             raise
         job.worker_id = route.worker_id
+        job.pooled = route.worker_id is None
         job.worker_incarnation = reg.incarnation(route.worker_id) if route.worker_id else ""
         job.route_reason = route.reason
         job.started = time.monotonic()
@@ -212,6 +236,11 @@ class Run:
                 continue
             if isinstance(msg, StreamError) and msg.code == ErrorCode.DUPLICATE_REQUEST:
                 continue  # a copy of this job was dropped by a worker: the job itself runs on
+            if isinstance(msg, _FROM_WORKERS) and msg.request_id == job.request_id:
+                why = _not_from_holder(job, msg)
+                if why:
+                    self.gw.stream_dropped(why, job.request_id, msg.worker_id, msg.incarnation)
+                    continue
             if (isinstance(msg, StreamError) and msg.code in _GIVEN_BACK
                     and msg.request_id == job.request_id):
                 await self._lost(job, job.worker_id or "?", _GIVEN_BACK[msg.code])
@@ -226,17 +255,14 @@ class Run:
             if msg.request_id != job.request_id:
                 return None  # a late message of a job that was re-dispatched
             if msg.seq < job.next_seq:
-                return None  # duplicate
-            if msg.seq > job.next_seq:
+                gw.stream_dropped("duplicate", job.request_id, msg.worker_id, msg.incarnation)
+                return None
+            if msg.seq > job.next_seq:  # its own worker skipped one: NATS lost it (a reconnect)
                 raise OpenAIError(
                     502, f"lost part of the token stream (expected message {job.next_seq}, got {msg.seq})",
                     code="stream_gap",
                 )
             job.next_seq = msg.seq + 1
-            if msg.worker_id and job.worker_id is None:  # a pool job's worker, watched from now on
-                job.worker_id = msg.worker_id
-            if msg.incarnation and msg.worker_id == job.worker_id:
-                job.worker_incarnation = msg.incarnation
             if not msg.token_ids and not msg.text:  # the worker's admission notice
                 return None
             if msg.token_ids:
@@ -274,14 +300,14 @@ class Run:
                 raise OpenAIError(503, "the request was cancelled by the worker", code="cancelled", retry_after=1)
             job.finish_reason = msg.finish_reason if msg.finish_reason in ("stop", "length") else "stop"
             job.usage = msg.usage
-            job.decode_worker = msg.decode_worker_id
+            job.decode_worker = msg.worker_id
             job.prefill = msg.prefill_mode or ""
             if msg.prefill_worker_id:
                 job.prefill += f":{msg.prefill_worker_id}"
             if msg.text:
                 job.text_parts.append(msg.text)
-            if msg.decode_worker_id and job.worker_id is None:
-                gw.registry.remember(msg.decode_worker_id, job.hashes)
+            if job.pooled:  # the router learns where its prompt is cached now
+                gw.registry.remember(msg.worker_id, job.hashes)
             return Event("finish", job, msg.text, [])
         if isinstance(msg, StreamError):
             if msg.request_id != job.request_id:

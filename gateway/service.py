@@ -7,6 +7,7 @@ same state; the checks live here, next to that state.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -17,10 +18,20 @@ from gateway.errors import OpenAIError
 from gateway.router import WorkerRegistry
 from gateway.textmodel import TextModel, TokenBytes
 from gateway.tools import template_takes_tools
+from runtime.logs import Throttled
+from runtime.metrics import GatewayMetrics
 from runtime.settings import GatewayConfig
 
 if TYPE_CHECKING:
     from gateway.run import Job, Run
+
+log = logging.getLogger("tandem.gateway")
+_dropped_log = Throttled(log)
+_DROP_WHY = {
+    "unsigned": "it names no worker",
+    "other_worker": "another worker holds the request",
+    "other_process": "the worker holding the request is another process",
+}
 
 #: admission counts a request's KV blocks for its prompt and this much of its answer (max_tokens is
 #: often the whole context: counting all of it would see room for a handful of requests)
@@ -30,8 +41,10 @@ TYPICAL_ANSWER_TOKENS = 256
 class Gateway:
     """The gateway's shared state and the checks every request goes through."""
 
-    def __init__(self, config: GatewayConfig, text: TextModel, bus: GatewayBus, registry: WorkerRegistry) -> None:
+    def __init__(self, config: GatewayConfig, text: TextModel, bus: GatewayBus, registry: WorkerRegistry,
+                 metrics: GatewayMetrics) -> None:
         self.config = config
+        self.metrics = metrics
         self.text = text
         self.bus = bus
         self.registry = registry
@@ -50,6 +63,14 @@ class Gateway:
     def served_name(self) -> str:
         """The name responses carry: the first --served-model-name, else the model's."""
         return self.config.served_model_names[0] if self.config.served_model_names else self.text.name
+
+    def stream_dropped(self, reason: str, request_id: str, worker_id: str, incarnation: str) -> None:
+        """A message on a request's stream subject that the client must not see: counted, logged (throttled)."""
+        self.metrics.stream_dropped.labels(reason).inc()
+        if reason != "duplicate":
+            _dropped_log.warning(reason, "dropped a message on request %s's stream that says it is from %s (%s): "
+                                 "%s (tandem_gateway_stream_messages_dropped_total)", request_id,
+                                 worker_id or "nobody", incarnation or "no process", _DROP_WHY[reason])
 
     # ---- checks ------------------------------------------------------------------------
     def check_model(self, model: str) -> None:

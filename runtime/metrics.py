@@ -24,6 +24,11 @@ class GatewayMetrics:
         self.stream_errors = Counter("tandem_gateway_stream_errors_total",
                                      "Streams that failed after their 200 was sent, by error code", ["code"],
                                      registry=r)
+        self.stream_dropped = Counter(
+            "tandem_gateway_stream_messages_dropped_total",
+            "Messages on a request's stream subject not shown to the client: not from the worker holding the "
+            "request (unsigned, other_worker, other_process), or a sequence number already seen (duplicate)",
+            ["reason"], registry=r)
         self.in_flight = Gauge("tandem_gateway_requests_in_flight", "Choices being generated", registry=r)
         self.live_workers = Gauge("tandem_gateway_live_workers", "Decode-capable workers heard from recently",
                                   registry=r)

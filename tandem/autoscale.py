@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from bus.connection import BusOptions
 from bus.demand import SCALED_ROLES, Demand, pool_lag, role_demand
 from bus.messages import AutoscaleState, RoleScale, WorkerStats, decode, encode
 from bus.subjects import Subjects, model_token
@@ -141,8 +143,8 @@ class DemandFeed:
     answers ``tandem.autoscale.state`` with the latest :class:`AutoscaleState`.
     """
 
-    def __init__(self, nats_url: str, subjects: Subjects, interval: float = 1.0) -> None:
-        self.nats_url = nats_url
+    def __init__(self, bus: BusOptions, subjects: Subjects, interval: float = 1.0) -> None:
+        self.bus = bus
         self.subjects = subjects
         self.interval = interval
         self.state: AutoscaleState | None = None
@@ -161,7 +163,8 @@ class DemandFeed:
         self._thread.start()
         if not self._started.wait(timeout) or self.error:
             self.stop()
-            raise RuntimeError(f"autoscaler: cannot reach NATS at {self.nats_url}: {self.error or 'timed out'}")
+            raise RuntimeError(f"autoscaler: cannot reach NATS at {self.bus.display_servers}: "
+                               f"{self.error or 'timed out'}")
 
     def stop(self) -> None:
         """End the thread and its connection."""
@@ -184,12 +187,12 @@ class DemandFeed:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        from bus.connection import BusOptions, connect
+        from bus.connection import connect
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            nc = await connect(BusOptions.from_env(servers=self.nats_url, connect_timeout=10.0), name="tandem-autoscale")
+            nc = await connect(dataclasses.replace(self.bus, connect_timeout=10.0), name="tandem-autoscale")
         except Exception as e:  # reported by start()
             self.error = str(e) or type(e).__name__
             self._started.set()

@@ -343,7 +343,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from bus.connection import CliConnectError, connect_for_cli
+    from tandem.local_run import CliConnectError, connect_for_cli
 
     namespace = args.namespace or os.environ.get("TANDEM_NAMESPACE") or "tandem"
     try:

@@ -92,7 +92,7 @@ class Printer:
             if msg.prefill_worker_id:
                 where += f" by {msg.prefill_worker_id}"
             return (f"seq {msg.seq} {msg.finish_reason}: {u.prompt_tokens} prompt ({u.cached_tokens} cached), "
-                    f"{u.completion_tokens} completion tokens;{where} decode by {msg.decode_worker_id or '?'}; "
+                    f"{u.completion_tokens} completion tokens;{where} decode by {msg.worker_id or '?'}; "
                     f"queue={tm.queue * 1000:.1f}ms prefill={tm.prefill * 1000:.1f}ms "
                     f"transfer={tm.transfer * 1000:.1f}ms decode={tm.decode * 1000:.1f}ms")
         if k == "stream_error":
@@ -206,7 +206,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from bus.connection import CliConnectError, connect_for_cli
+    from tandem.local_run import CliConnectError, connect_for_cli
 
     namespace = args.namespace or os.environ.get("TANDEM_NAMESPACE") or "tandem"
     subject = args.subject or f"{namespace}.>"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -36,6 +37,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from bus.connection import BusOptions, connect
+from bus.subjects import Subjects
 from gateway.server import add_sampling_default_flags, sampling_default_args
 from runtime.placement import WorkerPlacement, available_cpus, format_cpus, plan_layout
 from runtime.processes import (
@@ -48,10 +51,15 @@ from runtime.processes import (
     stop_all,
 )
 from tandem.autoscale import RolePolicy, parse_ranges, parse_role_numbers, policies
+from tandem.local_run import OWNER, LocalRun
 
 DEFAULT_PORT = 8000
 DEFAULT_NATS_PORT = 4222
 DEFAULT_METRICS_BASE = 9400
+#: variables that log a process in to some NATS: our own embedded one gives each child its own instead
+_NATS_LOGIN_ENV = ("TANDEM_NATS_USER", "TANDEM_NATS_PASSWORD", "TANDEM_NATS_TOKEN", "TANDEM_NATS_NKEY_SEED",
+                   "TANDEM_NATS_CREDS", "TANDEM_NATS_INBOX_PREFIX", "TANDEM_NATS_TLS_CA", "TANDEM_NATS_TLS_CERT",
+                   "TANDEM_NATS_TLS_KEY")
 #: the role ``--autoscale`` sizes each pipeline role under
 SCALED_ROLE = {"prefill_only": "prefill", "decode_only": "decode", "prefill_and_decode": "decode"}
 
@@ -192,18 +200,17 @@ class Plan:
     autoscale: dict[str, RolePolicy] | None = None  # scaled role -> its policy (--autoscale)
     slots: list[tuple[str, str, int]] = field(default_factory=list)  # every worker --autoscale may run, in order
     autoscale_metrics_port: int | None = None
+    gateway_id: str = ""
 
 
 def _tandem(*args: str) -> list[str]:
     return [sys.executable, "-m", "tandem.cli", *args]
 
 
-async def _ensure_streams(nats_url: str, model_name: str, namespace: str, timeout: float) -> None:
-    from bus.connection import BusOptions, connect
+async def _ensure_streams(bus: BusOptions, model_name: str, namespace: str, timeout: float) -> None:
     from bus.streams import ensure_streams
-    from bus.subjects import Subjects
 
-    nc = await connect(BusOptions.from_env(servers=nats_url, connect_timeout=timeout), name="tandem-up")
+    nc = await connect(dataclasses.replace(bus, connect_timeout=timeout), name="tandem-up")
     try:
         await ensure_streams(nc, Subjects(model_name, namespace), timeout=timeout)
     finally:
@@ -252,6 +259,7 @@ class Cluster:
         self.stop_timeout = stop_timeout
         self.members: list[Member] = []
         self.nats: Any = None
+        self.run: LocalRun | None = None  # our own NATS's credentials (None when joining one)
         self.supervisor: Supervisor | None = None
         self.stop_reason: str | None = None
         self.force = False
@@ -310,6 +318,9 @@ class Cluster:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+        if self.run is not None:
+            self.run.remove()
+            self.run = None
 
 
 def _count_restart(unit: Any, restarts: int) -> None:
@@ -397,6 +408,8 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
             if first[role] < (scaling[role].min if role in scaling else len(slots)):
                 workers.append(slot)
             first[role] += 1
+    gateway_extra = shlex.split(args.gateway_args)
+    gateway_id = _flag_value(gateway_extra, "--gateway-id") or f"gw-{uuid.uuid4().hex[:8]}"
     serve_args = ["--model", model, "--namespace", namespace]
     if args.dtype:
         serve_args += ["--dtype", args.dtype]
@@ -416,16 +429,28 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         workers=workers,
         serve_args=serve_args,
         gateway_args=["--model", model, "--namespace", namespace, "--host", args.host, "--port", str(port),
-                      "--drain-timeout", f"{args.drain_timeout:g}",
+                      "--drain-timeout", f"{args.drain_timeout:g}", "--gateway-id", gateway_id,
                       *[w for name in args.served_model_name or () for w in ("--served-model-name", name)],
-                      *sampling_default_args(args), *shlex.split(args.gateway_args)],
+                      *sampling_default_args(args), *gateway_extra],
         placements=placements,
         placement_note=layout.note,
         served_name=(args.served_model_name or [model_name(model)])[0],
         autoscale=scaling,
         slots=slots,
         autoscale_metrics_port=(args.autoscale_metrics_port or ports[-1]) if scaling is not None else None,
+        gateway_id=gateway_id,
     )
+
+
+def _flag_value(words: list[str], flag: str) -> str | None:
+    """The value ``words`` give ``flag`` (``--flag v`` or ``--flag=v``; the last one wins), or None."""
+    value = None
+    for i, w in enumerate(words):
+        if w == flag and i + 1 < len(words):
+            value = words[i + 1]
+        elif w.startswith(flag + "="):
+            value = w.split("=", 1)[1]
+    return value
 
 
 def _autoscale_policies(args: argparse.Namespace) -> dict[str, RolePolicy] | None:
@@ -495,28 +520,41 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
         text = load_text(plan.model)
         cluster.say(f"tandem up: model {plan.model_name} ({text.path}): {text.config.num_layers} layers, context "
                     f"{text.config.max_position}, vocabulary {text.config.vocab_size}")
-        # 1. NATS
+        # 1. NATS: our own admits only this run's processes, each with its own NKey and subjects
         if own_nats:
+            for key in _NATS_LOGIN_ENV:  # they describe some other server
+                env.pop(key, None)
+            cluster.run = LocalRun.create(Subjects(plan.model_name, plan.namespace),
+                                          [(wid, role) for wid, role, _ in plan.slots], plan.gateway_id)
             nport = args.nats_port
             if nport and not port_free(nport):
                 cluster.warn(f"tandem up: port {nport} is busy; the embedded NATS takes a free port instead")
                 nport = 0
             cluster.nats = EmbeddedNats(port=nport, die_with_parent=True, server_name="nats",
-                                        monitor_port=args.nats_monitor_port)
+                                        monitor_port=args.nats_monitor_port, config=cluster.run.config)
             cluster.nats.start()
             nats_url = cluster.nats.url
+            owner = cluster.run.credentials[OWNER]
+            bus = BusOptions(servers=(nats_url,), nkey_seed=str(owner.seed_file), inbox_prefix=owner.inbox)
+            cluster.run.announce(nats_url, plan.namespace)
         else:
             nats_url = args.nats_url
+            bus = BusOptions.from_env(servers=nats_url)
             cluster.say(f"tandem up: joining NATS at {nats_url}")
-        if not asyncio.run(_unless_stopped(cluster, _ensure_streams(nats_url, plan.model_name, plan.namespace, 15.0),
+        if not asyncio.run(_unless_stopped(cluster, _ensure_streams(bus, plan.model_name, plan.namespace, 15.0),
                                            30.0)):
             cluster.say(f"tandem up: {cluster.stop_reason} during start-up; stopping")
             return 0
+
+        def login(name: str) -> dict[str, str]:
+            return {**env, **(cluster.run.env(name) if cluster.run is not None else {})}
+
         # 2. workers, 3. gateway
         for wid, role, mport in plan.workers:
-            cluster.members.append(Member(worker_child(plan, wid, role, mport, nats_url, logging_args, env, echo),
-                                          role, mport))
-        cluster.members.append(Member(gateway_child(plan, nats_url, logging_args, env, echo), "gateway"))
+            cluster.members.append(Member(worker_child(plan, wid, role, mport, nats_url, logging_args, login(wid),
+                                                       echo), role, mport))
+        cluster.members.append(Member(gateway_child(plan, nats_url, logging_args, login(plan.gateway_id), echo),
+                                      "gateway"))
         for m in cluster.members:
             m.child.start()
         cluster.supervise(policy)
@@ -549,7 +587,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
         # 5. the scaler, then tell the person
         if plan.autoscale is not None:
             scaling = Autoscaling(cluster, plan, lambda wid, role, mport: worker_child(
-                plan, wid, role, mport, nats_url, logging_args, env, echo), nats_url,
+                plan, wid, role, mport, nats_url, logging_args, login(wid), echo), bus,
                 args.autoscale_cooldown, args.autoscale_interval)
             scaling.start()
         _announce(cluster, plan, url, nats_url)
@@ -594,8 +632,7 @@ class Autoscaling:
     decides (:class:`tandem.autoscale.Decider`) and starts or drains workers of the plan's slots."""
 
     def __init__(self, cluster: Cluster, plan: Plan, make_child: Callable[[str, str, int], ChildProcess],
-                 nats_url: str, cooldown: float, interval: float) -> None:
-        from bus.subjects import Subjects
+                 bus: BusOptions, cooldown: float, interval: float) -> None:
         from runtime.metrics import AutoscaleMetrics
         from tandem.autoscale import Decider, DemandFeed
 
@@ -605,7 +642,7 @@ class Autoscaling:
         self.make_child = make_child
         self.policies = plan.autoscale
         self.decider = Decider(self.policies, cooldown)
-        self.feed = DemandFeed(nats_url, Subjects(plan.model_name, plan.namespace), interval)
+        self.feed = DemandFeed(bus, Subjects(plan.model_name, plan.namespace), interval)
         self.interval = interval
         self.metrics = AutoscaleMetrics()
         self.draining: dict[str, float] = {}  # worker id -> when to SIGKILL it
@@ -774,7 +811,12 @@ def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     cluster.say(f"tandem is up: model {plan.served_name}")
     cluster.say(f"  OpenAI API  {url}/v1")
-    cluster.say(f"  NATS        {nats_url}   (watch: nats sub '{plan.namespace}.>' -s {nats_url})")
+    if cluster.run is not None:
+        cluster.say(f"  NATS        {nats_url}   (every process logs in with its own NKey; strangers are refused)")
+        cluster.say(f"  watch       {cluster.run.watch_command(nats_url, plan.namespace)}   (read-only; "
+                    "tandem status / tandem tail use it too)")
+    else:
+        cluster.say(f"  NATS        {nats_url}   (watch: nats sub '{plan.namespace}.>' -s {nats_url})")
     if cluster.nats is not None and cluster.nats.monitor_url:
         cluster.say(f"  monitoring  {cluster.nats.monitor_url}/jsz?consumers=true   (what KEDA's scaler reads)")
     for m in cluster.members:
@@ -804,6 +846,9 @@ def _write_ready_file(path: Path, cluster: Cluster, plan: Plan, url: str, nats_u
         "pid": os.getpid(),
         "nats_pid": cluster.nats.pid if cluster.nats is not None else None,
         "nats_store": cluster.nats.store_dir if cluster.nats is not None else None,
+        # the read-only debug login of our own NATS (None when joining one): nats-py's nkeys_seed, inbox_prefix
+        "nats_debug_seed": str(cluster.run.debug.seed_file) if cluster.run is not None else None,
+        "nats_debug_inbox": cluster.run.debug.inbox if cluster.run is not None else None,
         "autoscale_metrics": (f"{url.rsplit(':', 1)[0]}:{plan.autoscale_metrics_port}/metrics"
                               if plan.autoscale is not None else None),
         "children": [{"name": m.name, "role": m.role, "pid": m.child.pid, "metrics_port": m.metrics_port,

@@ -142,7 +142,10 @@ def test_raw_json_request_and_every_message_is_json(cluster, smollm):
     admitted = stream_msgs[0]
     assert admitted["kind"] == "stream_tokens" and admitted["token_ids"] == [] and admitted["worker_id"] in ("d1", "d2")
     assert [d["seq"] for d in stream_msgs] == list(range(len(stream_msgs)))
-    assert stream_msgs[-1]["decode_worker_id"] == admitted["worker_id"]
+    # every message names the worker holding the request and its process (the gateway shows no other's)
+    assert {(d["worker_id"], d["incarnation"]) for d in stream_msgs} == {(admitted["worker_id"],
+                                                                          admitted["incarnation"])}
+    assert admitted["incarnation"]
     assert seen
     parsed = [json.loads(m.data) for m in seen]  # raises if any message is not JSON
     assert EVERY_KIND <= {p.get("kind") for p in parsed}
@@ -431,7 +434,7 @@ def test_two_prefill_two_decode_share_load(cluster, smollm):
 
     outs = run(go())
     assert all("finish" in o for o in outs)
-    assert {o["finish"]["decode_worker_id"] for o in outs} == {"d1", "d2"}
+    assert {o["finish"]["worker_id"] for o in outs} == {"d1", "d2"}
     assert {o["finish"]["prefill_worker_id"] for o in outs} - {None} == {"p1", "p2"}  # None: prefilled locally
 
 

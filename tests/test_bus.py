@@ -215,6 +215,37 @@ def test_options_from_env() -> None:
         BusOptions(servers=())
 
 
+def test_inbox_prefix_and_unauthenticated_remote_servers() -> None:
+    """Replies arrive under TANDEM_NATS_INBOX_PREFIX (what a locked-down server lets the user read); a server off
+    this machine reached without any credential is named, so the process can say so."""
+    o = BusOptions.from_env({"TANDEM_NATS_INBOX_PREFIX": "_INBOX_decode"})
+    assert o.inbox_prefix == "_INBOX_decode" and o.connect_kwargs()["inbox_prefix"] == "_INBOX_decode"
+    assert BusOptions.from_env({}).inbox_prefix == "_INBOX"
+    with pytest.raises(ValueError, match="TANDEM_NATS_INBOX_PREFIX"):
+        BusOptions.from_env({"TANDEM_NATS_INBOX_PREFIX": "_INBOX.x"})
+    remote = BusOptions(servers=("nats://127.0.0.1:4222", "nats://[::1]:4222", "nats://localhost:1",
+                                 "nats://10.9.8.7:4222", "tls://nats.example:4222"))
+    assert remote.unauthenticated_remote() == ["nats://10.9.8.7:4222", "tls://nats.example:4222"]
+    assert BusOptions(servers=("nats://127.0.0.1:4222",)).unauthenticated_remote() == []
+    for cred in ({"user": "u"}, {"token": "t"}, {"nkey_seed": "/s.nk"}, {"creds": "/c.creds"}):
+        assert BusOptions(servers=("nats://10.9.8.7:4222",), **cred).unauthenticated_remote() == []
+
+
+def test_an_open_remote_server_is_named_at_start(tmp_path: Path) -> None:
+    """`tandem status` pointed at a server by a name (which may resolve anywhere) with no credential says so."""
+    import socket
+
+    with EmbeddedNats(host="0.0.0.0") as srv:
+        url = f"nats://{socket.gethostname()}:{srv.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_NATS_")}
+        res = subprocess.run([sys.executable, "-m", "tandem.cli", "status", "--json", "--nats-url", url,
+                              "--timeout", "10", "--wait", "0.2"], capture_output=True, text=True, timeout=60,
+                             env={**env, "TANDEM_CACHE_DIR": str(tmp_path)})
+    assert res.returncode == 0, res.stderr
+    assert f"connecting to {url} without credentials" in res.stderr
+    assert "docs/operations.md" in res.stderr
+
+
 def test_backoff_grows_and_caps() -> None:
     waits = [backoff_delay(i, 0.1, 5.0) for i in range(12)]
     assert 0.08 <= waits[0] <= 0.12
@@ -552,7 +583,8 @@ def sample_messages() -> list[msgspec.Struct]:
             timings=m.Timings(queue=0.001, prefill=0.1, transfer=0.02, decode=0.3),
             prefill_mode="remote",
             prefill_worker_id="p1",
-            decode_worker_id="d1",
+            worker_id="d1",
+            incarnation="i1",
         ),
         m.StreamError(
             request_id="r1", seq=2, code=m.ErrorCode.DEADLINE_EXCEEDED, message="too slow", status=504

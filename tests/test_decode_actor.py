@@ -58,12 +58,23 @@ class RecordingNats:
 
 
 class QuietTransfer:
-    """A transfer engine that sees no landings and needs no polling."""
+    """A transfer engine that sees no landings and needs no polling; it records the write grants it makes."""
 
     name = "shm"
 
     def __init__(self) -> None:
         self.reads = 0
+        self.grants: dict[str, list[int]] = {}  # live ones
+        self.revoked: list[str] = []
+
+    def grant(self, blocks: list[int], deadline: float) -> str:
+        token = f"grant-{len(self.grants) + len(self.revoked)}"
+        self.grants[token] = list(blocks)
+        return token
+
+    def revoke(self, token: str) -> None:
+        self.grants.pop(token)
+        self.revoked.append(token)
 
     def completion_fds(self) -> list[int]:
         return []
@@ -226,6 +237,8 @@ def test_a_remote_prefill_lands_on_its_reply_and_its_landing_event():
     outcome, job, engine, hub, rp = asyncio.run(go())
     assert outcome.kind == LANDED and outcome.done.first_token == 7
     assert job.dst.block_ids == [10, 11] and job.reply_subject == "tandem.prefill.done.d9.r1"
+    # the job carried a write grant for exactly its blocks, revoked once the KV landed
+    assert job.dst.grant == "grant-0" and hub.transfer.revoked == ["grant-0"] and hub.transfer.grants == {}
     assert engine.calls == [("reserve", "r1")]
     assert rp.begun and hub.attempts == {} and hub.landings.polled == set()
     assert hub.landings._poller is None and hub.transfer.reads == 0
@@ -242,12 +255,13 @@ def test_abandon_wakes_a_waiting_remote_prefill_and_quarantines_its_blocks():
         outcome = await asyncio.wait_for(running, timeout=30)
         held = dict(hub.quarantined)
         cancel_timers(hub)
-        return outcome, engine, held
+        return outcome, engine, held, hub.transfer
 
-    outcome, engine, held = asyncio.run(go())
+    outcome, engine, held, transfer = asyncio.run(go())
     assert outcome.kind == CANCELLED
     assert engine.calls == [("reserve", "r1"), ("abandon", "r1", True)]
     assert held == {"r1:0": [10, 11]}
+    assert transfer.revoked == ["grant-0"]  # a late write over TCP is refused; other engines: the quarantine
 
 
 def test_abandon_while_waiting_for_the_landing_wakes_that_wait_too():
@@ -340,7 +354,7 @@ def test_a_request_that_arrives_while_draining_is_handed_back():
     """A targeted request on its way when the drain began goes back to its gateway, which re-sends it."""
     async def go():
         actor = bare_decode_actor()
-        actor.draining, actor.requests, actor.worker_id = True, {}, "d9"
+        actor.draining, actor.requests, actor.worker_id, actor.incarnation = True, {}, "d9", "inc-d9"
         actor.seen, actor.cancelled_ids, actor.nc = SeenIds(), SeenIds(), RecordingNats()
         req = GenerateRequest(request_id="late-1", prompt_ids=[1, 2, 3], stream_subject="tandem.stream.gw.late-1")
         await actor.accept(SimpleNamespace(data=encode(req)), from_pool=False)
@@ -352,6 +366,7 @@ def test_a_request_that_arrives_while_draining_is_handed_back():
     err = decode(data, StreamError)
     assert subject == "tandem.stream.gw.late-1"
     assert (err.request_id, err.code, err.status) == ("late-1", ErrorCode.HANDED_BACK, 503)
+    assert (err.worker_id, err.incarnation) == ("d9", "inc-d9")  # signed: the gateway takes it from its holder
 
 
 def test_draining_prefill_workers_get_no_jobs():

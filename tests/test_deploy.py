@@ -29,6 +29,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bus import nats_config as natsconf
 from bus.demand import lag_from_jsz, pool_lag
 from bus.messages import (
     Cancel,
@@ -87,9 +88,15 @@ render = load_render()
 
 def password_env() -> dict[str, str]:
     """A password for every user of the rendered configs, as nats-server reads them."""
-    env = {u.password_var: f"pw-{u.name}" for u in render.users(Subjects(DEFAULT_MODEL))}
+    env = {u.password_var: f"pw-{u.name}" for u in natsconf.deploy_users(Subjects(DEFAULT_MODEL))}
     env["TANDEM_NATS_PASSWORD_SYS"] = "pw-sys"
     return env
+
+
+def login_env(user: str) -> dict[str, str]:
+    """What a tandem process logging in as deploy ``user`` gets (its password as in password_env, its inbox)."""
+    return {"TANDEM_NATS_USER": user, "TANDEM_NATS_PASSWORD": f"pw-{user}",
+            "TANDEM_NATS_INBOX_PREFIX": natsconf.inbox_of(user)}
 
 
 def dig(obj: Any, path: str) -> Any:
@@ -396,7 +403,7 @@ def test_k8s_services_target_existing_ports(k8s: K8s) -> None:
                 target = port.get("targetPort", port["port"])
                 for tpl in pods:
                     assert target in _ports(tpl), f"Service/{svc['metadata']['name']} targets {target}"
-    statefulset = k8s.get("StatefulSet", render.STATEFULSET)
+    statefulset = k8s.get("StatefulSet", natsconf.STATEFULSET)
     headless = k8s.get("Service", statefulset["spec"]["serviceName"])
     assert headless["spec"].get("clusterIP") == "None"
     gw = k8s.get("Service", "tandem-gateway")
@@ -425,9 +432,9 @@ def test_k8s_references_resolve(k8s: K8s) -> None:
 
 
 def test_k8s_nats_cluster_matches_the_rendered_config(k8s: K8s) -> None:
-    sts = k8s.get("StatefulSet", render.STATEFULSET)
-    assert sts["spec"]["replicas"] == render.CLUSTER_SIZE == 3
-    assert sts["spec"]["serviceName"] == render.STATEFULSET
+    sts = k8s.get("StatefulSet", natsconf.STATEFULSET)
+    assert sts["spec"]["replicas"] == natsconf.CLUSTER_SIZE == 3
+    assert sts["spec"]["serviceName"] == natsconf.STATEFULSET
     assert sts["spec"]["volumeClaimTemplates"]
     nats_c = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "nats")
     args = nats_c["args"]
@@ -439,18 +446,18 @@ def test_k8s_nats_cluster_matches_the_rendered_config(k8s: K8s) -> None:
     assert args[args.index("-sd") + 1].startswith(next(m["mountPath"] for m in nats_c["volumeMounts"]
                                                        if m["name"] == "data"))
     ports = _ports(sts["spec"]["template"])
-    assert ports["client"] == render.CLIENT_PORT and ports["cluster"] == render.CLUSTER_PORT
-    assert ports["monitor"] == render.MONITOR_PORT
+    assert ports["client"] == natsconf.CLIENT_PORT and ports["cluster"] == natsconf.CLUSTER_PORT
+    assert ports["monitor"] == natsconf.MONITOR_PORT
     env = k8s.env_of(nats_c)
     assert env["POD_NAME"] == "field:metadata.name"
     for var in re.findall(r"\$(TANDEM_NATS_PASSWORD_[A-Z]+)", conf):
         assert env.get(var, "").startswith("secret:tandem-nats-auth/"), f"nats pods lack {var}"
-    for i in range(render.CLUSTER_SIZE):
-        assert f"nats-route://{render.STATEFULSET}-{i}.{render.STATEFULSET}:{render.CLUSTER_PORT}" in conf
+    for i in range(natsconf.CLUSTER_SIZE):
+        assert f"nats-route://{natsconf.STATEFULSET}-{i}.{natsconf.STATEFULSET}:{natsconf.CLUSTER_PORT}" in conf
     assert "-sl=ldm=/var/run/nats/nats.pid" in json.dumps(nats_c["lifecycle"]) and "/var/run/nats/nats.pid" in conf
     client_url = k8s.get("ConfigMap", "tandem-config")["data"]["TANDEM_NATS_URL"]
     host, port = client_url.removeprefix("nats://").split(":")
-    assert int(port) == render.CLIENT_PORT and _pods_of(k8s, k8s.get("Service", host)["spec"]["selector"])
+    assert int(port) == natsconf.CLIENT_PORT and _pods_of(k8s, k8s.get("Service", host)["spec"]["selector"])
 
 
 ROLE_OF_DEPLOYMENT = {"tandem-prefill": ROLE_PREFILL_ONLY, "tandem-decode": ROLE_DECODE_ONLY}
@@ -472,7 +479,7 @@ def parse_tandem(cmd: list[str]) -> Any:
 #: TANDEM_* variables read by something other than runtime.settings.Settings.
 OTHER_ENV = {
     "TANDEM_NATS_USER", "TANDEM_NATS_PASSWORD", "TANDEM_NATS_TOKEN", "TANDEM_NATS_NKEY_SEED", "TANDEM_NATS_CREDS",
-    "TANDEM_NATS_TLS_CA", "TANDEM_NATS_TLS_CERT", "TANDEM_NATS_TLS_KEY",  # bus/connection.py
+    "TANDEM_NATS_TLS_CA", "TANDEM_NATS_TLS_CERT", "TANDEM_NATS_TLS_KEY", "TANDEM_NATS_INBOX_PREFIX",  # bus/connection.py
     "TANDEM_GATEWAY_ID", "TANDEM_API_KEYS", "TANDEM_CACHE_DIR",  # runtime/settings.py, engine/loader.py
     "TANDEM_STREAM_REPLICAS", "TANDEM_STREAMS_TIMEOUT",  # deploy/k8s/init-streams.py
     "TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT",  # tandem/cli.py
@@ -493,7 +500,7 @@ def check_tandem_env(env: dict[str, str], where: str) -> None:
 
 
 def test_k8s_workers_roles_credentials_and_metrics_ports(k8s: K8s) -> None:
-    users = {u.name: u for u in render.users(Subjects(DEFAULT_MODEL))}
+    users = {u.name: u for u in natsconf.deploy_users(Subjects(DEFAULT_MODEL))}
     for deployment, role in ROLE_OF_DEPLOYMENT.items():
         c = k8s.tandem_container(deployment)
         args = parse_tandem(c["command"] + c["args"])
@@ -501,7 +508,9 @@ def test_k8s_workers_roles_credentials_and_metrics_ports(k8s: K8s) -> None:
         env = k8s.env_of(c)
         check_tandem_env(env, deployment)
         user = env["TANDEM_NATS_USER"]
-        assert user == USER_OF_ROLE[role] and users[user].permissions == Subjects(DEFAULT_MODEL).permissions(role)
+        assert user == USER_OF_ROLE[role]
+        assert users[user].permissions == Subjects(DEFAULT_MODEL).permissions(role, inbox=natsconf.inbox_of(user))
+        assert env["TANDEM_NATS_INBOX_PREFIX"] == users[user].inbox  # its replies arrive where it may read
         assert env["TANDEM_NATS_PASSWORD"] == f"secret:tandem-nats-auth/{user}"
         assert int(env["TANDEM_METRICS_PORT"]) == WORKER_METRICS_PORT
         assert _ports(k8s.get("Deployment", deployment)["spec"]["template"])["metrics"] == WORKER_METRICS_PORT
@@ -515,11 +524,12 @@ def test_k8s_workers_roles_credentials_and_metrics_ports(k8s: K8s) -> None:
     env = k8s.env_of(gw)
     check_tandem_env(env, "tandem-gateway")
     assert env["TANDEM_NATS_USER"] == "gateway" and env["TANDEM_GATEWAY_ID"] == "field:metadata.name"
+    assert env["TANDEM_NATS_INBOX_PREFIX"] == natsconf.inbox_of("gateway")
     job = k8s.get("Job", "tandem-streams")
     [jc] = job["spec"]["template"]["spec"]["containers"]
     jenv = k8s.env_of(jc)
     check_tandem_env(jenv, "tandem-streams")
-    assert jenv["TANDEM_NATS_USER"] == "admin" and int(jenv["TANDEM_STREAM_REPLICAS"]) == render.CLUSTER_SIZE
+    assert jenv["TANDEM_NATS_USER"] == "admin" and int(jenv["TANDEM_STREAM_REPLICAS"]) == natsconf.CLUSTER_SIZE
     script = Path(jc["command"][-1])
     scripts = next(v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "scripts")
     assert script.name in k8s.get("ConfigMap", scripts["configMap"]["name"])["data"]
@@ -534,7 +544,7 @@ def test_k8s_podmonitors_scrape_every_process(k8s: K8s) -> None:
                 assert endpoint["port"] in _ports(tpl), f"PodMonitor/{pm['metadata']['name']}: port {endpoint['port']}"
                 assert endpoint.get("path", "/metrics") == "/metrics"
             scraped |= {w["metadata"]["name"] for w, tpl in k8s.pod_templates() if tpl in pods}
-    assert {"tandem-prefill", "tandem-decode", "tandem-gateway", render.STATEFULSET} <= scraped
+    assert {"tandem-prefill", "tandem-decode", "tandem-gateway", natsconf.STATEFULSET} <= scraped
     workers = next(pm for pm in k8s.of("PodMonitor") if pm["metadata"]["name"] == "tandem-workers")
     assert workers["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     for deployment in ROLE_OF_DEPLOYMENT:
@@ -549,7 +559,7 @@ def test_keda_scaled_objects_name_the_codes_streams(k8s: K8s) -> None:
     assert s.generate_stream == "TANDEM_SMOLLM2_135M_INSTRUCT_GENERATE"
     assert s.prefill_stream == "TANDEM_SMOLLM2_135M_INSTRUCT_PREFILL"
     pools = {"generate": (s.generate_stream, GENERATE_CONSUMER), "prefill": (s.prefill_stream, PREFILL_CONSUMER)}
-    headless = k8s.get("Service", render.STATEFULSET)
+    headless = k8s.get("Service", natsconf.STATEFULSET)
     monitor = next(p["port"] for p in headless["spec"]["ports"] if p["name"] == "monitor")
     seen = {}
     for so in k8s.of("ScaledObject"):
@@ -565,9 +575,9 @@ def test_keda_scaled_objects_name_the_codes_streams(k8s: K8s) -> None:
                 continue
             assert trig["type"] == "nats-jetstream"
             assert (md["stream"], md["consumer"]) in pools.values()
-            assert md["account"] == render.ACCOUNT
+            assert md["account"] == natsconf.ACCOUNT
             host, port = md["natsServerMonitoringEndpoint"].split(":")
-            assert host == f"{render.STATEFULSET}.{NAMESPACE}.svc.cluster.local" and int(port) == monitor
+            assert host == f"{natsconf.STATEFULSET}.{NAMESPACE}.svc.cluster.local" and int(port) == monitor
             int(md["lagThreshold"])
         own = pools["prefill" if role == ROLE_PREFILL_ONLY else "generate"]
         first = so["spec"]["triggers"][0]["metadata"]
@@ -603,7 +613,7 @@ def test_k8s_workers_probe_health_and_ready_and_keep_the_prewarmed_cache(k8s: K8
 def test_compose_services_and_files(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert {"nats", "prefill", "decode", "gateway", "prometheus", "grafana"} <= set(services)
-    users = {u.name for u in render.users(Subjects(DEFAULT_MODEL))}
+    users = {u.name for u in natsconf.deploy_users(Subjects(DEFAULT_MODEL))}
     for name, svc in services.items():
         assert svc.get("image") or svc.get("build"), name
         build = svc.get("build")
@@ -622,7 +632,7 @@ def test_compose_services_and_files(compose: dict[str, Any]) -> None:
         env = svc.get("environment") or {}
         if "TANDEM_NATS_USER" in env:
             assert env["TANDEM_NATS_USER"] in users
-            assert env["TANDEM_NATS_URL"] == f"nats://nats:{render.CLIENT_PORT}"
+            assert env["TANDEM_NATS_URL"] == f"nats://nats:{natsconf.CLIENT_PORT}"
     for role_service, role in (("prefill", ROLE_PREFILL_ONLY), ("decode", ROLE_DECODE_ONLY)):
         svc = services[role_service]
         args = parse_tandem(svc["command"])
@@ -645,6 +655,7 @@ def test_compose_services_and_files(compose: dict[str, Any]) -> None:
         env = services[name]["environment"]
         var = f"TANDEM_NATS_PASSWORD_{env['TANDEM_NATS_USER'].upper()}"
         assert env["TANDEM_NATS_PASSWORD"] == nats_svc["environment"][var]
+        assert env["TANDEM_NATS_INBOX_PREFIX"] == natsconf.inbox_of(env["TANDEM_NATS_USER"])
 
 
 
@@ -689,7 +700,7 @@ def test_prometheus_scrapes_every_process(compose: dict[str, Any]) -> None:
     assert targets["gateway"] == parse_tandem(services["gateway"]["command"]).port
     exporter = services["nats-exporter"]["command"]
     assert f"-port={targets['nats-exporter']}" in exporter and "-jsz=all" in exporter
-    assert f"http://nats:{render.MONITOR_PORT}" in exporter
+    assert f"http://nats:{natsconf.MONITOR_PORT}" in exporter
     for host in targets:
         assert host in services or host == "localhost", f"prometheus scrapes unknown host {host}"
     mounted = [v for v in services["prometheus"]["volumes"] if v.startswith("./prometheus.yml:")]
@@ -812,7 +823,8 @@ class Client:
         async def on_error(e: Exception) -> None:
             self.errors.append(str(e).lower())
 
-        self.nc = await nats.connect(self.url, user=self.user, password=f"pw-{self.user}", error_cb=on_error,
+        inbox = {} if self.user == "admin" else {"inbox_prefix": natsconf.inbox_of(self.user)}
+        self.nc = await nats.connect(self.url, user=self.user, password=f"pw-{self.user}", error_cb=on_error, **inbox,
                                      allow_reconnect=False, connect_timeout=5)
         self.nc.violations = self.errors  # type: ignore[attr-defined]
         return self.nc
@@ -1015,7 +1027,7 @@ def test_k8s_streams_job_script_creates_the_pools(deploy_nats: EmbeddedNats, k8s
 
 def test_operations_doc_names_every_user_and_file() -> None:
     doc = (ROOT / "docs/operations.md").read_text()
-    for u in render.users(Subjects(DEFAULT_MODEL)):
+    for u in natsconf.deploy_users(Subjects(DEFAULT_MODEL)):
         assert f"| `{u.name}` |" in doc, f"docs/operations.md does not describe the NATS user {u.name}"
     for path in ("deploy/Dockerfile", "deploy/Dockerfile.cuda", "deploy/docker-compose.yml", "deploy/prometheus.yml",
                  "deploy/render_nats_conf.py", "deploy/k8s/init-streams.py", "deploy/grafana/dashboards/tandem.json"):
@@ -1069,13 +1081,13 @@ def test_keda_scaled_objects_activate_under_a_real_backlog_and_not_at_idle(deplo
     gw_port = free_port()
     gateway = ChildProcess("gateway", [sys.executable, "-m", "tandem.cli", "gateway", "--nats-url", deploy_nats.url,
                                        "--port", str(gw_port)], cwd=ROOT, ready_marker="tandem gateway ready",
-                           env={**os.environ, "TANDEM_NATS_USER": "gateway", "TANDEM_NATS_PASSWORD": "pw-gateway"})
+                           env={**os.environ, **login_env("gateway")})
     gateway.start()
     try:
         gateway.wait_ready(120)
 
         def evaluate() -> dict[str, tuple[bool, int]]:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/jsz?acc={render.ACCOUNT}&consumers=true",
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/jsz?acc={natsconf.ACCOUNT}&consumers=true",
                                         timeout=5) as r:
                 jsz = json.load(r)
             with urllib.request.urlopen(f"http://127.0.0.1:{gw_port}/metrics", timeout=5) as r:

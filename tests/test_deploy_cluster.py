@@ -21,7 +21,7 @@ from bench.cluster import Client
 from bus.messages import REQUEST_ID_HEADER
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
-from tests.test_deploy import password_env, render
+from tests.test_deploy import login_env, natsconf, password_env, render
 from tests.test_status import MODEL, Proc, chat_prompt_ids, run_cli, tandem
 
 pytestmark = pytest.mark.timeout(420)
@@ -38,7 +38,7 @@ def secured() -> Iterator[tuple[str, dict[str, Proc]]]:
         with EmbeddedNats(config=render.SINGLE_OUT, extra_args=["-m", "-1"]) as srv:
 
             def start(worker_id: str, role: str, user: str, *extra: str) -> Proc:
-                env = {"TANDEM_NATS_USER": user, "TANDEM_NATS_PASSWORD": f"pw-{user}", "UCX_NET_DEVICES": "lo"}
+                env = {**login_env(user), "UCX_NET_DEVICES": "lo"}
                 p = Proc(tandem("--log-level", "INFO", "serve", "--pipeline-role", role, "--worker-id", worker_id,
                                 "--nats-url", srv.url, "--num-blocks", "64", *extra), env=env)
                 workers[worker_id] = p
@@ -61,7 +61,8 @@ def secured() -> Iterator[tuple[str, dict[str, Proc]]]:
 async def generate(url: str, worker: str, rid: str) -> dict:
     """As the gateway user: send a request to one worker and read its stream to the end."""
     s = Subjects(MODEL)
-    nc = await nats.connect(url, user="gateway", password="pw-gateway", connect_timeout=5)
+    nc = await nats.connect(url, user="gateway", password="pw-gateway", connect_timeout=5,
+                            inbox_prefix=natsconf.inbox_of("gateway"))
     try:
         sub = await nc.subscribe(s.stream("gw1", rid))
         body = {"kind": "generate_request", "request_id": rid, "stream_subject": s.stream("gw1", rid),
@@ -100,7 +101,8 @@ def test_roles_work_with_their_own_credentials(secured: tuple[str, dict[str, Pro
     agg = asyncio.run(generate(url, "a1", uuid.uuid4().hex))
     assert agg["kind"] == "stream_finish" and agg["prefill_mode"] == "aggregate" and agg["text"] == disagg["text"]
 
-    res = run_cli("status", "--json", "--wait", "3", "--nats-url", url.replace("nats://", "nats://ops:pw-ops@"))
+    res = run_cli("status", "--json", "--wait", "3", "--nats-url", url.replace("nats://", "nats://ops:pw-ops@"),
+                  env={"TANDEM_NATS_INBOX_PREFIX": natsconf.inbox_of("ops")})
     assert res.returncode == 0, res.stderr
     status = json.loads(res.stdout)
     assert {(w["worker_id"], w["role"]) for w in status["workers"]} == {

@@ -165,8 +165,7 @@ class FakeWorker:
         if self.admit:
             seq = 1
             asyncio.get_running_loop().create_task(self._send(req.stream_subject, m.StreamTokens(
-                request_id=req.request_id, seq=0, token_ids=[], worker_id=self.worker_id,
-                incarnation=self.incarnation)))
+                request_id=req.request_id, seq=0, token_ids=[])))
         if self.mute:
             return
         if self.hands_back:
@@ -191,6 +190,7 @@ class FakeWorker:
         return " ".join(rng.choice(WORDS) for _ in range(12)) + "."
 
     async def _send(self, subject: str, msg: Any) -> None:
+        msg.worker_id, msg.incarnation = self.worker_id, self.incarnation
         await publish(self.nc, subject, msg)
 
     async def _serve(self, req: m.GenerateRequest, seq: int) -> None:
@@ -199,7 +199,8 @@ class FakeWorker:
         rid, subj = req.request_id, req.stream_subject
         if "[badmsg]" in prompt:
             await self.nc.publish(subj, json.dumps({"kind": "stream_tokens", "v": 99, "request_id": rid, "seq": seq,
-                                                    "token_ids": [1]}).encode())
+                                                    "token_ids": [1], "worker_id": self.worker_id,
+                                                    "incarnation": self.incarnation}).encode())
             return
         if req.target_endpoint is not None and req.target_endpoint not in ("prefill-1",):
             await self._send(subj, m.StreamError(request_id=rid, code=m.ErrorCode.UNKNOWN_TARGET, status=400,
@@ -238,8 +239,7 @@ class FakeWorker:
             if self.dead:  # killed: not a word more, not even a finish
                 return
             if rid in self._cancelled:
-                await self._send(subj, m.StreamFinish(request_id=rid, seq=seq, finish_reason="cancelled",
-                                                      decode_worker_id=self.worker_id))
+                await self._send(subj, m.StreamFinish(request_id=rid, seq=seq, finish_reason="cancelled"))
                 return
             if "[failmid]" in prompt and i == 3:
                 await self._send(subj, m.StreamError(request_id=rid, seq=seq, code=m.ErrorCode.INTERNAL, status=500,
@@ -283,7 +283,7 @@ class FakeWorker:
                 seq += 1
         usage = m.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(out), cached_tokens=0)
         await self._send(subj, m.StreamFinish(request_id=rid, seq=seq, finish_reason=finish, usage=usage,
-                                              decode_worker_id=self.worker_id, prefill_mode="aggregate"))
+                                              prefill_mode="aggregate"))
 
 
 class ServerThread:
@@ -401,14 +401,14 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, code:
     return err
 
 
-def chat_in_background(url: str, content: str) -> Callable[[], httpx.Response]:
+def chat_in_background(url: str, content: str, **kw: Any) -> Callable[[], httpx.Response]:
     """POST a greedy chat completion from a thread; the returned function waits for it (45 s) and
     returns its response, which must be a 200 (an httpx error, e.g. the client's 40 s timeout, fails)."""
     result: list[Any] = []
 
     def call() -> None:
         try:
-            result.append(httpx.post(f"{url}/v1/chat/completions", json=chat_body(content, temperature=0),
+            result.append(httpx.post(f"{url}/v1/chat/completions", json=chat_body(content, temperature=0, **kw),
                                      timeout=40))
         except httpx.HTTPError as e:
             result.append(e)
@@ -1235,6 +1235,67 @@ def test_unreadable_worker_message_is_502_not_a_hang(gw: ServerThread) -> None:
     r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("[badmsg]"), timeout=30)
     err = assert_error(r, 502, code="bad_worker_message")
     assert "newer" in err["message"]
+    still_serving(gw.url)
+
+
+def dropped_counts(url: str) -> dict[str, float]:
+    """tandem_gateway_stream_messages_dropped_total by reason, from the gateway's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name == "tandem_gateway_stream_messages_dropped_total":
+                out[s.labels["reason"]] = s.value
+    return out
+
+
+def test_only_the_worker_holding_a_request_is_heard(gw: ServerThread, nats_srv: EmbeddedNats,
+                                                    loop_thread: LoopThread, worker: FakeWorker) -> None:
+    """Messages on a request's stream subject from anyone but the worker holding it (another worker id, the
+    same id from another process, no id at all, an unreadable body naming nobody) are dropped and counted,
+    even with the very sequence number the gateway expects next: the answer is the undisturbed one."""
+    prompt = "[slow] tell me"
+    undisturbed = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body(prompt, temperature=0, max_tokens=30),
+                             timeout=60)
+    assert undisturbed.status_code == 200, undisturbed.text
+    before = dropped_counts(gw.url)
+    forged: list[str] = []
+
+    async def rogue() -> None:
+        nc = await nats.connect(nats_srv.url)
+        try:
+            sub = await nc.subscribe("tandem.stream.>")
+            while True:  # the real stream's first tokens: its subject and the next sequence number
+                msg = await sub.next_msg(timeout=30)
+                real = m.decode(msg.data, m.StreamMessage)
+                if isinstance(real, m.StreamTokens) and real.token_ids:
+                    break
+            nxt, rid = real.seq + 1, real.request_id
+            for label, fake in (
+                ("other_worker", m.StreamTokens(request_id=rid, seq=nxt, token_ids=[42], text=" INJECTED",
+                                                worker_id="fake-2", incarnation=worker.incarnation)),
+                ("other_process", m.StreamTokens(request_id=rid, seq=nxt, token_ids=[42], text=" INJECTED",
+                                                 worker_id=worker.worker_id, incarnation="a-forged-process")),
+                ("unsigned", m.StreamError(request_id=rid, seq=nxt, message="INJECTED failure", status=500)),
+                ("unsigned", m.StreamFinish(request_id=rid, seq=nxt, finish_reason="stop", text=" INJECTED")),
+            ):
+                await publish(nc, msg.subject, fake)
+                forged.append(label)
+            await nc.publish(msg.subject, b'{"kind": "stream_tokens", "v": 99, "seq": 1}')  # unreadable, nobody's
+            forged.append("unsigned")
+            await nc.flush()
+        finally:
+            await nc.close()
+
+    answer = chat_in_background(gw.url, prompt, max_tokens=30)
+    loop_thread.run(rogue(), timeout=40)
+    r = answer()
+    assert r.json()["choices"][0]["message"]["content"] == undisturbed.json()["choices"][0]["message"]["content"]
+    assert "INJECTED" not in r.text
+    after = dropped_counts(gw.url)
+    for reason in ("other_worker", "other_process", "unsigned"):
+        assert after.get(reason, 0) - before.get(reason, 0) == forged.count(reason), (reason, before, after)
     still_serving(gw.url)
 
 

@@ -78,6 +78,8 @@ def _command(engine: Any, done: list[str], cmd: str, args: dict[str, Any]) -> An
         return engine.peers[args["worker"]]["incarnation"]
     if cmd == "choice":
         return engine.choice.get(args["worker"])
+    if cmd == "grant":
+        return engine.grant(args["blocks"], time.time() + args.get("seconds", 120.0))
     if cmd == "write":
         t0 = time.monotonic()
         handle = engine.write(
@@ -87,6 +89,7 @@ def _command(engine: Any, done: list[str], cmd: str, args: dict[str, Any]) -> An
             args["notify"],
             layers=args.get("layers"),
             deadline=time.monotonic() + args.get("deadline", 10.0),
+            grant=args.get("grant", ""),
         )
         handle.wait(args.get("deadline", 10.0) + 5)
         return time.monotonic() - t0
@@ -103,6 +106,7 @@ def _command(engine: Any, done: list[str], cmd: str, args: dict[str, Any]) -> An
                     args["remote"],
                     f"loop-{n}",
                     deadline=time.monotonic() + args["deadline"],
+                    grant=args.get("grant", ""),
                 ).wait(args["deadline"] + 5)
             except TransferError as e:
                 return {
@@ -164,6 +168,10 @@ class Peer:
     def add(self, other: Peer) -> bool:
         return self.call("add_peer", meta=other.meta)
 
+    def grant(self, blocks: list[int]) -> str:
+        """A token from this (receiving) peer that lets a writer write into ``blocks``, as a prefill job carries."""
+        return self.call("grant", blocks=blocks)
+
     def blocks(self, blocks: list[int]) -> np.ndarray:
         raw = self.call("read", blocks=blocks)
         return np.frombuffer(raw, dtype=np.float32).reshape(len(blocks), *LAYOUT.block_shape)
@@ -221,7 +229,7 @@ def trio(request: pytest.FixtureRequest) -> Iterator[tuple[str, Peer, Peer, Peer
 def test_round_trip_every_block(trio: tuple[str, Peer, Peer, Peer]) -> None:
     kind, dec, pre1, _ = trio
     blocks = list(range(NUM_BLOCKS))
-    pre1.call("write", peer="dec", local=blocks, remote=blocks, notify=f"{kind}-all")
+    pre1.call("write", peer="dec", local=blocks, remote=blocks, notify=f"{kind}-all", grant=dec.grant(blocks))
     assert f"{kind}-all" in dec.call("completed", tags=[f"{kind}-all"])
     assert dec.blocks(blocks).tobytes() == pre1.blocks(blocks).tobytes()
 
@@ -233,7 +241,7 @@ def test_partial_non_contiguous_blocks(trio: tuple[str, Peer, Peer, Peer]) -> No
     before = dec.blocks([99, 103, 49, 52])
     local = [5, 6, 7, 20, 3, 200]
     remote = [100, 101, 102, 50, 51, 7]
-    pre2.call("write", peer="dec", local=local, remote=remote, notify=f"{kind}-partial")
+    pre2.call("write", peer="dec", local=local, remote=remote, notify=f"{kind}-partial", grant=dec.grant(remote))
     assert f"{kind}-partial" in dec.call("completed", tags=[f"{kind}-partial"])
     assert dec.blocks(remote).tobytes() == pre2.blocks(local).tobytes()
     # Neighbours of the written blocks are untouched.
@@ -246,7 +254,8 @@ def test_layer_range_writes(trio: tuple[str, Peer, Peer, Peer]) -> None:
     pre1.call("fill", seed=5)
     local, remote = [10, 11, 12], [30, 31, 40]
     old = dec.blocks(remote)
-    pre1.call("write", peer="dec", local=local, remote=remote, notify=f"{kind}-l13", layers=(1, 3))
+    grant = dec.grant(remote)
+    pre1.call("write", peer="dec", local=local, remote=remote, notify=f"{kind}-l13", layers=(1, 3), grant=grant)
     dec.call("completed", tags=[f"{kind}-l13"])
     got, src = dec.blocks(remote), pre1.blocks(local)
     assert np.array_equal(got[:, 1:3], src[:, 1:3])
@@ -255,7 +264,8 @@ def test_layer_range_writes(trio: tuple[str, Peer, Peer, Peer]) -> None:
     tags = []
     for layer in (0, 3):
         tags.append(f"{kind}-layer{layer}")
-        pre1.call("write", peer="dec", local=local, remote=remote, notify=tags[-1], layers=(layer, layer + 1))
+        pre1.call("write", peer="dec", local=local, remote=remote, notify=tags[-1], layers=(layer, layer + 1),
+                  grant=grant)
     assert set(tags) <= set(dec.call("completed", tags=tags))
     assert dec.blocks(remote).tobytes() == src.tobytes()
 
@@ -265,8 +275,9 @@ def test_two_writers_into_one_pool_at_once(trio: tuple[str, Peer, Peer, Peer]) -
     pre1.call("fill", seed=6)
     pre2.call("fill", seed=7)
     one, two = list(range(0, 128)), list(range(128, 256))
-    pre1.send("write", peer="dec", local=one, remote=one, notify=f"{kind}-w1")
-    pre2.send("write", peer="dec", local=two, remote=two, notify=f"{kind}-w2")
+    g1, g2 = dec.grant(one), dec.grant(two)
+    pre1.send("write", peer="dec", local=one, remote=one, notify=f"{kind}-w1", grant=g1)
+    pre2.send("write", peer="dec", local=two, remote=two, notify=f"{kind}-w2", grant=g2)
     pre1.result()
     pre2.result()
     assert {f"{kind}-w1", f"{kind}-w2"} <= set(dec.call("completed", tags=[f"{kind}-w1", f"{kind}-w2"]))
@@ -288,7 +299,8 @@ def test_peer_killed_mid_transfer_fails_within_deadline(trio: tuple[str, Peer, P
     try:
         writer.add(victim)
         blocks = list(range(NUM_BLOCKS))
-        writer.send("write_until_error", peer="victim", local=blocks, remote=blocks, deadline=3.0, max_s=30.0)
+        writer.send("write_until_error", peer="victim", local=blocks, remote=blocks, deadline=3.0, max_s=30.0,
+                    grant=victim.grant(blocks))
         # The writer starts write n+1 only once write n is done: the victim seeing "loop-1" means
         # at least one write completed. (The "completed" command waits up to 10 s for the tag.)
         victim.send("completed", tags=["loop-1"], timeout=10.0)
@@ -327,14 +339,16 @@ def test_stalled_peer(trio: tuple[str, Peer, Peer, Peer]) -> None:
     (stalled,) = start(kind, "stalled")
     try:
         writer.add(stalled)
-        writer.call("write", peer="stalled", local=[1], remote=[1], notify="warm")
+        grant = stalled.grant(list(range(64)))
+        writer.call("write", peer="stalled", local=[1], remote=[1], notify="warm", grant=grant)
         os.kill(stalled.proc.pid, signal.SIGSTOP)
         wait_stopped(stalled.proc.pid)
         t0 = time.monotonic()
         try:
             if kind == "shm":
                 writer.call(
-                    "write", peer="stalled", local=[1, 2], remote=[3, 4], notify="while-stopped", deadline=1.0
+                    "write", peer="stalled", local=[1, 2], remote=[3, 4], notify="while-stopped", deadline=1.0,
+                    grant=grant,
                 )
             else:
                 with pytest.raises(
@@ -347,6 +361,7 @@ def test_stalled_peer(trio: tuple[str, Peer, Peer, Peer]) -> None:
                         remote=list(range(64)),
                         notify="x",
                         deadline=1.0,
+                        grant=grant,
                     )
             assert time.monotonic() - t0 < 1.0 + 5.0  # the 1 s deadline, not the 30 s a hang would take
         finally:
@@ -365,7 +380,7 @@ def test_restart_with_new_incarnation(trio: tuple[str, Peer, Peer, Peer]) -> Non
         writer.call("fill", seed=8)
         assert writer.add(first) is True
         assert writer.add(first) is False  # same incarnation: cached
-        writer.call("write", peer="phoenix", local=[0, 1], remote=[0, 1], notify="v1")
+        writer.call("write", peer="phoenix", local=[0, 1], remote=[0, 1], notify="v1", grant=first.grant([0, 1]))
         first.kill()
         with pytest.raises(PeerError, match="TransferError"):
             writer.call(
@@ -376,7 +391,7 @@ def test_restart_with_new_incarnation(trio: tuple[str, Peer, Peer, Peer]) -> Non
         assert writer.add(second) is True
         assert writer.call("peer_incarnation", worker="phoenix") == second.meta["incarnation"]
         blocks = [4, 5, 6, 9]
-        writer.call("write", peer="phoenix", local=blocks, remote=blocks, notify="v2")
+        writer.call("write", peer="phoenix", local=blocks, remote=blocks, notify="v2", grant=second.grant(blocks))
         assert "v2" in second.call("completed", tags=["v2"])
         assert second.blocks(blocks).tobytes() == writer.blocks(blocks).tobytes()
     finally:
@@ -415,9 +430,10 @@ def test_in_process_pair_small_chunks_strided_layers_and_cancel(
         a.pool.tensor.copy_(torch.randn(a.pool.tensor.shape))
         a.add_peer(json.loads(json.dumps(b.metadata())))
         handles = [
-            a.write("b", [0, 1, 2, 3, 9], [5, 6, 7, 8, 20], "whole"),
-            a.write("b", [10, 11, 12], [12, 14, 16], "layers", layers=(1, 3)),
-            a.write("b", [], [], "empty"),
+            a.write("b", [0, 1, 2, 3, 9], [5, 6, 7, 8, 20], "whole", grant=b.grant([5, 6, 7, 8, 20], time.time() + 60)),
+            a.write("b", [10, 11, 12], [12, 14, 16], "layers", layers=(1, 3),
+                    grant=b.grant([12, 14, 16], time.time() + 60)),
+            a.write("b", [], [], "empty", grant=b.grant([], time.time() + 60)),
         ]
         seen: list[str] = []
         end = time.monotonic() + 10
@@ -432,7 +448,7 @@ def test_in_process_pair_small_chunks_strided_layers_and_cancel(
         assert torch.equal(b.pool.tensor[[5, 6, 7, 8, 20]], a.pool.tensor[[0, 1, 2, 3, 9]])
         assert torch.equal(b.pool.tensor[[12, 14, 16], 1:3], a.pool.tensor[[10, 11, 12], 1:3])
         assert not b.pool.tensor[[12, 14, 16], 0].any() and not b.pool.tensor[[12, 14, 16], 3].any()
-        h = a.write("b", list(range(32)), list(range(32)), "cancelled")
+        h = a.write("b", list(range(32)), list(range(32)), "cancelled", grant=b.grant(list(range(32)), time.time() + 60))
         h.cancel()
         with pytest.raises(TransferError, match="cancelled"):
             h.wait(5)
@@ -454,13 +470,15 @@ def test_landings_wake_the_receivers_descriptor_and_the_writers_loop(kind: str) 
         assert fds and not b.needs_polling_for(a.mechanism("b"))
         assert select.select(fds, [], [], 0)[0] == []
 
+        token = b.grant([4, 5, 6], time.time() + 60)
+
         async def landed() -> list[str]:
             loop = asyncio.get_running_loop()
             woken = asyncio.Event()
             for fd in fds:
                 loop.add_reader(fd, woken.set)
             try:
-                await asyncio.wait_for(a.write("b", [0, 1, 2], [4, 5, 6], "evented").wait_async(), 30)
+                await asyncio.wait_for(a.write("b", [0, 1, 2], [4, 5, 6], "evented", grant=token).wait_async(), 30)
                 await asyncio.wait_for(woken.wait(), 30)
                 return b.completed()
             finally:
@@ -470,7 +488,7 @@ def test_landings_wake_the_receivers_descriptor_and_the_writers_loop(kind: str) 
         assert asyncio.run(landed()) == ["evented"]
         assert select.select(fds, [], [], 0)[0] == []
         assert torch.equal(b.pool.tensor[[4, 5, 6]], a.pool.tensor[[0, 1, 2]])
-        h = a.write("b", list(range(32)), list(range(32)), "cancelled")
+        h = a.write("b", list(range(32)), list(range(32)), "cancelled", grant=b.grant(list(range(32)), time.time() + 60))
         h.cancel()
         with pytest.raises(TransferError, match="cancelled"):
             asyncio.run(h.wait_async())
@@ -501,12 +519,45 @@ def test_write_for_an_earlier_incarnation_is_refused(kind: str) -> None:
         a.add_peer(json.loads(json.dumps(b.metadata())))
         with pytest.raises(TransferError, match="peer restarted"):
             a.write("b", [0], [0], "stale", incarnation="an-earlier-b")
-        h = a.write("b", [0], [0], "", incarnation=b.incarnation)
+        h = a.write("b", [0], [0], "", incarnation=b.incarnation, grant=b.grant([0], time.time() + 60))
         end = time.monotonic() + 10
         while not h.poll():  # both sides poll: NIXL without a progress thread needs it
             b.completed()
             assert time.monotonic() < end
             time.sleep(0.001)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_tcp_takes_a_write_only_with_a_live_grant_for_its_blocks() -> None:
+    """Knowing a pool's address, layout and incarnation (what kv.meta tells anyone who asks) is not enough to
+    write into it: each write needs the token its owner granted for those blocks, until revoked or expired."""
+    a = create_engine("tcp", LAYOUT, 8, "cpu", "a")
+    b = create_engine("tcp", LAYOUT, 8, "cpu", "b")
+    try:
+        a.pool.tensor.copy_(torch.randn(a.pool.tensor.shape))
+        a.add_peer(json.loads(json.dumps(b.metadata())))
+        soon = time.time() + 60
+        granted = b.grant([2, 3], soon)
+        revoked = b.grant([2, 3], soon)
+        b.revoke(revoked)
+        expired = b.grant([2, 3], time.time() - 1)
+        for token, why in (("", "no valid write grant"), ("f" * 32, "no valid write grant"),
+                           (revoked, "no valid write grant"), (expired, "no valid write grant|expired"),
+                           (b.grant([2], soon), "outside the blocks the grant covers")):
+            with pytest.raises(TransferError, match=f"the peer refused the write: .*({why})"):
+                a.write("b", [0, 1], [2, 3], "stray", grant=token).wait(10)
+        assert not b.pool.tensor[[2, 3]].any() and b.completed() == []
+        with pytest.raises(TransferError, match="outside the blocks"):
+            a.write("b", [0, 1, 2], [2, 3, 4], "too-far", grant=granted).wait(10)
+        a.write("b", [0, 1], [2, 3], "layer", layers=(1, 2), grant=granted).wait(10)  # a slice of a granted block
+        a.write("b", [0, 1], [2, 3], "granted", grant=granted).wait(10)
+        assert torch.equal(b.pool.tensor[[2, 3]], a.pool.tensor[[0, 1]])
+        assert b.completed() == ["layer", "granted"]
+        b.revoke(granted)
+        with pytest.raises(TransferError, match="no valid write grant"):
+            a.write("b", [0, 1], [2, 3], "late", grant=granted).wait(10)
     finally:
         a.close()
         b.close()
@@ -520,7 +571,8 @@ def test_tcp_writes_queued_to_a_removed_peer_end_at_once() -> None:
         a.add_peer(json.loads(json.dumps(b.metadata())))
         deadline = time.monotonic() + 60
         every = list(range(NUM_BLOCKS))
-        handles = [a.write("b", every, every, f"w{i}", deadline=deadline) for i in range(20)]
+        token = b.grant(every, time.time() + 60)
+        handles = [a.write("b", every, every, f"w{i}", deadline=deadline, grant=token) for i in range(20)]
         a.remove_peer("b")
         t0 = time.monotonic()
         outcomes = []

@@ -100,8 +100,9 @@ def test_cpus_pins_every_thread_of_the_worker(worker_proc: tuple[str, int, Proc]
     assert any(f"on cores {PIN} with 1 torch threads" in line for line in worker_proc[2].err), worker_proc[2].text()
 
 
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(tandem(*args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def run_cli(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(tandem(*args), capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
 
 
 def test_status_json_lists_the_worker(cluster: tuple[str, int]) -> None:
@@ -231,7 +232,7 @@ def test_tail_summaries_of_every_kind() -> None:
          ["FAILED by p1 (internal): boom"]),
         (m.StreamTokens(request_id="r", seq=3, token_ids=[7, 8]), ["seq 3 [7, 8]", '"<7><8>"']),
         (m.StreamFinish(request_id="r", seq=4, finish_reason="length", prefill_mode="remote", prefill_worker_id="p1",
-                        decode_worker_id="d1", usage=m.Usage(prompt_tokens=5, completion_tokens=2, cached_tokens=1)),
+                        worker_id="d1", usage=m.Usage(prompt_tokens=5, completion_tokens=2, cached_tokens=1)),
          ["seq 4 length", "5 prompt (1 cached), 2 completion", "prefill remote by p1 decode by d1"]),
         (m.StreamError(request_id="r", code="deadline_exceeded", message="late", status=504),
          ["504 deadline_exceeded: late"]),

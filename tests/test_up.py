@@ -253,3 +253,49 @@ def test_plan_binds_worker_metrics_to_the_gateway_host_and_passes_names_and_defa
     gw = plan.gateway_args
     assert [gw[i + 1] for i, w in enumerate(gw) if w == "--served-model-name"] == ["chat", "other"]
     assert gw[gw.index("--default-temperature") + 1] == "0.0" and plan.served_name == "chat"
+
+
+def test_a_run_gives_each_process_its_own_credential_and_the_tools_find_it(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tandem/local_run.py: a 0700 folder of 0600 seeds and the server config; run.json tells `tandem status`
+    which URL and debug credential belong to a live run; a dead run's folder is cleared by the next."""
+    import json
+    import os
+
+    from bus.subjects import Subjects
+    from tandem import local_run
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    stale = tmp_path / "run" / "999999999"  # no such process
+    stale.mkdir(parents=True)
+    run = local_run.LocalRun.create(Subjects("m"), [("prefill-1", "prefill_only"), ("decode-1", "decode_only")],
+                                    "gw-1")
+    assert not stale.exists()
+    assert run.folder == tmp_path / "run" / str(os.getpid())
+    assert oct(run.folder.stat().st_mode & 0o777) == oct(0o700)
+    assert sorted(p.name for p in run.folder.iterdir()) == ["debug.nk", "decode-1.nk", "gw-1.nk", "nats.conf",
+                                                           "prefill-1.nk", "up.nk"]
+    assert all(p.stat().st_mode & 0o077 == 0 for p in run.folder.iterdir())
+    assert run.env("decode-1") == {"TANDEM_NATS_NKEY_SEED": str(run.folder / "decode-1.nk"),
+                                   "TANDEM_NATS_INBOX_PREFIX": "_INBOX_decode-1"}
+    conf = run.config.read_text()
+    assert conf.count("nkey: ") == 5 and '"tandem.m.generate.decode-1"' in conf and "CREATE" not in conf
+    assert local_run.debug_login(None) is None  # not announced yet
+    run.announce("nats://127.0.0.1:4999", "tandem")
+    login = local_run.debug_login("nats://localhost:4999")
+    assert login == {"servers": "nats://127.0.0.1:4999", "nkey_seed": str(run.debug.seed_file),
+                     "inbox_prefix": "_INBOX_debug"}
+    assert local_run.debug_login(None) == login and local_run.debug_login("nats://127.0.0.1:4998") is None
+    assert json.loads((run.folder / "run.json").read_text())["pid"] == os.getpid()
+    assert run.watch_command("nats://127.0.0.1:4999", "tandem") == \
+        f"nats sub 'tandem.>' -s nats://127.0.0.1:4999 --nkey {run.debug.seed_file}"
+    with pytest.raises(ValueError, match="must differ"):
+        local_run.LocalRun.create(Subjects("m"), [("debug", "decode_only")], "gw-1")
+    run.remove()
+    assert not run.folder.exists() and local_run.debug_login(None) is None
+
+
+def test_gateway_id_comes_from_gateway_args_when_given() -> None:
+    assert tandem.up._flag_value(["--max-queue-wait", "3", "--gateway-id", "gw-a"], "--gateway-id") == "gw-a"
+    assert tandem.up._flag_value(["--gateway-id=gw-b"], "--gateway-id") == "gw-b"
+    assert tandem.up._flag_value(["--max-queue-wait", "3"], "--gateway-id") is None

@@ -87,6 +87,8 @@ class AutoEngine(TransferEngine):
                  nixl_missing: str = ""):
         super().__init__(pool, worker_id, incarnation)
         self.engines = {e.name: e for e in engines}
+        for e in engines:  # one pool: a grant made here covers a write through whichever engine receives it
+            e.grants = self.grants
         self.choice: dict[str, str] = {}
         self.nixl_missing = nixl_missing  # why NIXL is not among the engines ("" when it is, or was not tried)
 
@@ -133,8 +135,9 @@ class AutoEngine(TransferEngine):
         nbytes: int,
         notify: str,
         deadline: float,
+        grant: str,
     ) -> TransferHandle:
-        return self.engines[self.choice[meta["worker_id"]]]._write(meta, ranges, nbytes, notify, deadline)
+        return self.engines[self.choice[meta["worker_id"]]]._write(meta, ranges, nbytes, notify, deadline, grant)
 
     def mechanism(self, peer_worker_id: str) -> str:
         return self.choice.get(peer_worker_id, self.name)

@@ -31,6 +31,7 @@ import abc
 import asyncio
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -127,6 +128,51 @@ def strided_groups(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, i
                     continue
         groups.append([s, d, n, 1, n, n])
     return [(g[0], g[1], g[2], g[3], g[4], g[5]) for g in groups]
+
+
+class WriteGrants:
+    """Which writes a pool accepts from the network: one random token per prefill attempt, for its blocks only.
+
+    Why: an engine that takes writes from anyone who can connect (TCP) must not let a stranger who
+    learnt the pool's address write into it. The decode worker grants a token for the blocks it
+    reserved for one prefill attempt, sends it in the (authenticated) prefill job, and revokes it when
+    the attempt ends, so a late or stray write is refused before a byte lands. Tokens expire at the
+    attempt's deadline (epoch seconds) in any case.
+    """
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self._grants: dict[str, tuple[frozenset[int], float]] = {}
+        self._lock = threading.Lock()
+
+    def grant(self, blocks: list[int], deadline: float) -> str:
+        """A token allowing writes into ``blocks`` until ``deadline`` (``time.time()`` seconds)."""
+        token = secrets.token_hex(16)
+        with self._lock:
+            now = time.time()
+            for old in [k for k, (_, until) in self._grants.items() if until < now]:
+                del self._grants[old]
+            self._grants[token] = (frozenset(blocks), deadline)
+        return token
+
+    def revoke(self, token: str) -> None:
+        """No more writes with ``token`` (its attempt ended: landed, failed or given up)."""
+        with self._lock:
+            self._grants.pop(token, None)
+
+    def refusal(self, token: str, ranges: list[tuple[int, int]]) -> str:
+        """Why a write of ``ranges`` ((offset, nbytes) in this pool) with ``token`` is refused ('' when allowed)."""
+        with self._lock:
+            found = self._grants.get(token) if token else None
+        if found is None:
+            return "no valid write grant (the prefill job's token is unknown, revoked or missing)"
+        blocks, until = found
+        if time.time() > until:
+            return "the write grant expired"
+        for off, n in ranges:
+            if n and not all(b in blocks for b in range(off // self.block_bytes, (off + n - 1) // self.block_bytes + 1)):
+                return f"bytes {off}..{off + n} fall outside the blocks the grant covers"
+        return ""
 
 
 class Doorbell:
@@ -301,6 +347,7 @@ class TransferEngine(abc.ABC):
         self._inflight: set[TransferHandle] = set()  # writes not finished yet, cancelled by close()
         self._closed = False
         self._peers_lock = threading.Lock()  # add_peer runs in worker threads, two jobs may race
+        self.grants = WriteGrants(pool.block_bytes)  # which writes from the network land (engines that check)
 
     # ---- description -------------------------------------------------------------------------
 
@@ -387,6 +434,7 @@ class TransferEngine(abc.ABC):
         layers: tuple[int, int] | None = None,
         deadline: float | None = None,
         incarnation: str | None = None,
+        grant: str = "",
     ) -> TransferHandle:
         """Write our `local_blocks` into the peer's `remote_blocks` (pairwise), asynchronously.
 
@@ -395,6 +443,8 @@ class TransferEngine(abc.ABC):
         `deadline` is a `time.monotonic()` instant; default now + DEFAULT_TIMEOUT_S.
         `incarnation`, when given, is the peer process the blocks belong to: a peer that has
         restarted under the same worker id since (its block ids mean other things now) is refused.
+        `grant` is the peer's token for these blocks (`grant()` on its side, carried in the prefill job):
+        an engine that takes writes from the network (TCP) refuses a write without a valid one.
         """
         if self._closed:
             raise TransferError(self.name, peer_worker_id, 0, "engine is closed")
@@ -408,7 +458,15 @@ class TransferEngine(abc.ABC):
         nbytes = sum(n for _, _, n in ranges)
         if deadline is None:
             deadline = time.monotonic() + DEFAULT_TIMEOUT_S
-        return self._write(meta, ranges, nbytes, notify, deadline)
+        return self._write(meta, ranges, nbytes, notify, deadline, grant)
+
+    def grant(self, blocks: list[int], deadline: float) -> str:
+        """A token that lets a peer write into our ``blocks`` until ``deadline`` (epoch seconds): see `WriteGrants`."""
+        return self.grants.grant(blocks, deadline)
+
+    def revoke(self, token: str) -> None:
+        """End a grant: later writes carrying ``token`` are refused."""
+        self.grants.revoke(token)
 
     @staticmethod
     def _check_blocks(blocks: list[int], num_blocks: int, whose: str) -> None:
@@ -424,8 +482,9 @@ class TransferEngine(abc.ABC):
         nbytes: int,
         notify: str,
         deadline: float,
+        grant: str,
     ) -> TransferHandle:
-        """Start moving `ranges` (local_offset, remote_offset, nbytes) to the peer."""
+        """Start moving `ranges` (local_offset, remote_offset, nbytes) to the peer (``grant``: its token)."""
 
     def cancel(self, handle: TransferHandle) -> None:
         """Abandon a write (same as handle.cancel()); the peer must quarantine those blocks."""

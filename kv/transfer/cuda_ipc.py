@@ -162,6 +162,7 @@ class CudaIpcEngine(TransferEngine):
         nbytes: int,
         notify: str,
         deadline: float,
+        grant: str,
     ) -> TransferHandle:
         _, dst = self._opened[meta["worker_id"]]
         if not ranges and not notify:

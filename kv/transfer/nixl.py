@@ -195,6 +195,7 @@ class NixlEngine(TransferEngine):
         nbytes: int,
         notify: str,
         deadline: float,
+        grant: str,
     ) -> TransferHandle:
         peer = meta["worker_id"]
         mech = meta["mechanisms"]["nixl"]

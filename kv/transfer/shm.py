@@ -308,6 +308,7 @@ class ShmEngine(TransferEngine):
         nbytes: int,
         notify: str,
         deadline: float,
+        grant: str,
     ) -> TransferHandle:
         peer = self._mapped[meta["worker_id"]]
         handle = self._future_handle(meta["worker_id"], nbytes, deadline, notify)

@@ -3,15 +3,18 @@
 The receiver listens (127.0.0.1 by default; pass ``host="0.0.0.0"`` and ``advertise_host`` for
 other machines) and serves each connection in a background thread. A write is one frame:
 
-    u32 header length | header JSON {"id", "incarnation", "ranges": [[offset, nbytes], ...],
+    u32 header length | header JSON {"id", "incarnation", "grant", "ranges": [[offset, nbytes], ...],
                                      "notify"} | the ranges' bytes, in order
 
 The receiver reads the bytes straight into its pool (``recv_into`` a view of the pool), records
 ``notify`` for `completed()` and answers ``u32 length | {"id", "ok", "error"}``; the writer's
-handle is done on that ack. A frame for another incarnation (the receiver restarted on the same
-port) or outside the pool is drained and refused; the incarnation, a random id published only
-in our metadata, is also what keeps strangers on the network from writing into the pool (there
-is no other authentication: bind beyond loopback only on a trusted network). Each writer keeps one connection per peer and
+handle is done on that ack. A frame is drained and refused, before a byte lands, unless its
+``grant`` is a live token this pool made for exactly the blocks it writes (`WriteGrants`: the decode
+worker makes one per prefill attempt and sends it in the prefill job, which only processes
+logged in to NATS read; it is revoked when the attempt ends), its incarnation is this pool's (the
+receiver restarted on the same port) and its ranges lie in the pool. Nothing else authenticates
+the connection, and the bytes are not encrypted: across machines, use a network you trust or NIXL.
+Each writer keeps one connection per peer and
 sends its writes to that peer in order on one thread; a failure closes the connection (the next
 write reconnects), so a half-sent frame never gets confused with the next one.
 """
@@ -72,6 +75,10 @@ def _recv_msg(sock: socket.socket) -> dict[str, Any] | None:
     if body is None:
         raise ConnectionError("connection closed inside a frame header")
     return json.loads(body)
+
+
+class WriteRefused(Exception):
+    """The receiver took the frame and refused it (no grant, another incarnation, outside the pool)."""
 
 
 class _Peer:
@@ -180,6 +187,10 @@ class TcpEngine(TransferEngine):
             error = f"frame for incarnation {header.get('incarnation')}, this pool is {self.incarnation}"
         elif any(o < 0 or n < 0 or o + n > self.pool.nbytes for o, n in ranges):
             error = f"frame ranges outside the pool of {self.pool.nbytes} bytes"
+        else:
+            error = self.grants.refusal(str(header.get("grant") or ""), ranges)
+        if error:
+            log.warning("kv tcp: refused a write of %d bytes: %s", sum(n for _, n in ranges), error)
         if error:
             scratch = bytearray(CHUNK_BYTES)
             left = sum(n for _, n in ranges)
@@ -242,21 +253,25 @@ class TcpEngine(TransferEngine):
         nbytes: int,
         notify: str,
         deadline: float,
+        grant: str,
     ) -> TransferHandle:
         peer = self._peers[meta["worker_id"]]
         handle = self._future_handle(meta["worker_id"], nbytes, deadline, notify)
-        peer.thread.submit(self._run, handle, peer, ranges, notify)
+        peer.thread.submit(self._run, handle, peer, ranges, notify, grant)
         return handle
 
-    def _run(self, h: FutureHandle, peer: _Peer, ranges: list[tuple[int, int, int]], notify: str) -> None:
+    def _run(self, h: FutureHandle, peer: _Peer, ranges: list[tuple[int, int, int]], notify: str,
+             grant: str) -> None:
         try:
             if peer.closed:
                 raise ConnectionAbortedError(f"peer {peer.worker} {peer.incarnation} was removed (left or restarted)")
-            self._send(h, peer, ranges, notify)
+            self._send(h, peer, ranges, notify, grant)
             h.future.set_result(None)
         except TimeoutError as e:
             peer.drop()
             h.future.set_exception(h.error(f"peer {peer.addr} stalled past the deadline ({e})"))
+        except WriteRefused as e:  # the peer read the whole frame and said no: the connection is still in step
+            h.future.set_exception(h.error(f"the peer refused the write: {e}"))
         except (OSError, ValueError) as e:
             peer.drop()
             h.future.set_exception(h.error(f"connection to {peer.addr} lost: {type(e).__name__}: {e}"))
@@ -273,7 +288,8 @@ class TcpEngine(TransferEngine):
             raise TimeoutError("deadline passed")
         return left
 
-    def _send(self, h: FutureHandle, peer: _Peer, ranges: list[tuple[int, int, int]], notify: str) -> None:
+    def _send(self, h: FutureHandle, peer: _Peer, ranges: list[tuple[int, int, int]], notify: str,
+              grant: str) -> None:
         if peer.sock is None:
             sock = socket.create_connection(peer.addr, timeout=self._left(h))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -282,6 +298,7 @@ class TcpEngine(TransferEngine):
         header = {
             "id": id(h),
             "incarnation": peer.incarnation,
+            "grant": grant,
             "ranges": [[d, n] for _, d, n in ranges],
             "notify": notify,
         }
@@ -299,7 +316,7 @@ class TcpEngine(TransferEngine):
         if reply is None:
             raise ConnectionError("peer closed the connection before acknowledging")
         if not reply.get("ok"):
-            raise ValueError(f"peer refused the write: {reply.get('error')}")
+            raise WriteRefused(str(reply.get("error")))
 
     def _source(self, off: int, n: int) -> memoryview | bytes:
         if self._cpu_view is not None:

@@ -29,7 +29,7 @@ from bus.subjects import Subjects
 from runtime.processes import ChildProcess
 from tandem.up import free_port
 from tests.faults.test_up_faults import assert_clear, stream_chat
-from tests.test_deploy import password_env, render
+from tests.test_deploy import login_env, natsconf, password_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -49,12 +49,12 @@ class NatsCluster:
 
 
 def start_cluster(tmp: Path) -> NatsCluster:
-    ports = [(free_port(), free_port(), free_port()) for _ in range(render.CLUSTER_SIZE)]
+    ports = [(free_port(), free_port(), free_port()) for _ in range(natsconf.CLUSTER_SIZE)]
     routes = tuple(cluster for _, cluster, _ in ports)
     servers = []
     for i, (client, cluster, monitor) in enumerate(ports):
         conf = tmp / f"nats-{i}.conf"
-        conf.write_text(render.render_cluster(S, render.LocalMember(client, cluster, monitor, routes)))
+        conf.write_text(natsconf.render_cluster(S, natsconf.LocalMember(client, cluster, monitor, routes)))
         env = {**os.environ, **password_env(), "POD_NAME": f"nats-{i}"}
         servers.append(EmbeddedNats(port=None, config=conf, store_dir=tmp / f"store-{i}", server_name=f"nats-{i}",
                                     env=env, start_timeout=60))
@@ -98,15 +98,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsClus
     children: list[Any] = []
     try:
         asyncio.run(ensure_r3(nc.urls))
-        creds = {"TANDEM_NATS_USER": "aggregate", "TANDEM_NATS_PASSWORD": "pw-aggregate"}
+        creds = login_env("aggregate")
         workers = [Worker("prefill_and_decode", f"a{i}", nc.urls, tmp, "--num-blocks", "256", env=creds)
                    for i in (1, 2)]
         children += [w.child for w in workers]
         port = free_port()
         gateway = ChildProcess("gateway", [sys.executable, "-m", "tandem.cli", "gateway", "--nats-url", nc.urls,
                                            "--port", str(port)],
-                               env={**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_NATS_USER": "gateway",
-                                    "TANDEM_NATS_PASSWORD": "pw-gateway"}, ready_marker="tandem gateway ready")
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", **login_env("gateway")},
+                               ready_marker="tandem gateway ready")
         gateway.start()
         children.append(gateway)
         for w in workers:
