@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ from typing import TypeVar
 import nats.micro
 from nats.aio.msg import Msg
 
+from actors.recent import RecentWork
 from actors.runner import EngineRunner
 from bus.connection import BusConnectError, BusOptions, connect
 from bus.messages import (
@@ -105,6 +107,7 @@ class WorkerActor:
         self.engine = LLMEngine(loaded, cfg, pool=self.transfer.pool)
         self.layout = self.engine.layout
         self.started = time.time()
+        self.recent = RecentWork(self.worker_id)  # its `recent` endpoint: transfers into its pool, decisions
         self.draining = False
         self.stop_event = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
@@ -423,7 +426,7 @@ class WorkerActor:
 
     def service_metadata(self) -> dict[str, str]:
         return {
-            "model": self.model, "role": self.role, "worker_id": self.worker_id,
+            "model": self.model, "role": self.role, "worker_id": self.worker_id, "host": socket.gethostname(),
             "incarnation": self.incarnation, "layout_fingerprint": self.layout.fingerprint(),
             "layout": self.layout.describe(), "metrics_url": self.metrics_url,
             "kv_transfer": self.transfer.name, "started": str(self.started), "restarts": str(self.s.restarts),
@@ -443,5 +446,10 @@ class WorkerActor:
             await req.respond(encode(self.stats()))
 
         await svc.add_endpoint(name="info", subject=self.subjects.service(self.worker_id, "info"), handler=info)
+        async def recent(req: nats.micro.Request) -> None:
+            await req.respond(self.recent.to_json())
+
         await svc.add_endpoint(name="stats", subject=self.subjects.service(self.worker_id, "stats"), handler=stats)
+        await svc.add_endpoint(name="recent", subject=self.subjects.service(self.worker_id, "recent"),
+                               handler=recent)
         return svc

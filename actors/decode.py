@@ -59,6 +59,8 @@ class Request:
     transfer_s: float = 0.0
     prefill_s: float = 0.0
     prefill_step_s: float = 0.0  # the engine step that computed the prompt (its last chunk), wherever it ran
+    kv_bytes: int = 0  # a remote prefill's KV that landed here, and how
+    kv_transfer: str = ""
     uncached: int = 0  # prompt tokens not in this worker's prefix cache when the prefill was placed
     local_started: float | None = None  # when a local prefill was handed to the engine (to learn its cost)
     in_engine: bool = False
@@ -135,6 +137,7 @@ class DecodeActor(WorkerActor):
         r.seq = 1
         await self.publish_stream(req.stream_subject, StreamTokens(request_id=req.request_id, seq=0, token_ids=[]))
         count_decision(mode, reason)
+        self.recent.decision(req.request_id, mode, reason, len(r.prompt_ids))
         log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids), extra={"request_id": req.request_id})
         if mode == "remote":
             r.remote = self.remote.prefill(req, r.prompt_ids, req.sampling, target)
@@ -252,6 +255,9 @@ class DecodeActor(WorkerActor):
             r.transfer_s = done.timings.get("transfer", 0.0)
             r.prefill_step_s = done.timings.get("step", 0.0)
             r.prefill_s = time.time() - t0
+            r.kv_bytes, r.kv_transfer = r.remote.kv_bytes, done.transfer or r.remote.mechanism
+            self.recent.transfer(rid, r.prefill_worker, r.kv_transfer, r.kv_bytes,
+                                 done.timings.get("write", r.transfer_s))
             self.costs.saw_remote(r.uncached, done.timings, r.prefill_s)
             info = None
             if done.first_logprob is not None:
@@ -267,8 +273,9 @@ class DecodeActor(WorkerActor):
             await self._fail(r, ErrorCode.WORKER_LOST, "remote prefill failed twice", 503)
             return
         count_decision("local", "remote_fallback")
+        self.recent.decision(rid, "local", "remote_fallback", len(r.prompt_ids))
         log.info("request %s: falling back to local prefill", rid, extra={"request_id": rid})
-        r.mode = "local"
+        r.mode, r.prefill_reason = "local", "remote_fallback"
         await self._start_local(r)
 
     def _first_token_on_model_thread(self, engine: LLMEngine, rid: str, token: int, info: TokenLogprob | None) -> None:
@@ -319,7 +326,8 @@ class DecodeActor(WorkerActor):
                 timings=Timings(queue=max(0.0, r.accepted - r.req.created), prefill=r.prefill_s or first - r.accepted,
                                 transfer=r.transfer_s, decode=now - first, prefill_step=r.prefill_step_s),
                 prefill_mode=r.mode if self.role == "decode_only" else "aggregate",
-                prefill_worker_id=r.prefill_worker,
+                prefill_worker_id=r.prefill_worker, prefill_reason=r.prefill_reason,
+                kv_bytes=r.kv_bytes, kv_transfer=r.kv_transfer,
             )
             r.seq += 1
             self.requests.pop(rid, None)
@@ -339,6 +347,7 @@ class DecodeActor(WorkerActor):
         if r is None:
             return
         log.info("request %s cancelled (%s)", request_id, reason or "no reason given", extra={"request_id": request_id})
+        metrics.WORKER_CANCELLED.labels(self.role).inc()
         await self.publish_stream(r.req.stream_subject,
                                   StreamFinish(request_id=request_id, seq=r.seq, finish_reason="cancelled"))
 

@@ -152,8 +152,10 @@ class PrefillActor(WorkerActor):
             self._check_cancel(rid)
             await stream.finish()
             timings["transfer"] = time.time() - t_computed
+            timings["write"] = stream.seconds
             nbytes = len(job.dst.block_ids) * self.layout.block_bytes
-            observe_transfer(self.transfer.mechanism(job.dst.worker_id), nbytes, stream.seconds)
+            done.transfer = self.transfer.mechanism(job.dst.worker_id)
+            observe_transfer(done.transfer, nbytes, stream.seconds)
             lp = out.logprobs[0] if out.logprobs else None
             done.ok = True
             done.first_token = out.token_ids[0]

@@ -287,6 +287,8 @@ class RemotePrefill:
         self.job_sent = False  # this attempt's PrefillJob went out: a writer may know its blocks
         self.deadline = 0.0  # this attempt's
         self.taker: str | None = None  # the prefill worker that accepted this attempt
+        self.mechanism = ""  # how its KV comes (the taker's PrefillAccepted says)
+        self.kv_bytes = 0  # what this attempt's blocks hold
         self.begun = False  # a prefill worker took a job of this request (ever)
         self.cancelled = False
         self._answer: asyncio.Future | None = None  # this attempt's PrefillDone (None: given up)
@@ -345,6 +347,7 @@ class RemotePrefill:
         if self.req.deadline:
             deadline = min(deadline, self.req.deadline)
         self.deadline = deadline
+        self.kv_bytes = len(fresh) * hub.layout.block_bytes
         grant = hub.transfer.grant(fresh, deadline)  # revoked when this attempt ends: a late write is refused
         job = PrefillJob(
             request_id=rid, prompt_ids=self.prompt_ids, sampling=self.req.sampling,
@@ -402,6 +405,7 @@ class RemotePrefill:
 
     def accepted(self, reply: PrefillAccepted) -> None:
         self.taker = reply.prefill_worker_id
+        self.mechanism = reply.transfer
         self.begun = True
         self.hub.landings.expect(self.tag, reply.transfer)
 

@@ -211,7 +211,9 @@ class PrefillDone(_Msg, tag="prefill_done", kw_only=True):
 
     ``timings`` keys are seconds: ``queue`` (until its first engine step, in this worker's backlog and
     behind shorter prompts), ``compute`` (the engine steps it was in), ``step`` (the last of them),
-    ``transfer`` (after the last step, until the KV landed).
+    ``transfer`` (after the last step, until the KV landed), ``write`` (from the first KV byte sent until
+    the last landed: with layer-wise streaming that overlaps the compute). ``transfer`` (the field) names
+    the mechanism that carried the KV.
     ``first_top_logprobs`` is a list of ``[token_id, logprob]`` pairs.
     """
 
@@ -230,6 +232,7 @@ class PrefillDone(_Msg, tag="prefill_done", kw_only=True):
     # Whether any write into the destination blocks began. A failed job that wrote may still
     # have bytes in flight: the decode worker keeps those blocks quarantined until the deadline.
     wrote: bool = False
+    transfer: str = ""
 
 
 class _StreamMsg(_Msg, kw_only=True):
@@ -268,7 +271,9 @@ class StreamFinish(_StreamMsg, tag="stream_finish", kw_only=True):
     """The last message of a successful (or cancelled) request.
 
     ``finish_reason`` is ``stop``, ``length`` or ``cancelled``; ``prefill_mode`` says
-    how the prompt was computed: ``remote``, ``local`` (decode worker) or ``aggregate``.
+    how the prompt was computed: ``remote``, ``local`` (decode worker) or ``aggregate``, and
+    ``prefill_reason`` why there (``actors/prefill_choice.py``); a remote prefill's KV came as
+    ``kv_bytes`` through ``kv_transfer`` (``shm``, ``tcp``, ``nixl``, ...).
     """
 
     finish_reason: str
@@ -276,6 +281,9 @@ class StreamFinish(_StreamMsg, tag="stream_finish", kw_only=True):
     timings: Timings = msgspec.field(default_factory=Timings)
     prefill_mode: str | None = None
     prefill_worker_id: str | None = None
+    prefill_reason: str = ""
+    kv_bytes: NonNegInt = 0
+    kv_transfer: str = ""
     text: str = ""
 
 

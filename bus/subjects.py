@@ -217,7 +217,7 @@ class Subjects:
         return f"{self.namespace}.stats.{check_token(role, 'role')}.{check_token(worker_id, 'worker id')}"
 
     def service(self, worker_id: str, endpoint: str) -> str:
-        """``tandem.svc.<worker>.<endpoint>``: a worker's NATS micro endpoint (info, stats)."""
+        """``tandem.svc.<worker>.<endpoint>``: a worker's NATS micro endpoint (info, stats, recent)."""
         return f"{self.namespace}.svc.{check_token(worker_id, 'worker id')}.{check_token(endpoint, 'endpoint')}"
 
     # ---- wildcards (subscriptions and permissions) ---------------------------------
@@ -311,7 +311,7 @@ class Subjects:
         replies there only, so nobody else's replies (pulled jobs, transfer metadata) reach it.
         ``create_streams`` lets the role create and update the pool streams (``ensure_streams`` at
         start) rather than only read them. Every role uses ``$SRV.>`` (NATS micro discovery); every
-        worker serves its micro endpoints ``tandem.svc.<worker>.info|stats``. The server config
+        worker serves its micro endpoints ``tandem.svc.<worker>.info|stats|recent``. The server config
         must also set ``allow_responses`` for the workers and the gateway, so request–reply
         endpoints may answer.
         """
@@ -320,7 +320,7 @@ class Subjects:
         replies = [f"{check_token(inbox, 'inbox prefix')}.>"]
         setup = self.jetstream_setup_subjects() if create_streams else self.jetstream_info_subjects()
         # NATS micro endpoints of one worker (actors/base.py registers info and stats).
-        micro = [f"{ns}.svc.{me}.info", f"{ns}.svc.{me}.stats"]
+        micro = [f"{ns}.svc.{me}.info", f"{ns}.svc.{me}.stats", f"{ns}.svc.{me}.recent"]
         if role == ROLE_PREFILL_ONLY:
             return {
                 "publish": [
@@ -355,7 +355,9 @@ class Subjects:
             return {"publish": pub, "subscribe": sub}
         if role == ROLE_GATEWAY:
             return {
-                "publish": [*setup, self.generate_pool, f"{self.generate_pool}.*", self.cancel_all, "$SRV.>"],
+                # its workers' micro endpoints: the page's cluster view (gateway/cluster.py)
+                "publish": [*setup, self.generate_pool, f"{self.generate_pool}.*", self.cancel_all, "$SRV.>",
+                            f"{ns}.svc.*.*"],
                 "subscribe": [f"{ns}.stream.{me}.*", self.stats_all, "$SRV.>", *replies],
             }
         if role == ROLE_OBSERVER:

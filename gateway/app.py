@@ -3,7 +3,9 @@
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
 ``/v1/models/{id}``), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), ``GET /health``
 (the process is up), ``GET /ready`` (NATS is connected and a decode-capable worker of the model
-reported within ``alive_after`` seconds), ``GET /metrics`` (Prometheus), ``/openapi.json``.
+reported within ``alive_after`` seconds), ``GET /metrics`` (Prometheus), ``/openapi.json``; the page
+``GET /`` with its files under ``/static/`` (``gateway/web/``) and its cluster view's ``GET /cluster``
+(``gateway/cluster.py``).
 
 Each route is short: the body is validated and turned into jobs by ``gateway.prepare``, run on the
 bus by ``gateway.run``, and printed by ``gateway.responses``. A streamed response starts only after
@@ -23,11 +25,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import nats.errors
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from nats.js.errors import APIError as NatsAPIError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -35,6 +39,7 @@ from bus.connection import BusOptions
 from bus.demand import demands
 from bus.subjects import Subjects
 from gateway.bus_client import GatewayBus
+from gateway.cluster import ClusterView
 from gateway.errors import OpenAIError, install_handlers
 from gateway.front_door import FrontDoor
 from gateway.prepare import Prepared, chat_messages, prepare_chat, prepare_completion, render_chat, tool_set
@@ -50,6 +55,8 @@ from runtime.settings import GatewayConfig
 log = logging.getLogger("tandem.gateway")
 
 T = TypeVar("T")
+#: the page's files (shipped in the package)
+WEB = Path(__file__).resolve().parent / "web"
 
 #: how long a streamed response waits for every choice's first message before sending headers
 STREAM_START_WAIT = 20.0
@@ -60,7 +67,7 @@ _JOB_SAFE = re.compile(r"^[A-Za-z0-9_-]{1,96}$")
 def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
     """Build the app; its lifespan loads the text model (unless given) and connects to NATS."""
     metrics = GatewayMetrics()
-    state: dict[str, Gateway] = {}
+    state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -73,6 +80,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
         await bus.start(ensure=config.ensure_streams)
         gw = Gateway(config, tm, bus, registry, metrics)
         state["gw"] = gw
+        state["cluster"] = ClusterView(gw)
         app.state.gateway = gw
         pruner = asyncio.create_task(_prune(registry))
         log.info("gateway %s serving %s (subjects %s.*)", config.gateway_id, tm.name, subjects.generate_pool)
@@ -98,6 +106,18 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
         if gw is None:
             raise OpenAIError(503, "the gateway is starting", code="starting", retry_after=1)
         return gw
+
+    # ---- the page --------------------------------------------------------------------
+    app.mount("/static", StaticFiles(directory=WEB), name="static")
+
+    @app.get("/", summary="the page: chat, and a live view of the cluster", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(WEB / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/cluster", summary="every worker, the queues, recent KV transfers and prefill decisions")
+    async def cluster() -> dict[str, Any]:
+        gateway()
+        return await state["cluster"].get()
 
     # ---- plain endpoints ---------------------------------------------------------------
     @app.get("/health", summary="the process is up")

@@ -1,7 +1,8 @@
 """The gateway's front door: pure ASGI middleware every request passes.
 
-It echoes ``X-Request-Id`` on every response (the client's, or one made here), and for the API
-routes checks the API key and the body size, then counts the request in the metrics.
+It echoes ``X-Request-Id`` on every response (the client's, or one made here), puts the page's
+security headers on the page's files, and for the API routes (and ``/cluster``) checks the API key
+and the body size, then counts the request in the metrics.
 
 Why pure ASGI and not a route dependency: FastAPI parses the body before dependencies run, so a
 client without a key would learn about its JSON before hearing 401. Pure ASGI also leaves streaming
@@ -22,8 +23,16 @@ from runtime.metrics import GatewayMetrics
 #: routes counted by name in the metrics (any other path is "other")
 ROUTES = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"})
 #: where the API key and the body size are checked
-GUARDED = ("/v1/", "/tokenize", "/detokenize")
+GUARDED = ("/v1/", "/tokenize", "/detokenize", "/cluster")
 REQUEST_ID = b"x-request-id"
+#: the page (``/`` and ``/static/``) talks only to its own origin and runs no inline script
+PAGE_HEADERS = [
+    (b"content-security-policy", b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                                 b"connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"x-frame-options", b"DENY"),
+]
 
 
 def request_id(scope: Scope) -> str:
@@ -62,13 +71,15 @@ class FrontDoor:
         scope.setdefault("state", {})["request_id"] = rid
         path = scope.get("path", "")
         status = [500]
+        extra = PAGE_HEADERS if path == "/" or path.startswith("/static/") else []
 
         async def send_status(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
                 out = list(message.get("headers") or [])
                 if not any(k.lower() == REQUEST_ID for k, _ in out):
-                    message = {**message, "headers": [*out, (REQUEST_ID, rid.encode("latin-1"))]}
+                    out.append((REQUEST_ID, rid.encode("latin-1")))
+                message = {**message, "headers": [*out, *extra]}
             await send(message)
 
         if not path.startswith(GUARDED):

@@ -85,6 +85,9 @@ class Job:
     usage: Usage | None = None
     decode_worker: str = ""
     prefill: str = ""  # "remote:<prefill worker>", "local" or "aggregate"
+    prefill_reason: str = ""  # why there (actors/prefill_choice.py)
+    kv_bytes: int = 0  # a remote prefill's KV, and the mechanism that carried it
+    kv_transfer: str = ""
     done: bool = False
     started: float = field(default_factory=time.monotonic)
     start_by: float = 0.0  # epoch seconds: not begun by then, it is dropped where it waits
@@ -304,6 +307,7 @@ class Run:
             job.prefill = msg.prefill_mode or ""
             if msg.prefill_worker_id:
                 job.prefill += f":{msg.prefill_worker_id}"
+            job.prefill_reason, job.kv_bytes, job.kv_transfer = msg.prefill_reason, msg.kv_bytes, msg.kv_transfer
             if msg.text:
                 job.text_parts.append(msg.text)
             if job.pooled:  # the router learns where its prompt is cached now
@@ -412,4 +416,13 @@ class Run:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+            # tandem's extension: where each choice ran (the page shows it under each answer)
+            "tandem": {"choices": [self._where(j) for j in self.jobs]},
         }
+
+    def _where(self, job: Job) -> dict[str, Any]:
+        mode, _, worker = job.prefill.partition(":")
+        return {"index": job.index, "decode_worker": job.decode_worker or job.worker_id, "prefill": mode or None,
+                "prefill_worker": worker or None, "prefill_reason": job.prefill_reason or None,
+                "kv_bytes": job.kv_bytes, "kv_transfer": job.kv_transfer or None,
+                "ttft_s": None if job.first_token_s is None else round(job.first_token_s, 4)}

@@ -77,6 +77,8 @@ PREFILL_DECISIONS = Counter("tandem_decode_prefill_decisions_total", "Where prom
 REMOTE_PREFILL_WAIT = Histogram("tandem_decode_remote_prefill_wait_seconds",
                                 "From publishing a prefill job to the KV having landed", buckets=LATENCY_BUCKETS,
                                 registry=REGISTRY)
+WORKER_CANCELLED = Counter("tandem_worker_cancelled_total", "Requests stopped because their client or gateway "
+                           "cancelled them", ["role"], registry=REGISTRY)
 PREEMPTIONS = Counter("tandem_decode_preemptions_total", "Sequences preempted for recompute", registry=REGISTRY)
 WORKER_TTFT = Histogram("tandem_worker_time_to_first_token_seconds", "Accepted to first token, on the worker",
                         buckets=LATENCY_BUCKETS, registry=REGISTRY)

@@ -810,6 +810,7 @@ def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
     body = json.dumps({"model": plan.served_name,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     cluster.say(f"tandem is up: model {plan.served_name}")
+    cluster.say(f"  page        {url}/   (chat in the browser, and a live view of the cluster)")
     cluster.say(f"  OpenAI API  {url}/v1")
     if cluster.run is not None:
         cluster.say(f"  NATS        {nats_url}   (every process logs in with its own NKey; strangers are refused)")

@@ -185,7 +185,8 @@ def test_micro_discovery_lists_workers(cluster):
         assert md["role"] == w.role
         assert md["model"] == "smollm2-135m-instruct"
         assert len(md["layout_fingerprint"]) == 16
-        assert {e["name"] for e in by_worker[wid]["endpoints"]} == {"info", "stats"}
+        assert {e["name"] for e in by_worker[wid]["endpoints"]} == {"info", "stats", "recent"}
+        assert md["host"]  # the page's cluster view and `tandem status` show where each worker runs
     assert ping["name"] == "tandem-prefill-only"
 
 

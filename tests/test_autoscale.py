@@ -197,7 +197,8 @@ async def _one(up: TandemUp) -> dict[str, Any]:
 
 
 def test_status_shows_desired_and_actual_per_role() -> None:
-    from tandem.status import Status, format_table
+    from bus.discovery import Status
+    from tandem.status import format_table
 
     st = Status(nats_url="nats://127.0.0.1:4222", namespace="tandem", autoscale=[
         {"scaler": "tandem-up-1", "model": "m", "role": "decode", "demand": 9, "lag": 1, "desired": 2, "actual": 1,

@@ -928,7 +928,7 @@ def test_deploy_nats_conf_roles_on_a_real_server(deploy_nats: EmbeddedNats) -> N
             assert (await streams.next_msg(timeout=10)).subject == s.stream("gw1", "r1")
 
             # ---- ops: tandem status and tail work with the read-only user
-            from tandem.status import collect
+            from bus.discovery import collect
 
             status = await collect(ops, s.namespace, wait=2.0, timeout=10.0)
             [w] = status.workers

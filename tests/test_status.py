@@ -258,14 +258,8 @@ def test_tail_summaries_of_every_kind() -> None:
 
 
 def test_status_formatting() -> None:
-    from tandem.status import (
-        PoolStatus,
-        Status,
-        WorkerStatus,
-        _worker_from_info,
-        format_duration,
-        format_table,
-    )
+    from bus.discovery import PoolStatus, Status, WorkerStatus, _worker_from_info
+    from tandem.status import format_duration, format_table
 
     assert [format_duration(x) for x in (None, 5, 65, 3725, 200000)] == ["-", "5s", "1m05s", "1h02m", "2d07h"]
     info = {"name": "tandem-decode-only", "id": "X", "version": "0.1.0",
