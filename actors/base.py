@@ -156,7 +156,7 @@ class WorkerActor:
         print(f"{self.worker_id}: connecting to NATS at {self.s.nats_url}", file=sys.stderr, flush=True)
         self.nc = await connect(opts, name=f"tandem-{self.role}-{self.worker_id}", on_disconnect=self.on_bus_lost)
         self.health.nats_connected = lambda: self.nc is not None and self.nc.is_connected
-        await ensure_streams(self.nc, self.subjects)
+        await ensure_streams(self.nc, self.subjects, replicas=self.s.stream_replicas)
         await self.nc.subscribe(self.subjects.kv_meta(self.worker_id), cb=self._on_kv_meta)
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel_msg)
         await self.start()
@@ -447,7 +447,7 @@ class WorkerActor:
 
         await svc.add_endpoint(name="info", subject=self.subjects.service(self.worker_id, "info"), handler=info)
         async def recent(req: nats.micro.Request) -> None:
-            await req.respond(self.recent.to_json())
+            await req.respond(self.recent.to_json(self.transfer.paths()))
 
         await svc.add_endpoint(name="stats", subject=self.subjects.service(self.worker_id, "stats"), handler=stats)
         await svc.add_endpoint(name="recent", subject=self.subjects.service(self.worker_id, "recent"),

@@ -37,7 +37,9 @@ class RecentWork:
         self.decisions.append({"at": time.time(), "worker": self.worker_id, "request_id": request_id,
                                "mode": mode, "reason": reason, "tokens": tokens})
 
-    def to_json(self) -> bytes:
-        """The endpoint's answer: newest first."""
+    def to_json(self, paths: dict[str, str]) -> bytes:
+        """The endpoint's answer, newest first; ``paths`` are the peers this worker writes KV to, by mechanism."""
         return json.dumps({"transfers": list(reversed(self.transfers)), "decisions": list(reversed(self.decisions)),
-                           "transfers_total": self.transfers_total}).encode()
+                           "transfers_total": self.transfers_total,
+                           "paths": [{"from": self.worker_id, "to": peer, "engine": mech}
+                                     for peer, mech in sorted(paths.items())]}).encode()

@@ -23,7 +23,9 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+import nats.errors
 from nats.aio.msg import Msg
+from nats.js.errors import APIError, NoStreamResponseError
 
 from actors.base import SeenIds, bad_messages
 from actors.runner import EngineRunner
@@ -42,7 +44,7 @@ from bus.publish import js_publish, publish
 from bus.subjects import Subjects
 from engine.params import SamplingParams
 from kv.layout import KVLayout
-from kv.transfer.base import TransferEngine
+from kv.transfer.base import GRANT_CHECKED, TransferEngine
 from runtime import metrics
 from runtime.settings import Settings
 
@@ -254,21 +256,33 @@ class RemotePrefills:
             self.attempts_over.add(tag)
             await self.release_quarantine(tag)
 
-    def quarantine(self, tag: str, blocks: list[int], deadline: float) -> None:
+    def quarantine(self, tag: str, blocks: list[int], deadline: float, mechanism: str = "") -> None:
         """Hold blocks until attempt ``tag`` answers (it has stopped writing) or its deadline passes.
 
-        The answer may already be here: a cancel and the writer's PrefillDone race.
+        The answer may already be here: a cancel and the writer's PrefillDone race. A writer that uses a
+        mechanism which refuses a write without its grant (TCP: ``kv.transfer.base.GRANT_CHECKED``) cannot
+        land a byte once the attempt's grant is revoked, so its blocks are free at once.
         """
         if not blocks:
             return
         self.quarantined.setdefault(tag, []).extend(blocks)
-        over = tag in self.attempts_over
+        granted_only = set(self.transfer.mechanisms()) <= GRANT_CHECKED  # this pool takes no other write
+        over = tag in self.attempts_over or mechanism in GRANT_CHECKED or granted_only
         delay = 0.0 if over else max(0.0, deadline - time.time()) + QUARANTINE_GRACE_S
         self.spawn(self._release_after(tag, delay))
 
     async def _release_after(self, tag: str, delay: float) -> None:
         await asyncio.sleep(delay)
         await self.release_quarantine(tag)
+
+    async def withdraw(self, seq: int, tag: str) -> None:
+        """Take a prefill job nobody took out of the pool: a prefill worker that comes later must not compute it
+        (its write would be refused anyway), and the pool's backlog, what autoscalers read, must not count it."""
+        try:
+            await self.nc.jetstream(timeout=2.0).delete_msg(self.subjects.prefill_stream, seq)
+            log.info("withdrew prefill job %s from the pool", tag)
+        except (nats.errors.Error, APIError, asyncio.TimeoutError) as e:  # taken meanwhile, or the bus is away
+            log.info("could not withdraw prefill job %s from the pool: %r", tag, e)
 
     async def release_quarantine(self, tag: str) -> None:
         blocks = self.quarantined.pop(tag, None)
@@ -288,6 +302,7 @@ class RemotePrefill:
         self.deadline = 0.0  # this attempt's
         self.taker: str | None = None  # the prefill worker that accepted this attempt
         self.mechanism = ""  # how its KV comes (the taker's PrefillAccepted says)
+        self.grant = ""  # this attempt's write grant (revoked when it ends)
         self.kv_bytes = 0  # what this attempt's blocks hold
         self.begun = False  # a prefill worker took a job of this request (ever)
         self.cancelled = False
@@ -326,8 +341,9 @@ class RemotePrefill:
             # Failed or timed out: after a timeout, or a failure once writing began, the prefill
             # side may still write into these blocks.
             timed_out = done is None
-            blocks = await hub.runner.call(lambda e, held: e.abandon_remote(rid, held), timed_out or done.wrote)
-            hub.quarantine(self.tag, blocks, self.deadline)
+            held = (timed_out and self.job_sent) or (done is not None and done.wrote)  # a writer may still come
+            blocks = await hub.runner.call(lambda e, held: e.abandon_remote(rid, held), held)
+            hub.quarantine(self.tag, blocks, self.deadline, self.mechanism)
             why = "timed out" if timed_out else f"failed: {done.error}"
             log.warning("request %s: remote prefill attempt %d %s", rid, attempt, why, extra={"request_id": rid})
             count_decision("remote_failed", "timeout" if timed_out else done.error_code or "error")
@@ -348,7 +364,7 @@ class RemotePrefill:
             deadline = min(deadline, self.req.deadline)
         self.deadline = deadline
         self.kv_bytes = len(fresh) * hub.layout.block_bytes
-        grant = hub.transfer.grant(fresh, deadline)  # revoked when this attempt ends: a late write is refused
+        self.grant = grant = hub.transfer.grant(fresh, deadline)  # revoked when it ends: a late write is refused
         job = PrefillJob(
             request_id=rid, prompt_ids=self.prompt_ids, sampling=self.req.sampling,
             layout_fingerprint=hub.layout.fingerprint(), layout=hub.layout.to_dict(),
@@ -361,13 +377,26 @@ class RemotePrefill:
         self._answer = asyncio.get_running_loop().create_future()
         hub.attempts[tag] = self
         hub.landings.expect(tag)
+        queued = 0  # the job's place in the prefill pool
         try:
             self.job_sent = True
-            if target:
-                await publish(hub.nc, hub.subjects.prefill_worker(target), job)
-            else:
-                await js_publish(hub.nc, hub.subjects.prefill_pool, job, msg_id=tag)
+            try:
+                if target:
+                    await publish(hub.nc, hub.subjects.prefill_worker(target), job)
+                else:
+                    queued = (await js_publish(hub.nc, hub.subjects.prefill_pool, job, msg_id=tag)).seq
+            except (NoStreamResponseError, nats.errors.NoRespondersError) as e:  # no stream leader (an election)
+                log.warning("request %s: the prefill pool took no job (%r); trying elsewhere", rid, e,
+                            extra={"request_id": rid})
+                self.job_sent = False  # it was not stored: nobody will write into these blocks
+                return None
+            except (nats.errors.TimeoutError, asyncio.TimeoutError, APIError) as e:  # stored or not: unknown
+                log.warning("request %s: the prefill pool did not acknowledge the job (%r)", rid, e,
+                            extra={"request_id": rid})
+                return None
             done = await self._wait_answer(target)
+            if done is None and queued and self.taker is None:  # nobody took it: no one should, later
+                hub.spawn(hub.withdraw(queued, tag))
             if done is None or not done.ok:
                 return done
             # The writer saw its transfer complete; wait until the bytes are visible here too.
@@ -422,6 +451,7 @@ class RemotePrefill:
         if self._answer is not None and not self._answer.done():
             self._answer.set_result(None)
         hub.landings.settled(tag)
+        hub.transfer.revoke(self.grant)
         rid, job_sent = self.rid, self.job_sent
         blocks = await hub.runner.call(lambda e: e.abandon_remote(rid, job_sent))
-        hub.quarantine(tag, blocks, deadline)
+        hub.quarantine(tag, blocks, deadline, self.mechanism)

@@ -14,6 +14,7 @@ from typing import Any
 import nats
 import nats.errors
 
+from bus.connection import BusOptions, connect
 from bus.subjects import Subjects
 from runtime.processes import ChildProcess
 
@@ -141,7 +142,8 @@ class Client:
         self.namespace = namespace
 
     async def __aenter__(self) -> Client:
-        self.nc = await nats.connect(self.url)
+        # TANDEM_NATS_* log it in where the bus is closed (as the gateway user: it may send and read streams)
+        self.nc = await connect(BusOptions.from_env(servers=self.url, connect_timeout=30.0), name="bench-client")
         self.js = self.nc.jetstream()
         return self
 
@@ -234,3 +236,39 @@ def cpus_allowed(pid: int) -> set[str]:
         out |= {line.split()[1] for line in (task / "status").read_text().splitlines()
                 if line.startswith("Cpus_allowed_list:")}
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.cluster generate``: one greedy chat sent straight to a worker on the bus, as JSON.
+
+    What tests on emulated hosts run on a host (logged in through TANDEM_NATS_*) to compare two workers'
+    answers token for token, bypassing the gateway's routing.
+    """
+    import argparse
+    import uuid
+
+    from engine.model_files import load_text
+
+    p = argparse.ArgumentParser(prog="python -m bench.cluster", description=main.__doc__)
+    p.add_argument("command", choices=["generate"])
+    p.add_argument("--nats-url", required=True)
+    p.add_argument("--worker", default=None, help="the decode worker to send it to (default: the pool)")
+    p.add_argument("--target-endpoint", default=None, help="the prefill worker it must use")
+    p.add_argument("--message", default="What is the capital of France?")
+    p.add_argument("--max-tokens", type=int, default=16)
+    args = p.parse_args(argv)
+    text = load_text(MODEL)
+    ids = text.tokenizer.encode(text.chat_template.render([{"role": "user", "content": args.message}]))
+
+    async def go() -> dict:
+        async with Client(args.nats_url) as c:
+            kw = {"target_endpoint": args.target_endpoint} if args.target_endpoint else {}
+            return await c.generate(uuid.uuid4().hex, ids, worker=args.worker, max_tokens=args.max_tokens,
+                                    ignore_eos=True, **kw)
+
+    print(json.dumps(asyncio.run(go())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -43,6 +43,7 @@ class Sample:
     ttft: float  # client: publish → first token
     step: float  # the engine step that computed the prompt
     transfer: float  # remote: from the end of compute until the KV had landed
+    kv_bytes: int = 0  # remote: what moved
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -69,7 +70,7 @@ async def one(c: Client, ids: list[int], target: str | None, timeout: float = 12
             elif d["kind"] == "stream_finish":
                 t = d["timings"]
                 return Sample(first if first is not None else time.perf_counter() - t0, t["prefill_step"],
-                              t["transfer"])
+                              t["transfer"], d.get("kv_bytes", 0))
             elif d["kind"] == "stream_error":
                 raise RuntimeError(f"request failed: {d}")
     finally:
@@ -110,6 +111,9 @@ def summary(row: dict[str, list[Sample]]) -> dict[str, float]:
         "remote_around": 1000 * med(s.ttft - s.step for s in rem),
         "handoff": 1000 * med((r.ttft - r.step) - (lo.ttft - lo.step) for r, lo in zip(rem, loc)),
         "transfer": 1000 * med(s.transfer for s in rem),
+        "kv_mb": med(s.kv_bytes for s in rem) / 1e6,
+        "gbps": med(s.kv_bytes / s.transfer / 1e9 for s in rem if s.transfer > 0) if any(s.transfer > 0 for s in rem)
+        else 0.0,
     }
 
 
@@ -139,15 +143,87 @@ def report(res: dict[int, dict[str, list[Sample]]], repeats: int, placement: str
     return "\n".join(lines) + "\n"
 
 
+def hosts_report(rows: dict[tuple[str, float, str], dict[int, dict[str, list[Sample]]]], repeats: int) -> str:
+    lines = [
+        "## Across machines: KV transfer and hand-off at 0 and 2 ms added RTT (bench/disagg.py --hosts)",
+        "",
+        f"`python -m bench.disagg --hosts`: two emulated machines (bench/hosts.py: network namespaces with their own "
+        f"hostname and /dev/shm, joined by a user-space switch that holds each frame for half the added RTT, since "
+        f"this kernel has no netem); NATS and the decode worker on one, the prefill worker on the other, one torch "
+        f"thread each, float32 weights, whole prompts in one step; otherwise as in the hand-off section (interleaved local and remote "
+        f"prefills of fresh prompts, medians of {repeats}). Layer-wise off, the KV moves after the prefill's last "
+        f"step: \"after compute\" is that write, and GB/s its rate. Layer-wise on, each layer's KV moves while the "
+        f"next layer computes: \"after compute\" is what is left, and \"hidden\" the share of the off case's "
+        f"write it saved.",
+        "",
+        "| engine | added RTT | prompt tokens | KV | hand-off overhead (off / on) | after compute, off | GB/s | "
+        "after compute, on | hidden |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (engine, rtt, layerwise), res in rows.items():
+        if layerwise != "off":
+            continue
+        on = rows.get((engine, rtt, "on"), {})
+        for n, row in res.items():
+            s = summary(row)
+            s_on = summary(on[n]) if n in on else None
+            # a write under a millisecond is within the noise of the timers: no rate, no share of it
+            timed = s["transfer"] >= 1.0
+            hidden = f"{100 * (1 - s_on['transfer'] / s['transfer']):.0f}%" if s_on and timed else "—"
+            rate = f"{s['gbps']:.2f}" if timed else "—"
+            lines.append(f"| {engine} | {rtt:g} ms | {n} | {s['kv_mb']:.1f} MB | "
+                         f"{s['handoff']:.1f} / {s_on['handoff'] if s_on else float('nan'):.1f} ms | "
+                         f"{s['transfer']:.1f} ms | {rate} | "
+                         f"{s_on['transfer'] if s_on else float('nan'):.1f} ms | {hidden} |")
+    return "\n".join(lines) + "\n"
+
+
+def across_hosts(engine: str, rtt_ms: float, layerwise: str, lengths: tuple[int, ...], repeats: int,
+                 logs: Path) -> dict[int, dict[str, list[Sample]]]:
+    """One measurement on two emulated machines: NATS and d1 on "d", p1 on "p"."""
+    from bench.hosts import Hosts
+
+    with Hosts(["p", "d"], logs / f"{engine}-{rtt_ms:g}-{layerwise}", delay_ms=rtt_ms / 2) as hosts:
+        hosts.tandem("d", "nats", "nats", "--host", "0.0.0.0", "--port", "4222",
+                     ready_marker="nats-server ready at").wait_ready(60)
+        url = f"nats://{hosts.ip('d')}:4222"
+        common = ["--nats-url", url, "--threads", "1", "--num-blocks", "600", "--quantization", "none",
+                  "--kv-transfer", engine, "--kv-tcp-host", "0.0.0.0", "--max-step-tokens", str(max(4096, *lengths))]
+        for host, wid, role, extra in (("p", "p1", "prefill_only", ["--layerwise-transfer", layerwise]),
+                                       ("d", "d1", "decode_only", ["--local-prefill-max-tokens", str(max(lengths) + 1)])):
+            env = {"UCX_NET_DEVICES": hosts.device(host), "UCX_TLS": "tcp"}
+            hosts.tandem(host, wid, "serve", "--pipeline-role", role, "--worker-id", wid, "--advertise-host",
+                         hosts.ip(host), *common, *extra, env=env, ready_marker=f" {wid} ready").wait_ready(300)
+        asyncio.run(hear_prefill_worker(url))
+        return asyncio.run(measure(url, lengths, repeats))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.disagg", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths (tokens), comma-separated")
     p.add_argument("--repeats", type=int, default=9, help="requests per path and length")
     p.add_argument("--layerwise-transfer", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--hosts", action="store_true",
+                   help="prefill and decode on two emulated machines (root; bench/hosts.py), for each of "
+                        "--engines and --rtt-ms, layer-wise off and on")
+    p.add_argument("--engines", default="tcp,nixl", help="with --hosts: KV transfer engines (default tcp,nixl)")
+    p.add_argument("--rtt-ms", default="0,2", help="with --hosts: added round-trip times in ms (default 0,2)")
     p.add_argument("--write", action="store_true", help="write the result into docs/benchmarks.md")
     args = p.parse_args(argv)
     lengths = tuple(int(x) for x in args.lengths.split(","))
+    if args.hosts:
+        logs = Path(tempfile.mkdtemp(prefix="tandem-bench-hosts-"))
+        rows = {(engine, rtt, lw): across_hosts(engine, rtt, lw, lengths, args.repeats, logs)
+                for engine in args.engines.split(",") for rtt in (float(x) for x in args.rtt_ms.split(","))
+                for lw in ("off", "on")}
+        text = hosts_report(rows, args.repeats)
+        print(text)
+        if args.write:
+            from bench.report import write_section
+
+            write_section("disagg-hosts", text)
+        return 0
     cpus = available_cpus()
     pins = (["--cpus", str(cpus[0])], ["--cpus", str(cpus[1])]) if len(cpus) >= 2 else ([], [])
     placement = (f"prefill on core {cpus[0]}, decode on core {cpus[1]}" if len(cpus) >= 2

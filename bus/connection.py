@@ -213,6 +213,22 @@ class BusOptions:
         return kw
 
 
+def user_login(user: str, env: Mapping[str, str]) -> dict[str, str]:
+    """The variables that log a process in as NATS ``user`` of tandem's configs (``tandem --nats-user``).
+
+    The password is ``TANDEM_NATS_PASSWORD``, else the server's own variable for that user,
+    ``TANDEM_NATS_PASSWORD_<USER>`` (what ``tandem nats --make-passwords`` writes); the inbox prefix
+    is the user's (``_INBOX_<user>``) unless ``TANDEM_NATS_INBOX_PREFIX`` says otherwise.
+    """
+    check_token(user, "--nats-user")
+    var = f"TANDEM_NATS_PASSWORD_{user.upper().replace('-', '_')}"
+    password = env.get("TANDEM_NATS_PASSWORD") or env.get(var)
+    if not password:
+        raise ValueError(f"--nats-user {user}: set {var} (or TANDEM_NATS_PASSWORD), e.g. with --env-file")
+    return {"TANDEM_NATS_USER": user, "TANDEM_NATS_PASSWORD": password,
+            "TANDEM_NATS_INBOX_PREFIX": env.get("TANDEM_NATS_INBOX_PREFIX") or f"_INBOX_{user}"}
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -93,13 +93,16 @@ class Status:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     #: transfers the workers counted since they started
     transfers_total: int = 0
+    #: KV paths in use: {"from", "to", "engine"} (the writer's choice of mechanism for each peer)
+    paths: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (workers carry ``used_blocks`` too)."""
         workers = [{**asdict(w), "used_blocks": w.used_blocks} for w in self.workers]
         return {"nats_url": self.nats_url, "namespace": self.namespace, "workers": workers,
                 "pools": [asdict(p) for p in self.pools], "autoscale": self.autoscale,
-                "transfers": self.transfers, "decisions": self.decisions, "transfers_total": self.transfers_total}
+                "transfers": self.transfers, "decisions": self.decisions, "transfers_total": self.transfers_total,
+                "paths": self.paths}
 
 
 def _is_no_responders(msg: Any) -> bool:
@@ -271,6 +274,7 @@ async def collect(nc: Any, namespace: str = "tandem", wait: float = 0.5, timeout
             status.transfers += found.get("transfers") or []
             status.decisions += found.get("decisions") or []
             status.transfers_total += int(found.get("transfers_total") or 0)
+            status.paths += found.get("paths") or []
         status.transfers.sort(key=lambda r: r.get("at", 0.0), reverse=True)
         status.decisions.sort(key=lambda r: r.get("at", 0.0), reverse=True)
     if autoscale:

@@ -185,44 +185,50 @@ def render_single(s: Subjects) -> str:
 
 
 @dataclass(frozen=True)
-class LocalMember:
-    """The ports of one cluster member on loopback, and every member's route port."""
+class ClusterMember:
+    """Where one member of the cluster listens, and every member's route URL (its own too: a server skips
+    itself). The defaults are the Kubernetes StatefulSet's; the fault tests give loopback ports, the
+    emulated hosts and ``tandem nats --cluster`` their machines' addresses."""
 
-    client_port: int
-    cluster_port: int
-    monitor_port: int
-    route_ports: tuple[int, ...]
+    client_port: int = CLIENT_PORT
+    cluster_port: int = CLUSTER_PORT
+    monitor_port: int = MONITOR_PORT
+    routes: tuple[str, ...] = tuple(f"nats-route://{STATEFULSET}-{i}.{STATEFULSET}:{CLUSTER_PORT}"
+                                    for i in range(CLUSTER_SIZE))
+    #: the preStop hook signals lame-duck mode through it (Kubernetes); "" for none
+    pid_file: str = "/var/run/nats/nats.pid"
+    #: the address it listens on (clients, routes, monitoring)
+    host: str = "0.0.0.0"
+    #: what runs the members, for the file's header
+    runs_in: str = "deploy/k8s/nats.yaml"
 
 
-def render_cluster(s: Subjects, local: LocalMember | None = None) -> str:
-    """One member of the 3-node JetStream cluster (Kubernetes StatefulSet ``nats``).
+def render_cluster(s: Subjects, member: ClusterMember | None = None) -> str:
+    """One member of the 3-node JetStream cluster, with the deploy users (``POD_NAME`` names the server).
 
-    ``local`` renders the same member for a cluster on one host's loopback (the fault tests): its
-    own client, route and monitoring ports, routes to every member's route port, no pid file.
+    Without ``member``: the Kubernetes StatefulSet ``nats``'s members. The same text, with other ports and
+    routes, runs the fault tests' cluster on loopback and the emulated hosts' (``bench/hosts.py``).
     """
-    if local is None:
-        route_urls = [f"nats-route://{STATEFULSET}-{i}.{STATEFULSET}:{CLUSTER_PORT}" for i in range(CLUSTER_SIZE)]
-        client, cluster, monitor = CLIENT_PORT, CLUSTER_PORT, MONITOR_PORT
-        pid_file = "pid_file: \"/var/run/nats/nats.pid\"  # the preStop hook signals lame-duck mode through it\n"
-    else:
-        route_urls = [f"nats-route://127.0.0.1:{p}" for p in local.route_ports]
-        client, cluster, monitor = local.client_port, local.cluster_port, local.monitor_port
-        pid_file = ""
-    routes = [f"    \"{url}\"" for url in route_urls]
+    m = member or ClusterMember()
+    pid_file = f"pid_file: {_q(m.pid_file)}  # the preStop hook signals lame-duck mode through it\n" \
+        if m.pid_file else ""
+    routes = [f"    {_q(url)}" for url in m.routes]
     users = deploy_users(s)
+    listen = f"listen: {_q(m.host)}\n" if m.host != "0.0.0.0" else ""
     return (
-        _header(s, f"Member of the {CLUSTER_SIZE}-node JetStream cluster (deploy/k8s/nats.yaml); "
+        _header(s, f"Member of the {len(m.routes)}-node JetStream cluster ({m.runs_in}); "
                    "POD_NAME names the server.", "deploy/render_nats_conf.py", _passwords(users))
         + "server_name: $POD_NAME\n"
-        f"port: {client}\n"
-        f"http_port: {monitor}\n"
+        + listen
+        + f"port: {m.client_port}\n"
+        f"http_port: {m.monitor_port}\n"
         "jetstream {\n"
         "  max_memory_store: 512MB\n"
         "  max_file_store: 10GB\n"
         "}\n"
         "cluster {\n"
         f"  name: {CLUSTER_NAME}\n"
-        f"  port: {cluster}\n"
+        f"  port: {m.cluster_port}\n"
         "  routes: [\n"
         + "\n".join(routes)
         + "\n  ]\n"

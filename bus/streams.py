@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -274,9 +275,32 @@ async def ensure_streams(
     generate: WorkQueueConfig = DEFAULT_GENERATE,
     prefill: WorkQueueConfig = DEFAULT_PREFILL,
     *,
+    replicas: int | None = None,
     timeout: float = 5.0,
+    cluster_wait: float = 60.0,
 ) -> EnsureResult:
-    """Make sure both work-queue streams and their durable pull consumers exist as configured."""
+    """Make sure both work-queue streams and their durable pull consumers exist as configured
+    (``replicas``, when given, for all three streams: ``TANDEM_STREAM_REPLICAS``).
+
+    With more than one replica the servers are a cluster, which may still be forming when a process
+    starts (no JetStream leader yet, too few members to place the replicas): the attempt is repeated
+    for up to ``cluster_wait`` seconds before its error is raised.
+    """
+    if replicas is not None:
+        generate, prefill = dataclasses.replace(generate, replicas=replicas), dataclasses.replace(prefill, replicas=replicas)
+    deadline = time.monotonic() + (cluster_wait if max(generate.replicas, prefill.replicas) > 1 else 0.0)
+    while True:
+        try:
+            return await _ensure_streams_once(nc_or_js, subjects, generate, prefill, timeout)
+        except (StreamConfigError, NatsTimeoutError, asyncio.TimeoutError) as e:
+            if time.monotonic() >= deadline:
+                raise
+            log.info("the JetStream cluster is not ready for the streams yet (%s); trying again", e)
+            await asyncio.sleep(1.0)
+
+
+async def _ensure_streams_once(nc_or_js: Client | JetStreamContext, subjects: Subjects, generate: WorkQueueConfig,
+                               prefill: WorkQueueConfig, timeout: float) -> EnsureResult:
     js = _js(nc_or_js, timeout)
     try:
         await js.account_info()

@@ -350,7 +350,8 @@ class Subjects:
                 # prefill jobs go to the pool (JetStream) or to one prefill worker (core);
                 # a decode worker cancels the prefills it gave up on, hears the prefill
                 # workers' load reports and finds them with $SRV.INFO.tandem-prefill-only.
-                pub += [self.prefill_pool, f"{self.prefill_pool}.*", self.cancel_all]
+                pub += [self.prefill_pool, f"{self.prefill_pool}.*", self.cancel_all,
+                        f"$JS.API.STREAM.MSG.DELETE.{self.prefill_stream}"]  # withdraws a job nobody took
                 sub += [f"{ns}.prefill.done.{me}.*", f"{ns}.stats.{ROLE_PREFILL_ONLY}.*"]
             return {"publish": pub, "subscribe": sub}
         if role == ROLE_GATEWAY:

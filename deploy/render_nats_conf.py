@@ -6,16 +6,18 @@ Why generated: the per-role permissions must be exactly what the workers do, and
 that spells the subjects is the only source of truth. This script writes
 
 * ``deploy/nats/nats.conf``      one server (Docker Compose), JetStream, monitoring on 8222;
+* ``deploy/nats/cluster.conf``   one member of the 3-node JetStream cluster of Compose's profile
+  ``cluster`` (services nats, nats-2, nats-3);
 * ``deploy/k8s/nats/nats.conf``  one member of the 3-node JetStream cluster (Kubernetes);
 
-both with the account ``TANDEM`` (JetStream enabled) holding one user per role, and the
+all with the account ``TANDEM`` (JetStream enabled) holding one user per role, and the
 system account ``SYS``. Passwords are not in the files: each user's password is a NATS
 variable (``$TANDEM_NATS_PASSWORD_<USER>``) that nats-server reads from its environment, and
 each process sets ``TANDEM_NATS_INBOX_PREFIX=_INBOX_<user>`` (its replies arrive there only).
 The JetStream store directory is a command-line flag (``-sd /data/jetstream``), so the same
 file also runs under ``bus.server.EmbeddedNats``, which passes its own.
 
-    python deploy/render_nats_conf.py            # rewrite both files
+    python deploy/render_nats_conf.py            # rewrite the files
     python deploy/render_nats_conf.py --check    # exit 1 if a committed file is stale
 
 ``tests/test_deploy.py`` checks that the committed files equal the rendered ones.
@@ -32,18 +34,24 @@ ROOT = DEPLOY.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere: make the repo importable
     sys.path.insert(0, str(ROOT))
 
-from bus.nats_config import render_cluster, render_single  # noqa: E402
+from bus.nats_config import CLUSTER_PORT, ClusterMember, render_cluster, render_single  # noqa: E402
 from bus.subjects import Subjects  # noqa: E402
 from engine.model_files import DEFAULT_MODEL  # noqa: E402
 
 SINGLE_OUT = DEPLOY / "nats" / "nats.conf"
+COMPOSE_CLUSTER_OUT = DEPLOY / "nats" / "cluster.conf"
 CLUSTER_OUT = DEPLOY / "k8s" / "nats" / "nats.conf"
+#: the NATS services of docker-compose.yml's profile ``cluster`` (``nats`` is the single server's too)
+COMPOSE_MEMBERS = ("nats", "nats-2", "nats-3")
 
 
 def outputs(model: str = DEFAULT_MODEL, namespace: str = "tandem") -> dict[Path, str]:
     """Every file this script writes, with its content."""
     s = Subjects(model, namespace)
-    return {SINGLE_OUT: render_single(s), CLUSTER_OUT: render_cluster(s)}
+    compose = ClusterMember(routes=tuple(f"nats-route://{name}:{CLUSTER_PORT}" for name in COMPOSE_MEMBERS),
+                            pid_file="", runs_in="deploy/docker-compose.yml, profile cluster")
+    return {SINGLE_OUT: render_single(s), COMPOSE_CLUSTER_OUT: render_cluster(s, compose),
+            CLUSTER_OUT: render_cluster(s)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,7 +77,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
                                   load_weight=config.route_load_weight)
         opts = BusOptions.from_env(servers=config.nats_url, connect_timeout=config.connect_timeout)
         bus = GatewayBus(subjects, config.gateway_id, registry, opts)
-        await bus.start(ensure=config.ensure_streams)
+        await bus.start(ensure=config.ensure_streams, replicas=config.stream_replicas)
         gw = Gateway(config, tm, bus, registry, metrics)
         state["gw"] = gw
         state["cluster"] = ClusterView(gw)

@@ -87,11 +87,11 @@ class GatewayBus:
         self._cancelled_at: OrderedDict[str, float] = OrderedDict()  # request id → when we last cancelled it
 
     # ---- life cycle --------------------------------------------------------------------
-    async def start(self, ensure: bool = True) -> None:
-        """Connect (deadline: ``opts.connect_timeout``), ensure the pool streams, subscribe."""
+    async def start(self, ensure: bool = True, replicas: int = 1) -> None:
+        """Connect (deadline: ``opts.connect_timeout``), ensure the pool streams (``replicas``), subscribe."""
         self.nc = await connect(self.opts, name=f"gateway-{self.gateway_id}", on_disconnect=self._on_disconnect)
         if ensure:
-            await ensure_streams(self.nc, self.subjects)
+            await ensure_streams(self.nc, self.subjects, replicas=replicas)
         await self.nc.subscribe(self.subjects.streams_of_gateway(self.gateway_id), cb=self._on_stream)
         await self.nc.subscribe(self.subjects.stats_all, cb=self._on_stats)
         await self.nc.subscribe(f"{self._inbox}*", cb=self._on_inbox)

@@ -18,6 +18,8 @@ goes to the JetStream pool, which workers pull only when they have a batch slot 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import time
 from collections import OrderedDict
@@ -99,6 +101,7 @@ class WorkerRegistry:
         rng: random.Random | None = None,
     ) -> None:
         self.model_token = model_token
+        self._waiters: list[asyncio.Future[None]] = []  # wait_for: woken by the next report
         self.alive_after = alive_after
         self.forget_after = forget_after
         self.max_hashes = max_hashes_per_worker
@@ -114,6 +117,10 @@ class WorkerRegistry:
         """Record a worker's report (reports for another model are ignored)."""
         if not same_model:
             return
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._waiters.clear()
         now = self.clock()
         info = self.workers.get(stats.worker_id)
         if info is None or info.role != stats.role or (
@@ -125,6 +132,20 @@ class WorkerRegistry:
         info.stats = stats
         info.last_seen = now
         info.sent_since_report = info.done_since_report = info.blocks_since_report = 0
+
+    async def wait_for(self, condition: Callable[[], bool], timeout: float) -> bool:
+        """Until ``condition()`` holds, checked after each report (False after ``timeout`` seconds)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not condition():
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            fut = loop.create_future()
+            self._waiters.append(fut)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(fut, left)
+        return True
 
     def prune(self) -> None:
         """Forget workers silent for ``forget_after`` seconds."""

@@ -363,16 +363,36 @@ class Run:
             self.gw.bus.cancel_soon(job.request_id, f"worker {worker} {why}")
             self.gw.registry.finished(job.request_id)
             job.retried = True
-            await self._dispatch(job, exclude=frozenset({worker}))
+            await self._dispatch(job, exclude=await self._another_worker(job, worker))
             return
         if started and job.migrations < self.gw.config.migration_limit:
             log.warning("request %s: worker %s %s after %d tokens; moving the stream to another worker",
                         job.request_id, worker, why, len(job.token_ids))
             self.gw.bus.cancel_soon(job.request_id, f"worker {worker} {why}")
             job.migrations += 1
-            await self._dispatch(job, exclude=frozenset({worker}))
+            await self._dispatch(job, exclude=await self._another_worker(job, worker))
             return
         raise OpenAIError(503, f"decode worker {worker} {why}", code="worker_lost", retry_after=1)
+
+    async def _another_worker(self, job: Job, lost: str) -> frozenset[str]:
+        """Whom a job of the lost worker may not go to: that worker, unless it came back as a new process
+        and no other worker is alive.
+
+        When no other worker is alive, wait for one (``--worker-wait``, within the deadline): a supervisor
+        (``tandem up``, Kubernetes) restarts a dead worker in seconds, and the stream goes on there.
+        """
+        reg, dead = self.gw.registry, job.worker_incarnation
+
+        def back() -> bool:
+            return any(w.worker_id != lost or (dead and w.stats.incarnation not in ("", dead)) for w in reg.alive())
+
+        wait = min(self.gw.config.worker_wait, max(0.0, self._give_up_at - time.monotonic()))
+        if not back() and wait > 0:
+            log.warning("request %s: no other decode worker is alive; waiting up to %.0fs for one", job.request_id,
+                        wait, extra={"request_id": job.request_id})
+            await reg.wait_for(back, wait)
+        others = any(w.worker_id != lost for w in reg.alive())
+        return frozenset({lost}) if others or not back() else frozenset()
 
     async def collect(self) -> None:
         """Wait until every job ended (raises the first error)."""

@@ -53,6 +53,10 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--migration-limit", type=int, default=None,
                    help="times a request may move to another decode worker when its worker dies after tokens "
                         "were sent (TANDEM_GATEWAY_MIGRATION_LIMIT, default 1; 0: never, it fails with 503)")
+    p.add_argument("--worker-wait", type=float, default=None,
+                   help="seconds a request whose worker died waits, when no other decode worker is alive, for "
+                        "one to come (or the same one restarted) before it fails (TANDEM_GATEWAY_WORKER_WAIT, "
+                        "default 15)")
     add_sampling_default_flags(p)
     p.set_defaults(func=main)
     return p
@@ -154,6 +158,7 @@ def main(args: argparse.Namespace) -> int:
             drain_timeout=args.drain_timeout,
             max_queue_wait=args.max_queue_wait,
             migration_limit=args.migration_limit,
+            worker_wait=args.worker_wait,
             **{f"default_{name}": getattr(args, f"default_{name}") for name, _ in SAMPLING_FLAGS},
         )
         text = load_text_model(config.model)

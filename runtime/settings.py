@@ -54,6 +54,9 @@ class Settings:
     prefill_timeout: float = 60.0  # seconds a decode worker waits for a remote prefill
     request_timeout: float = 600.0  # default deadline of a request
     stats_interval: float = 1.0
+    # replicas of the work queues a process creates when they do not exist yet (a NATS cluster: 3); a larger
+    # existing one is never shrunk (bus/streams.py)
+    stream_replicas: int = 1
     drain_timeout: float = 30.0  # SIGTERM: seconds to finish what this worker holds before it leaves
     restarts: int = 0  # how often a supervisor (tandem up) restarted this worker: TANDEM_RESTARTS
 
@@ -96,6 +99,7 @@ class Settings:
         if not self.max_step_tokens:
             self.max_step_tokens = PREFILL_STEP_TOKENS if self.role == "prefill_only" else STEP_TOKENS
         for name, least in (("block_size", 1), ("num_blocks", 1), ("max_batch", 1), ("max_step_tokens", 1),
+                            ("stream_replicas", 1),
                             ("local_prefill_max_tokens", 0), ("threads", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(self, name)}")
@@ -185,14 +189,17 @@ class GatewayConfig:
     served_model_names: tuple[str, ...] = ()
     #: connect to NATS with this deadline (seconds)
     connect_timeout: float = 30.0
-    #: create the pool streams at start (off when permissions forbid it)
+    #: create the pool streams at start (off when permissions forbid it), with this many replicas
     ensure_streams: bool = True
+    stream_replicas: int = 1
     #: SIGTERM: seconds running requests get to finish before they end with a 503
     drain_timeout: float = 30.0
     #: a request whose expected wait for a worker is longer than this is refused at once (429); 0: never
     max_queue_wait: float = 30.0
     #: times a request may move to another decode worker when its worker dies after tokens were sent
     migration_limit: int = 1
+    #: seconds such a request waits, when no other decode worker is alive, for one (or the same, restarted)
+    worker_wait: float = 15.0
     #: sampling for requests that leave a field out; None: the model's own default (generation_config.json)
     default_temperature: float | None = None
     default_top_p: float | None = None
@@ -211,7 +218,7 @@ class GatewayConfig:
             raise ValueError("request timeout must be positive and at most max_request_timeout")
         if not 0 <= self.route_load_weight < float("inf"):
             raise ValueError(f"TANDEM_GATEWAY_ROUTE_LOAD_WEIGHT must be a number ≥ 0, got {self.route_load_weight}")
-        for name in ("drain_timeout", "max_queue_wait", "migration_limit"):
+        for name in ("drain_timeout", "max_queue_wait", "migration_limit", "worker_wait"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
 
@@ -227,12 +234,14 @@ class GatewayConfig:
             request_timeout=s.request_timeout,
             max_request_timeout=max(s.request_timeout, _env_value("TANDEM_GATEWAY_MAX_REQUEST_TIMEOUT", 3600.0)),
             block_size=s.block_size,
+            stream_replicas=s.stream_replicas,
             max_inflight=_env_value("TANDEM_GATEWAY_MAX_INFLIGHT", 512),
             queue_when_no_workers=_env_value("TANDEM_GATEWAY_QUEUE_WHEN_NO_WORKERS", False),
             route_load_weight=_env_value("TANDEM_GATEWAY_ROUTE_LOAD_WEIGHT", 1.0),
             drain_timeout=_env_value("TANDEM_GATEWAY_DRAIN_TIMEOUT", 30.0),
             max_queue_wait=_env_value("TANDEM_GATEWAY_MAX_QUEUE_WAIT", 30.0),
             migration_limit=_env_value("TANDEM_GATEWAY_MIGRATION_LIMIT", 1),
+            worker_wait=_env_value("TANDEM_GATEWAY_WORKER_WAIT", 15.0),
         )
         if os.environ.get("TANDEM_GATEWAY_ID"):
             cfg = replace(cfg, gateway_id=os.environ["TANDEM_GATEWAY_ID"])

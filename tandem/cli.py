@@ -82,8 +82,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_env_file(path: str) -> None:
+    """``KEY=VALUE`` lines (``export`` and ``#`` comments allowed) into this process's environment; a variable
+    already set keeps its value. ValueError names the file and line that is not an assignment."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()  # noqa: SIM115
+    except OSError as e:
+        raise ValueError(f"--env-file {path}: {e.strerror}") from None
+    for n, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, eq, value = line.removeprefix("export ").partition("=")
+        key = key.strip()
+        if not eq or not key.isidentifier():
+            raise ValueError(f"--env-file {path}, line {n}: not KEY=VALUE: {raw!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        os.environ.setdefault(key, value)
+
+
+def _apply_preamble(argv: list[str]) -> None:
+    """``--env-file`` and ``--nats-user`` act before anything reads the environment (defaults, settings)."""
+    from bus.connection import user_login
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--env-file", action="append", default=[])
+    pre.add_argument("--nats-user", default=None)
+    known, _ = pre.parse_known_args(argv)
+    for path in known.env_file:
+        load_env_file(path)
+    if known.nats_user:
+        os.environ.update(user_login(known.nats_user, os.environ))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    parser.add_argument("--env-file", action="append", default=[], metavar="FILE",
+                        help="read TANDEM_* (and any) variables from FILE, KEY=VALUE lines, before anything else; "
+                             "variables already set win (repeatable; default: none)")
+    parser.add_argument("--nats-user", default=None, metavar="USER",
+                        help="log in to NATS as USER of tandem's configs (prefill, decode, aggregate, gateway, ops): "
+                             "TANDEM_NATS_USER, its password from TANDEM_NATS_PASSWORD_<USER>, its inbox "
+                             "_INBOX_<USER> (default: TANDEM_NATS_* as set)")
     parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "WARNING"),
                         help="DEBUG, INFO, WARNING or ERROR (TANDEM_LOG_LEVEL; default WARNING)")
     parser.add_argument("--log-format", default=os.environ.get("TANDEM_LOG_FORMAT", "text"), choices=["text", "json"],
@@ -205,6 +247,12 @@ def cmd_nats(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _apply_preamble(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     from runtime.logs import setup_logging
 

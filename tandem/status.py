@@ -62,15 +62,15 @@ def format_table(status: Status) -> str:
     n = len(status.workers)
     lines = [f"NATS {status.nats_url}, namespace {status.namespace}: {n} worker{'s' if n != 1 else ''}"]
     if status.workers:
-        header = ("ROLE", "MODEL", "WORKER", "LOAD", "BLOCKS USED", "HIT", "UPTIME", "RESTARTS", "KV", "PLACEMENT",
-                  "METRICS")
+        header = ("ROLE", "MODEL", "WORKER", "HOST", "LOAD", "BLOCKS USED", "HIT", "UPTIME", "RESTARTS", "KV",
+                  "PLACEMENT", "METRICS")
         rows = [header]
         for w in status.workers:
             hit = f"{100.0 * w.prefix_hit_rate:.0f}%" if w.prefix_hit_rate is not None else "-"
             metrics = w.metrics_url or "-"
             if w.stats_error:
                 metrics += f"  (stats: {w.stats_error})"
-            rows.append((w.role, w.model, w.worker_id, _load(w), _blocks(w), hit, format_duration(w.uptime),
+            rows.append((w.role, w.model, w.worker_id, w.host or "-", _load(w), _blocks(w), hit, format_duration(w.uptime),
                          str(w.restarts), w.kv_transfer or "-", _placement(w), metrics))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
         for r in rows:
@@ -79,6 +79,8 @@ def format_table(status: Status) -> str:
                      "RESTARTS: by its supervisor (tandem up); PLACEMENT: device, cores ×torch threads")
     else:
         lines.append("no tandem worker answered (is one running, on this NATS and namespace?)")
+    for path in status.paths:
+        lines.append(f"KV path {path['from']} -> {path['to']}: {path['engine']}")
     for a in status.autoscale:
         lines.append(f"autoscale {a['model']} {a['role']}: {a['actual']} running, desired {a['desired']} "
                      f"(range {a['min']}..{a['max']}), demand {a['demand']} (lag {a['lag']}), "

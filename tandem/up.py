@@ -209,10 +209,12 @@ def _tandem(*args: str) -> list[str]:
 
 async def _ensure_streams(bus: BusOptions, model_name: str, namespace: str, timeout: float) -> None:
     from bus.streams import ensure_streams
+    from runtime.settings import Settings
 
     nc = await connect(dataclasses.replace(bus, connect_timeout=timeout), name="tandem-up")
     try:
-        await ensure_streams(nc, Subjects(model_name, namespace), timeout=timeout)
+        await ensure_streams(nc, Subjects(model_name, namespace), replicas=Settings.from_env().stream_replicas,
+                             timeout=timeout)
     finally:
         await nc.close()
 

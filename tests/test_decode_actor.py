@@ -13,6 +13,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from actors.base import SeenIds
 from actors.decode import DecodeActor, Request
 from actors.remote_prefill import CANCELLED, LANDED, PrefillWorkers, RemotePrefills
@@ -67,14 +69,17 @@ class QuietTransfer:
         self.grants: dict[str, list[int]] = {}  # live ones
         self.revoked: list[str] = []
 
+    def mechanisms(self) -> dict[str, dict]:
+        return {self.name: {}}
+
     def grant(self, blocks: list[int], deadline: float) -> str:
         token = f"grant-{len(self.grants) + len(self.revoked)}"
         self.grants[token] = list(blocks)
         return token
 
-    def revoke(self, token: str) -> None:
-        self.grants.pop(token)
-        self.revoked.append(token)
+    def revoke(self, token: str) -> None:  # idempotent, as WriteGrants.revoke
+        if self.grants.pop(token, None) is not None:
+            self.revoked.append(token)
 
     def completion_fds(self) -> list[int]:
         return []
@@ -262,6 +267,32 @@ def test_abandon_wakes_a_waiting_remote_prefill_and_quarantines_its_blocks():
     assert engine.calls == [("reserve", "r1"), ("abandon", "r1", True)]
     assert held == {"r1:0": [10, 11]}
     assert transfer.revoked == ["grant-0"]  # a late write over TCP is refused; other engines: the quarantine
+
+
+@pytest.mark.parametrize("accepted, pool", [("tcp", "shm"), ("", "tcp")])
+def test_abandoning_a_tcp_attempt_frees_its_blocks_at_once(accepted: str, pool: str):
+    """Over TCP a write lands only with the attempt's grant: once it is revoked no late byte can come, so the
+    blocks go back at once instead of waiting out the quarantine (shm and NIXL writes need no grant). TCP is
+    known from the taker's answer, or from this pool, when TCP is all that reaches it."""
+    async def go():
+        hub, engine = remote_hub(prefill_timeout=600.0)
+        hub.transfer.name = pool
+        rp = hub.prefill(request(), [1, 2, 3], None, "p1")
+        running = asyncio.get_running_loop().create_task(rp.run())
+        await job_sent(hub)
+        await hub.on_reply(SimpleNamespace(data=encode(PrefillAccepted(request_id="r1", prefill_worker_id="p1",
+                                                                       transfer=accepted))))
+        await rp.abandon()
+        await asyncio.wait_for(running, timeout=30)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        held = dict(hub.quarantined)
+        cancel_timers(hub)
+        return engine, held, hub.transfer
+
+    engine, held, transfer = asyncio.run(go())
+    assert held == {} and ("release", [10, 11]) in engine.calls
+    assert transfer.revoked == ["grant-0"]
 
 
 def test_abandon_while_waiting_for_the_landing_wakes_that_wait_too():

@@ -194,9 +194,30 @@ def k8s() -> K8s:
     return K8s()
 
 
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines of a Compose --env-file (comments and blank lines skipped)."""
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def compose_as(env: dict[str, str]) -> dict[str, Any]:
+    """docker-compose.yml as Compose sees it with these variables: ``${VAR:-default}`` interpolated and only
+    the services of the active profiles (``COMPOSE_PROFILES``) kept."""
+    def value(m: re.Match[str]) -> str:
+        return env.get(m[1]) or m[2]
+
+    text = (DEPLOY / "docker-compose.yml").read_text()
+    assert not re.findall(r"\$\{(?![A-Z_]+:-[^}]*\})[^}]*\}", text), "every ${VAR} in the compose file has a default"
+    doc = yaml.safe_load(re.sub(r"\$\{([A-Z_]+):-([^}]*)\}", value, text))
+    active = set(filter(None, env.get("COMPOSE_PROFILES", "").split(",")))
+    doc["services"] = {name: svc for name, svc in doc["services"].items()
+                       if not svc.get("profiles") or active & set(svc["profiles"])}
+    return doc
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    return compose_as({})
 
 
 def deploy_files() -> list[Path]:
@@ -266,6 +287,9 @@ def test_every_deploy_file_parses() -> None:
             assert not unknown, f"{path}: unknown instructions {unknown}"
         elif name.endswith(".md"):
             assert path.read_text().strip()
+        elif name.endswith(".env"):
+            env_vars = read_env_file(path)
+            assert env_vars and all(re.fullmatch(r"[A-Z_]+", k) for k in env_vars), path
         else:
             pytest.fail(f"{path}: no parser for this kind of file; add one to this test")
         checked.append(path)
@@ -481,7 +505,7 @@ OTHER_ENV = {
     "TANDEM_NATS_USER", "TANDEM_NATS_PASSWORD", "TANDEM_NATS_TOKEN", "TANDEM_NATS_NKEY_SEED", "TANDEM_NATS_CREDS",
     "TANDEM_NATS_TLS_CA", "TANDEM_NATS_TLS_CERT", "TANDEM_NATS_TLS_KEY", "TANDEM_NATS_INBOX_PREFIX",  # bus/connection.py
     "TANDEM_GATEWAY_ID", "TANDEM_API_KEYS", "TANDEM_CACHE_DIR",  # runtime/settings.py, engine/loader.py
-    "TANDEM_STREAM_REPLICAS", "TANDEM_STREAMS_TIMEOUT",  # deploy/k8s/init-streams.py
+    "TANDEM_STREAMS_TIMEOUT",  # deploy/k8s/init-streams.py
     "TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT",  # tandem/cli.py
 }
 #: Set by deploy/ for the containers' sake, read once the workers support it (see docs/operations.md).
@@ -633,6 +657,7 @@ def test_compose_services_and_files(compose: dict[str, Any]) -> None:
         if "TANDEM_NATS_USER" in env:
             assert env["TANDEM_NATS_USER"] in users
             assert env["TANDEM_NATS_URL"] == f"nats://nats:{natsconf.CLIENT_PORT}"
+            assert str(env["TANDEM_STREAM_REPLICAS"]) == "1"
     for role_service, role in (("prefill", ROLE_PREFILL_ONLY), ("decode", ROLE_DECODE_ONLY)):
         svc = services[role_service]
         args = parse_tandem(svc["command"])
@@ -645,8 +670,7 @@ def test_compose_services_and_files(compose: dict[str, Any]) -> None:
     assert gw.command == "gateway" and gw.port == GATEWAY_PORT and gw.host == "0.0.0.0"
     check_tandem_env(services["gateway"]["environment"], "gateway")
     nats_svc = services["nats"]
-    assert nats_svc["command"][:2] == ["-c", "/etc/nats/nats.conf"] and "./nats/nats.conf:/etc/nats/nats.conf:ro" in \
-        nats_svc["volumes"]
+    assert nats_svc["command"][:2] == ["-c", "/etc/nats/nats.conf"] and "./nats:/etc/nats:ro" in nats_svc["volumes"]
     conf = render.SINGLE_OUT.read_text()
     for var in set(re.findall(r"\$(TANDEM_NATS_PASSWORD_[A-Z]+)", conf)):
         assert var in nats_svc["environment"], f"the nats service lacks {var}"
@@ -657,6 +681,36 @@ def test_compose_services_and_files(compose: dict[str, Any]) -> None:
         assert env["TANDEM_NATS_PASSWORD"] == nats_svc["environment"][var]
         assert env["TANDEM_NATS_INBOX_PREFIX"] == natsconf.inbox_of(env["TANDEM_NATS_USER"])
 
+
+
+def test_compose_cluster_profile_is_three_members_of_one_rendered_config() -> None:
+    """deploy/cluster.env turns on the profile ``cluster``: nats, nats-2 and nats-3 run the rendered
+    cluster.conf whose routes name exactly those services, every client lists all three, streams are R3."""
+    env = read_env_file(DEPLOY / "cluster.env")
+    cluster = compose_as(env)
+    services = cluster["services"]
+    members = [name for name, svc in services.items() if svc.get("image", "").startswith("nats:")]
+    assert tuple(members) == render.COMPOSE_MEMBERS and len(members) == natsconf.CLUSTER_SIZE
+    conf = render.COMPOSE_CLUSTER_OUT.read_text()
+    assert re.findall(r'"nats-route://([^:]+):(\d+)"', conf) == [(m, str(natsconf.CLUSTER_PORT)) for m in members]
+    assert "server_name: $POD_NAME" in conf
+    assert sorted(services[m]["environment"]["POD_NAME"] for m in members) == sorted(members)
+    for m in members:
+        svc = services[m]
+        assert svc["command"][:2] == ["-c", "/etc/nats/cluster.conf"]
+        assert (DEPLOY / "nats" / "cluster.conf").is_file() and "./nats:/etc/nats:ro" in svc["volumes"]
+        for var in set(re.findall(r"\$(TANDEM_NATS_PASSWORD_[A-Z]+)", conf)):
+            assert var in svc["environment"], f"{m} lacks {var}"
+    assert len({v for m in members for v in services[m]["volumes"] if not v.startswith(".")}) == 3, \
+        "each member keeps its own JetStream store"
+    urls = {f"nats://{m}:{natsconf.CLIENT_PORT}" for m in members}
+    for name in ("prefill", "decode", "gateway"):
+        e = services[name]["environment"]
+        assert set(e["TANDEM_NATS_URL"].split(",")) == urls and str(e["TANDEM_STREAM_REPLICAS"]) == "3"
+        check_tandem_env(e, name)
+    # without the env file the extra members are not started and the first runs the single server's config
+    single = compose_as({})["services"]
+    assert "nats-2" not in single and single["nats"]["command"][:2] == ["-c", "/etc/nats/nats.conf"]
 
 
 def test_compose_workers_advertise_a_name_peers_resolve(compose: dict[str, Any],

@@ -1150,8 +1150,8 @@ def test_only_worker_lost_is_503_not_a_hang(nats_srv: EmbeddedNats, text_model: 
     ghost = FakeWorker(nats_srv.url, Subjects(text_model.name, ns), text_model, "ghost", pull_pool=False)
     ghost.mute = True
     loop_thread.run(ghost.start())
-    srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, alive_after=2.0, worker_lost_after=3.0),
-                                  text_model)).start()
+    srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, alive_after=2.0, worker_lost_after=3.0,
+                                              worker_wait=2.0), text_model)).start()
     try:
         wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
         result: list[httpx.Response] = []
@@ -1165,7 +1165,8 @@ def test_only_worker_lost_is_503_not_a_hang(nats_srv: EmbeddedNats, text_model: 
         assert result, "no answer"
         r = assert_error(result[0], 503, code="no_workers")
         assert "Retry-After" in result[0].headers and r["type"] == "service_unavailable_error"
-        # noticed after worker_lost_after (3 s) of silence, not left to hang until the 30 s client timeout
+        # noticed after worker_lost_after (3 s) of silence and worker_wait (2 s) for another, not left to hang
+        # until the 30 s client timeout
         assert time.monotonic() - t0 < 12
         wait_for(lambda: ghost.requests[0][1].request_id in ghost.cancels, 15, "the cancel")
     finally:

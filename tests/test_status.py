@@ -271,11 +271,13 @@ def test_status_formatting() -> None:
     assert w.restarts == 3
     w2 = WorkerStatus(role="prefill_only", model=MODEL, worker_id="p1", service="tandem-prefill-only", service_id="Y",
                       running=1, queued=2, max_batch=4, free_blocks=6, total_blocks=8, prefix_hit_rate=0.5, uptime=61,
-                      device="cuda:1", cpus="0-3", threads=4)
+                      device="cuda:1", cpus="0-3", threads=4, host="host-a")
     w.stats_error = "TimeoutError"
     text = format_table(Status("nats://x", "tandem", [w, w2], [
         PoolStatus(MODEL, "generate", "S", "C", pending=3, in_flight=1), PoolStatus(MODEL, "prefill", "S2", "C2",
-                                                                                    error="no stream")]))
+                                                                                    error="no stream")],
+        paths=[{"from": "p1", "to": "d1", "engine": "tcp"}]))
+    assert re.search(r" p1 +host-a +1/4 \+2 ", text) and "KV path p1 -> d1: tcp" in text
     assert "2 workers" in text and "(stats: TimeoutError)" in text and " cuda:1 cores 0-3 ×4 " in text
     assert "1/4 +2" in text and "2/8 (25%)" in text and "50%" in text and "1m01s" in text
     assert "RESTARTS" in text.splitlines()[1] and re.search(r"1m01s +0 ", text)

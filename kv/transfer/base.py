@@ -130,6 +130,11 @@ def strided_groups(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, i
     return [(g[0], g[1], g[2], g[3], g[4], g[5]) for g in groups]
 
 
+#: mechanisms whose receiver refuses a write without a live grant: once an attempt's grant is revoked, none
+#: of its bytes can land (the others, shared memory and NIXL, write without the receiver taking part)
+GRANT_CHECKED = frozenset({"tcp"})
+
+
 class WriteGrants:
     """Which writes a pool accepts from the network: one random token per prefill attempt, for its blocks only.
 
@@ -501,6 +506,10 @@ class TransferEngine(abc.ABC):
     def mechanism(self, peer_worker_id: str) -> str:
         """The engine that actually moves bytes to this peer (for metrics and logs)."""
         return self.name
+
+    def paths(self) -> dict[str, str]:
+        """Every peer this pool writes to, and the mechanism that carries it there (``tandem status``)."""
+        return {worker: self.mechanism(worker) for worker in list(self.peers)}
 
     @abc.abstractmethod
     def completed(self) -> list[str]:

@@ -54,7 +54,9 @@ def start_cluster(tmp: Path) -> NatsCluster:
     servers = []
     for i, (client, cluster, monitor) in enumerate(ports):
         conf = tmp / f"nats-{i}.conf"
-        conf.write_text(natsconf.render_cluster(S, natsconf.LocalMember(client, cluster, monitor, routes)))
+        member = natsconf.ClusterMember(client, cluster, monitor, tuple(f"nats-route://127.0.0.1:{p}" for p in routes),
+                                        pid_file="")
+        conf.write_text(natsconf.render_cluster(S, member))
         env = {**os.environ, **password_env(), "POD_NAME": f"nats-{i}"}
         servers.append(EmbeddedNats(port=None, config=conf, store_dir=tmp / f"store-{i}", server_name=f"nats-{i}",
                                     env=env, start_timeout=60))

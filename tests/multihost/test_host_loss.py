@@ -1,0 +1,231 @@
+"""Losing a machine under load, on four emulated machines (bench/hosts.py).
+
+A: NATS member + prefill worker; B: member + decode worker; C: member + decode worker; D: the gateway.
+The work queues keep three replicas. Each test owns its machines and kills (or cuts off) one of them
+while streams run: every request completes (a prefill re-sent or done locally, a stream moved to the
+other decode worker) or ends with a clear, retryable error; none hangs; the survivors hold no block
+afterwards. The times a client waits (leader election, the gateway's reconnect) are measured and printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from bench.hosts import Deployment, Hosts
+from tests.faults.test_up_faults import assert_clear, long_prompt, stream_chat
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MACHINE_ENV = {"TANDEM_QUANTIZATION": "none", "TANDEM_THREADS": "1", "TANDEM_NUM_BLOCKS": "256"}
+#: every prompt goes to the prefill worker while it lives (none is short enough to stay, none stalls)
+DECODE_ARGS = ("--local-prefill-max-tokens", "0", "--prefill-stall-budget-ms", "0")
+STREAMS = 6
+GENERATE_STREAM = "TANDEM_SMOLLM2_135M_INSTRUCT_GENERATE"
+
+
+class Site:
+    def __init__(self, hosts: Hosts, dep: Deployment) -> None:
+        self.hosts, self.dep = hosts, dep
+        self.url = f"http://{hosts.ip('d')}:8000"
+
+    def cluster(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/cluster", timeout=10).json()
+
+    def heard(self, workers: set[str], timeout: float = 60.0) -> None:
+        """Until the gateway's router has fresh load reports of ``workers`` (what routing and admission use)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = httpx.get(f"{self.url}/ready", timeout=10).json().get("workers", [])
+            if workers <= {w["worker_id"] for w in rows if w["age_s"] < 2}:
+                return
+            assert time.monotonic() < deadline, rows
+            time.sleep(0.2)
+
+    def wait_until(self, what: str, pred: Any, timeout: float = 60.0) -> float:
+        """Seconds until ``pred(cluster view)`` holds (AssertionError naming ``what`` after ``timeout``)."""
+        t0 = time.monotonic()
+        last: Any = None
+        while time.monotonic() - t0 < timeout:
+            try:
+                last = self.cluster()
+                if pred(last):
+                    return time.monotonic() - t0
+            except (httpx.HTTPError, ValueError) as e:
+                last = repr(e)
+            time.sleep(0.3)
+        raise AssertionError(f"{what}: not after {timeout:g}s; last view {last}")
+
+    def idle(self, survivors: set[str]) -> None:
+        """The survivors hold no block and run nothing, the queues are empty."""
+        def ok(c: dict[str, Any]) -> bool:
+            rows = {w["worker_id"]: w for w in c["workers"] if w["alive"]}
+            return survivors <= set(rows) and all(rows[w]["used_blocks"] == 0 and rows[w]["running"] == 0
+                                                  for w in survivors) \
+                and all(p["pending"] == 0 and p["in_flight"] == 0 for p in c["pools"] if p["error"] is None)
+        self.wait_until(f"{sorted(survivors)} idle", ok, 90)
+
+    async def admin(self, dead: str = "") -> Any:
+        values = dict(line.split("=", 1) for line in self.dep.env_file.read_text().splitlines() if "=" in line)
+        servers = [u for u in self.dep.urls.split(",") if not dead or self.hosts.ip(dead) not in u]
+        return await nats.connect(servers=servers, user="admin", dont_randomize=True,
+                                  password=values["TANDEM_NATS_PASSWORD_ADMIN"], connect_timeout=5,
+                                  max_reconnect_attempts=3)
+
+    def leader(self, dead: str = "") -> str:
+        """The member leading the generate queue (asked of the members but ``dead``)."""
+        async def go() -> str:
+            nc = await self.admin(dead)
+            try:
+                return (await nc.jetstream().stream_info(GENERATE_STREAM)).cluster.leader
+            finally:
+                await nc.close()
+
+        return asyncio.run(go())
+
+    def lead_from(self, name: str, timeout: float = 30.0) -> None:
+        """Until member ``name`` leads the generate queue (asking the leader to step down in its favour)."""
+        async def step_down() -> None:
+            nc = await self.admin()
+            try:
+                await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{GENERATE_STREAM}",
+                                 json.dumps({"placement": {"preferred": name}}).encode(), timeout=5)
+            finally:
+                await nc.close()
+
+        deadline = time.monotonic() + timeout
+        while (now := self.leader()) != name:
+            assert time.monotonic() < deadline, f"{name} does not lead the work queue ({now} does)"
+            asyncio.run(step_down())
+            time.sleep(1.0)
+
+
+def member(hosts: Hosts, host: str) -> dict[str, str]:
+    return {"TANDEM_NATS_URL": f"nats://{hosts.ip(host)}:4222"}
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Iterator[Site]:
+    with Hosts(["a", "b", "c", "d"], tmp_path / "logs") as hosts:
+        dep = Deployment(hosts, tmp_path, ["a", "b", "c"], env=MACHINE_ENV)
+        for m in ("a", "b", "c"):
+            dep.nats(m)
+        # each worker speaks to its own machine's member, the gateway to C's (a client learns the other members
+        # from the one it reaches, and fails over to them)
+        dep.serve("a", "prefill-a", "prefill_only", env=member(hosts, "a"))
+        dep.serve("b", "decode-b", "decode_only", *DECODE_ARGS, env=member(hosts, "b"))
+        dep.serve("c", "decode-c", "decode_only", *DECODE_ARGS, env=member(hosts, "c"))
+        dep.gateway("d", env=member(hosts, "c"))
+        s = Site(hosts, dep)
+        s.heard({"prefill-a", "decode-b", "decode-c"})
+        yield s
+
+
+async def under_load(site: Site, fault: Any, max_tokens: int = 48) -> list[dict[str, Any]]:
+    """``STREAMS`` greedy streaming chats through the gateway; ``fault()`` once they are under way."""
+    async with httpx.AsyncClient(timeout=200) as client:
+        tasks = [asyncio.create_task(stream_chat(client, site.url, long_prompt(i, 12), max_tokens=max_tokens,
+                                                 ignore_eos=True)) for i in range(STREAMS)]
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(fault)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 180)
+
+
+def test_losing_the_prefill_machine(site: Site) -> None:
+    results = asyncio.run(under_load(site, lambda: site.hosts.kill_host("a")))
+    assert_clear(results)
+    assert all(r["status"] == 200 and r["finish"] == "length" for r in results), results  # prefilled locally
+    site.idle({"decode-b", "decode-c"})
+
+
+def test_losing_a_decode_machine(site: Site) -> None:
+    def kill_b() -> None:
+        site.wait_until("decode-b streaming", lambda c: any(w["worker_id"] == "decode-b" and w["running"]
+                                                           for w in c["workers"]), 60)
+        site.hosts.kill_host("b")
+
+    results = asyncio.run(under_load(site, kill_b, max_tokens=96))
+    assert_clear(results)
+    assert all(r["status"] == 200 and r["finish"] == "length" for r in results), results  # moved to decode-c
+    site.idle({"decode-c"})
+
+
+def test_losing_the_machine_that_leads_the_work_queue(site: Site) -> None:
+    leader = site.leader()
+    host = leader.removeprefix("host-")
+    # the gateway speaks to that member first, so losing it also costs the gateway its connection
+    for child in site.hosts.children["d"]:
+        child.terminate()
+        child.wait(30)
+    site.dep.gateway("d", env=member(site.hosts, host))
+    site.heard({"prefill-a", "decode-b", "decode-c"})
+    elected: list[float] = []
+
+    def watch_election(t0: float) -> None:
+        """Ask the survivors for the queue's leader every 0.2 s from the kill on; note when a new one answers."""
+        while time.monotonic() - t0 < 60:
+            try:
+                new = site.leader(dead=host)
+            except (nats.errors.Error, asyncio.TimeoutError, AttributeError, OSError):
+                new = ""
+            if new and new.startswith("host-") and new != leader:
+                elected.append(time.monotonic() - t0)
+                return
+            time.sleep(0.2)
+
+    watcher: list[threading.Thread] = []
+
+    def kill_leader() -> None:
+        site.lead_from(leader)  # it may have moved since: the kill must take the leader
+        site.hosts.kill_host(host)
+        watcher.append(threading.Thread(target=watch_election, args=(time.monotonic(),), daemon=True))
+        watcher[0].start()
+
+    results = asyncio.run(under_load(site, kill_leader))
+    assert_clear(results)
+    watcher[0].join(70)
+    assert elected, "no new leader for the work queue within 60 s"
+    elected_s = elected[0]
+    gateway = next(c for c in site.hosts.children["d"] if c.running)
+    deadline = time.monotonic() + 30
+    while not (back := re.search(r"reconnected to \S+ after ([\d.]+)s", gateway.last_lines(400))):
+        assert time.monotonic() < deadline, gateway.last_lines(400)[-3000:]
+        time.sleep(0.2)
+    reconnect_s = float(back.group(1))
+    survivors = {"prefill-a", "decode-b", "decode-c"} - {f"prefill-{host}", f"decode-{host}"}
+    served = asyncio.run(under_load(site, lambda: None, max_tokens=8))
+    assert all(r["status"] == 200 for r in served), served
+    site.idle(survivors - {"prefill-a"})
+    print(f"\nleader {leader} lost: new leader within {elected_s:.1f}s of the kill, gateway reconnected after "
+          f"{reconnect_s:.1f}s; {sum(r['status'] == 200 for r in results)}/{len(results)} streams completed")
+    assert reconnect_s < 10.0 and elected_s < 30.0
+
+
+def test_a_machine_cut_off_and_back_serves_nothing_twice(site: Site) -> None:
+    """A's link goes down for 10 s while its prefill worker holds jobs: the decode workers give up on it and
+    prefill locally; when A is back, what it computed meanwhile lands nowhere and its blocks are freed."""
+    def cut_a() -> None:
+        site.wait_until("prefill-a busy", lambda c: any(w["worker_id"] == "prefill-a" and w["running"]
+                                                       for w in c["workers"]), 60)
+        site.hosts.cut("a")
+
+    results = asyncio.run(under_load(site, cut_a))
+    assert_clear(results)
+    assert all(r["status"] == 200 and r["finish"] == "length" for r in results), results
+    texts = [r["text"] for r in results]
+    site.hosts.heal("a")
+    site.wait_until("prefill-a back", lambda c: any(w["worker_id"] == "prefill-a" and w["alive"]
+                                                    for w in c["workers"]), 60)
+    site.idle({"prefill-a", "decode-b", "decode-c"})  # its blocks and the decode side's quarantine are free
+    again = asyncio.run(under_load(site, lambda: None))
+    assert [r["text"] for r in again] == texts  # one answer each, the same as an uncut run
