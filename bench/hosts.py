@@ -361,7 +361,6 @@ class Deployment:
     def login(self, user: str) -> dict[str, str]:
         """The variables a process of this deployment needs to log in as ``user``."""
         from bus.connection import user_login
+        from runtime.settings import read_env_file
 
-        values = dict(line.split("=", 1) for line in self.env_file.read_text().splitlines()
-                      if "=" in line and not line.startswith("#"))
-        return {**user_login(user, values), "TANDEM_NATS_URL": self.urls}
+        return {**user_login(user, read_env_file(self.env_file)), "TANDEM_NATS_URL": self.urls}

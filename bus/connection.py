@@ -28,6 +28,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
+from bus.nats_config import inbox_of, password_var
 from bus.subjects import DEFAULT_INBOX, check_token
 
 log = logging.getLogger("tandem.bus.connection")
@@ -221,12 +222,12 @@ def user_login(user: str, env: Mapping[str, str]) -> dict[str, str]:
     is the user's (``_INBOX_<user>``) unless ``TANDEM_NATS_INBOX_PREFIX`` says otherwise.
     """
     check_token(user, "--nats-user")
-    var = f"TANDEM_NATS_PASSWORD_{user.upper().replace('-', '_')}"
+    var = password_var(user)
     password = env.get("TANDEM_NATS_PASSWORD") or env.get(var)
     if not password:
         raise ValueError(f"--nats-user {user}: set {var} (or TANDEM_NATS_PASSWORD), e.g. with --env-file")
     return {"TANDEM_NATS_USER": user, "TANDEM_NATS_PASSWORD": password,
-            "TANDEM_NATS_INBOX_PREFIX": env.get("TANDEM_NATS_INBOX_PREFIX") or f"_INBOX_{user}"}
+            "TANDEM_NATS_INBOX_PREFIX": env.get("TANDEM_NATS_INBOX_PREFIX") or inbox_of(user)}
 
 
 def _is_loopback(host: str) -> bool:

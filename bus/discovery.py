@@ -266,11 +266,13 @@ async def collect(nc: Any, namespace: str = "tandem", wait: float = 0.5, timeout
         from bus.subjects import model_token
 
         workers = [w for w in workers if w.model and model_token(w.model) == model_token(model)]
-    await asyncio.gather(*(_fill_stats(nc, w, timeout) for w in workers))
+    # every worker's endpoints at once: a worker that does not answer costs one timeout, not one per endpoint
+    answers = await asyncio.gather(*(_fill_stats(nc, w, timeout) for w in workers),
+                                   *(_recent(nc, w, timeout) for w in workers if recent))
     workers.sort(key=lambda w: (w.model, w.role, w.worker_id))
     status.workers = workers
     if recent:
-        for found in await asyncio.gather(*(_recent(nc, w, timeout) for w in workers)):
+        for found in answers[len(workers):]:
             status.transfers += found.get("transfers") or []
             status.decisions += found.get("decisions") or []
             status.transfers_total += int(found.get("transfers_total") or 0)

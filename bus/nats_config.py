@@ -43,6 +43,16 @@ CLUSTER_SIZE = 3
 STATEFULSET = "nats"
 
 
+def password_var(user: str) -> str:
+    """The environment variable holding ``user``'s password (nats-server reads it; ``tandem --nats-user`` too)."""
+    return f"TANDEM_NATS_PASSWORD_{user.upper().replace('-', '_')}"
+
+
+def password_vars(users: list[User]) -> list[str]:
+    """Every password variable a deploy config with ``users`` reads (the system user ``sys`` included)."""
+    return sorted({u.password_var for u in users} | {password_var("sys")})
+
+
 def inbox_of(user: str) -> str:
     """The inbox prefix of a user: its replies arrive under ``_INBOX_<user>.>`` and nowhere else."""
     return f"_INBOX_{check_token(user, 'NATS user')}"
@@ -66,7 +76,7 @@ class User:
     @property
     def password_var(self) -> str:
         """The environment variable nats-server reads this user's password from (deploy/)."""
-        return f"TANDEM_NATS_PASSWORD_{self.name.upper().replace('-', '_')}"
+        return password_var(self.name)
 
     @property
     def inbox(self) -> str:
@@ -162,8 +172,7 @@ def _header(s: Subjects, what: str, source: str, credentials: str) -> str:
 
 
 def _passwords(users: list[User]) -> str:
-    names = sorted({u.password_var for u in users} | {"TANDEM_NATS_PASSWORD_SYS"})
-    return f"Passwords come from the environment of nats-server: {', '.join(names)}."
+    return f"Passwords come from the environment of nats-server: {', '.join(password_vars(users))}."
 
 
 def render_single(s: Subjects) -> str:

@@ -424,10 +424,10 @@ def make_passwords() -> str:
     """``TANDEM_NATS_PASSWORD_<USER>=<random>`` for every user of the deploy configs (and ``sys``)."""
     import secrets
 
-    from bus.nats_config import deploy_users
+    from bus.nats_config import deploy_users, password_vars
     from bus.subjects import Subjects
 
-    names = sorted({u.password_var for u in deploy_users(Subjects("any"))} | {"TANDEM_NATS_PASSWORD_SYS"})
+    names = password_vars(deploy_users(Subjects("any")))
     # nats-server reads a variable's value as config: one that starts with a digit would be taken for a number
     return "".join(f"{name}=p{secrets.token_hex(20)}\n" for name in names)
 
@@ -437,7 +437,7 @@ def cluster_config(args: argparse.Namespace, folder: Path) -> tuple[Path, dict[s
 
     Raises NatsServerError naming every password variable that is not set.
     """
-    from bus.nats_config import ClusterMember, deploy_users, render_cluster
+    from bus.nats_config import ClusterMember, deploy_users, password_vars, render_cluster
     from bus.subjects import Subjects
     from engine.model_files import DEFAULT_MODEL, model_name
 
@@ -446,8 +446,7 @@ def cluster_config(args: argparse.Namespace, folder: Path) -> tuple[Path, dict[s
         raise NatsServerError(f"--cluster wants every member's nats-route://HOST:PORT, comma-separated; got "
                               f"{args.cluster!r}")
     subjects = Subjects(model_name(args.model or DEFAULT_MODEL), args.namespace or "tandem")
-    needed = sorted({u.password_var for u in deploy_users(subjects)} | {"TANDEM_NATS_PASSWORD_SYS"})
-    missing = [v for v in needed if not os.environ.get(v)]
+    missing = [v for v in password_vars(deploy_users(subjects)) if not os.environ.get(v)]
     if missing:
         raise NatsServerError(f"--cluster: set the users' passwords first ({', '.join(missing)}): every member and "
                               "every client of the cluster must agree on them (docs/operations.md, three machines)")

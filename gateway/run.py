@@ -383,16 +383,19 @@ class Run:
         """
         reg, dead = self.gw.registry, job.worker_incarnation
 
-        def back() -> bool:
-            return any(w.worker_id != lost or (dead and w.stats.incarnation not in ("", dead)) for w in reg.alive())
+        def other_alive() -> bool:
+            return any(w.worker_id != lost for w in reg.alive())
+
+        def restarted() -> bool:
+            return bool(dead) and any(w.worker_id == lost and w.stats.incarnation not in ("", dead)
+                                      for w in reg.alive())
 
         wait = min(self.gw.config.worker_wait, max(0.0, self._give_up_at - time.monotonic()))
-        if not back() and wait > 0:
+        if not (other_alive() or restarted()) and wait > 0:
             log.warning("request %s: no other decode worker is alive; waiting up to %.0fs for one", job.request_id,
                         wait, extra={"request_id": job.request_id})
-            await reg.wait_for(back, wait)
-        others = any(w.worker_id != lost for w in reg.alive())
-        return frozenset({lost}) if others or not back() else frozenset()
+            await reg.wait_for(lambda: other_alive() or restarted(), wait)
+        return frozenset() if restarted() and not other_alive() else frozenset({lost})
 
     async def collect(self) -> None:
         """Wait until every job ended (raises the first error)."""

@@ -116,6 +116,30 @@ class Settings:
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
+def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The ``KEY=VALUE`` lines of an env file (``tandem --env-file``, ``tandem nats --make-passwords``, Compose's
+    ``--env-file``): ``#`` comments, blank lines and ``export`` allowed, one level of quotes taken off a value.
+    ValueError names the file and the line that is not an assignment, or why the file cannot be read."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()  # noqa: SIM115
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}") from None
+    out: dict[str, str] = {}
+    for n, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, eq, value = line.removeprefix("export ").partition("=")
+        key = key.strip()
+        if not eq or not key.isidentifier():
+            raise ValueError(f"{path}, line {n}: not KEY=VALUE: {raw!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[key] = value
+    return out
+
+
 def _convert(name: str, raw: str, like: Any) -> Any:
     """``raw`` read as the type of ``like``; a ValueError names the variable."""
     text = raw.strip()

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS, ModelLoadError
-from runtime.settings import ROLES, Settings
+from runtime.settings import ROLES, Settings, read_env_file
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -83,23 +83,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def load_env_file(path: str) -> None:
-    """``KEY=VALUE`` lines (``export`` and ``#`` comments allowed) into this process's environment; a variable
-    already set keeps its value. ValueError names the file and line that is not an assignment."""
+    """An env file's variables into this process's environment; a variable already set keeps its value.
+    ValueError names the file and line that is not an assignment."""
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()  # noqa: SIM115
-    except OSError as e:
-        raise ValueError(f"--env-file {path}: {e.strerror}") from None
-    for n, raw in enumerate(lines, 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, eq, value = line.removeprefix("export ").partition("=")
-        key = key.strip()
-        if not eq or not key.isidentifier():
-            raise ValueError(f"--env-file {path}, line {n}: not KEY=VALUE: {raw!r}")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
+        values = read_env_file(path)
+    except ValueError as e:
+        raise ValueError(f"--env-file {e}") from None
+    for key, value in values.items():
         os.environ.setdefault(key, value)
 
 

@@ -73,6 +73,8 @@ def test_json_log_lines_carry_the_request_id():
     (["serve", "--namespace", "a.b"], {}, 2, "namespace 'a.b' is not a subject token"),
     (["serve"], {"TANDEM_MAX_BATCH": "abc"}, 2, "TANDEM_MAX_BATCH must be an integer, got 'abc'"),
     (["serve"], {"TANDEM_ENABLE_PREFIX_CACHE": "flase"}, 2, "TANDEM_ENABLE_PREFIX_CACHE must be true or false"),
+    (["--env-file", "/no/such/tandem.env", "status"], {}, 2, "--env-file /no/such/tandem.env: No such file"),
+    (["--nats-user", "decode", "status"], {}, 2, "--nats-user decode: set TANDEM_NATS_PASSWORD_DECODE"),
 ])
 def test_bad_input_is_one_clear_line_before_any_work(args, env, code, says):
     """No traceback, the right exit code, and no model loaded or cluster started first."""
@@ -90,3 +92,23 @@ def test_busy_metrics_port_fails_before_the_model_loads():
         out = tandem("--log-level", "INFO", "serve", "--metrics-port", str(port), timeout=60)
     assert out.returncode == 2 and f"cannot serve metrics on 0.0.0.0:{port}: " in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "loaded" not in out.stderr
+
+
+def test_env_file_lines_and_what_the_command_line_makes_of_them(tmp_path):
+    from runtime.settings import read_env_file
+
+    good = tmp_path / "tandem.env"
+    good.write_text("# passwords\n\nexport TANDEM_NAMESPACE=team-a\nTANDEM_NATS_PASSWORD_DECODE = 'p 1'\n"
+                    "TANDEM_NATS_URL=\"nats://10.0.0.1:4222,nats://10.0.0.2:4222\"\n")
+    assert read_env_file(good) == {"TANDEM_NAMESPACE": "team-a", "TANDEM_NATS_PASSWORD_DECODE": "p 1",
+                                   "TANDEM_NATS_URL": "nats://10.0.0.1:4222,nats://10.0.0.2:4222"}
+    bad = tmp_path / "bad.env"
+    bad.write_text("A=1\nthis is not an assignment\n")
+    with pytest.raises(ValueError, match="bad.env, line 2: not KEY=VALUE"):
+        read_env_file(bad)
+    out = tandem("--env-file", str(bad), "status", timeout=60)
+    assert out.returncode == 2 and "line 2: not KEY=VALUE" in out.stderr, out.stderr
+    # --nats-user finds its password in the file: the command gets as far as NATS
+    out = tandem("--env-file", str(good), "--nats-user", "decode", "status", "--json", "--nats-url",
+                 "nats://127.0.0.1:1", "--timeout", "1", timeout=60)
+    assert out.returncode == 1 and "cannot reach NATS" in out.stderr, out.stderr

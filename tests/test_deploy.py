@@ -57,6 +57,7 @@ from bus.subjects import (
 )
 from engine.model_files import DEFAULT_MODEL, model_name
 from runtime.processes import ChildProcess
+from runtime.settings import read_env_file
 from tandem.up import SCALED_ROLE, free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -192,12 +193,6 @@ class K8s:
 @pytest.fixture(scope="module")
 def k8s() -> K8s:
     return K8s()
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines of a Compose --env-file (comments and blank lines skipped)."""
-    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
-    return {k.strip(): v.strip() for k, v in pairs}
 
 
 def compose_as(env: dict[str, str]) -> dict[str, Any]:

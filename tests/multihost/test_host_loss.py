@@ -23,6 +23,7 @@ import nats
 import pytest
 
 from bench.hosts import Deployment, Hosts
+from runtime.settings import read_env_file
 from tests.faults.test_up_faults import assert_clear, long_prompt, stream_chat
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -76,7 +77,7 @@ class Site:
         self.wait_until(f"{sorted(survivors)} idle", ok, 90)
 
     async def admin(self, dead: str = "") -> Any:
-        values = dict(line.split("=", 1) for line in self.dep.env_file.read_text().splitlines() if "=" in line)
+        values = read_env_file(self.dep.env_file)
         servers = [u for u in self.dep.urls.split(",") if not dead or self.hosts.ip(dead) not in u]
         return await nats.connect(servers=servers, user="admin", dont_randomize=True,
                                   password=values["TANDEM_NATS_PASSWORD_ADMIN"], connect_timeout=5,

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 
 from bench.hosts import Hosts, run_walkthrough, walkthrough
+from bus.connection import user_login
+from runtime.settings import read_env_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -41,17 +43,11 @@ class Machines:
 
     def env(self) -> dict[str, str]:
         """tandem.env, as a dict (the users' passwords, the servers)."""
-        out = {}
-        for line in (self.folder / "tandem.env").read_text().splitlines():
-            if "=" in line and not line.startswith("#"):
-                k, v = line.split("=", 1)
-                out[k] = v
-        return out
+        return read_env_file(self.folder / "tandem.env")
 
     def login(self, user: str) -> dict[str, str]:
         env = self.env()
-        return {"TANDEM_NATS_USER": user, "TANDEM_NATS_PASSWORD": env[f"TANDEM_NATS_PASSWORD_{user.upper()}"],
-                "TANDEM_NATS_INBOX_PREFIX": f"_INBOX_{user}", "TANDEM_NATS_URL": env["TANDEM_NATS_URL"]}
+        return {**user_login(user, env), "TANDEM_NATS_URL": env["TANDEM_NATS_URL"]}
 
     def serve(self, host: str, name: str, user: str, *args: str, env: dict[str, str] | None = None) -> None:
         """Another worker on ``host``, started as the walk-through starts its own."""
