@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar
 
+import nats.errors
 import nats.micro
 from nats.aio.msg import Msg
 
@@ -31,12 +32,15 @@ from bus.messages import (
     KVMetaRequest,
     MessageError,
     PayloadTooLarge,
+    Replay,
     StreamMessage,
+    StreamTokens,
     WorkerStats,
     decode,
     encode,
 )
-from bus.publish import publish, request, respond
+from bus.publish import publish, publish_kept, request, respond
+from bus.replay import SentLog
 from bus.streams import claim, ensure_streams, fetch_one, pull_subscription
 from bus.subjects import Subjects, check_subject
 from engine.engine import EngineConfig, LLMEngine, StepOutput
@@ -84,6 +88,8 @@ class SeenIds:
 class WorkerActor:
     role = "worker"
     capacity_poll_s = 0.01  # how often a full worker looks again for room to pull
+    #: whose replay requests this worker answers (``Subjects.replay``): "stream" (decode) or "prefill"
+    replay_kind = ""
 
     def __init__(self, settings: Settings, loaded: LoadedModel, health: WorkerHealth | None = None):
         self.s = settings
@@ -114,6 +120,7 @@ class WorkerActor:
         self.seen = SeenIds()
         self.cancelled_ids = SeenIds()  # a cancel can overtake its request queued in the pool
         self.peer_incarnations: dict[str, str] = {}
+        self.sent = SentLog()  # what it published per request or job, for a receiver that missed some
         self.nc = None
         self.subs: list = []  # subscriptions that bring new work (dropped first when draining)
         self.runner: EngineRunner | None = None
@@ -154,11 +161,14 @@ class WorkerActor:
         opts = BusOptions.from_env(servers=[u.strip() for u in self.s.nats_url.split(",")])
         self.health.phase = "connecting"
         print(f"{self.worker_id}: connecting to NATS at {self.s.nats_url}", file=sys.stderr, flush=True)
-        self.nc = await connect(opts, name=f"tandem-{self.role}-{self.worker_id}", on_disconnect=self.on_bus_lost)
+        self.nc = await connect(opts, name=f"tandem-{self.role}-{self.worker_id}", on_disconnect=self.on_bus_lost,
+                                on_reconnect=self.on_bus_back)
         self.health.nats_connected = lambda: self.nc is not None and self.nc.is_connected
         await ensure_streams(self.nc, self.subjects, replicas=self.s.stream_replicas)
         await self.nc.subscribe(self.subjects.kv_meta(self.worker_id), cb=self._on_kv_meta)
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel_msg)
+        if self.replay_kind:
+            await self.nc.subscribe(self.subjects.replay(self.replay_kind), cb=self._on_replay)
         await self.start()
         self.service = await self._register_service()
         self.spawn(self._stats_loop())
@@ -296,11 +306,37 @@ class WorkerActor:
     async def answer_duplicate(self, item: object, where: str) -> None:
         """A copy of work ``where`` already took was dropped; a role may say so where the sender listens."""
 
-    async def publish_stream(self, subject: str, msg: StreamMessage) -> None:
+    async def publish_stream(self, subject: str, msg: StreamMessage, keep: bool = True) -> None:
         """Publish on a request's stream subject, signed with this worker's id and process (the gateway shows
-        only what comes from the worker holding the request)."""
+        only what comes from the worker holding the request), and ``keep`` it until the request has been over
+        for a minute: a gateway that missed it asks again (:meth:`_on_replay`). Answers about a message this
+        worker does not serve (a copy, a malformed one) are not kept: they are not the request's stream."""
         msg.worker_id, msg.incarnation = self.worker_id, self.incarnation
-        await publish(self.nc, check_subject(subject, "stream_subject"), msg)
+        if not keep:
+            await publish(self.nc, check_subject(subject, "stream_subject"), msg)
+            return
+        await publish_kept(self.nc, self.sent, msg.request_id, msg.seq, check_subject(subject, "stream_subject"), msg,
+                           end=not isinstance(msg, StreamTokens))
+
+    async def _on_replay(self, msg: Msg) -> None:
+        """A receiver missed messages of a key this worker may have sent: publish them again, as they were."""
+        try:
+            ask = decode(msg.data, Replay)
+        except MessageError as e:
+            bad_messages.warning("replay", "ignoring a bad replay request on %s: %s", msg.subject, e)
+            return
+        kept = self.sent.since(ask.key, ask.from_seq)
+        if kept is None:
+            return  # not ours, or over long ago
+        messages, whole = kept
+        if not whole:
+            log.warning("%s asks for %s from message %d, older than what is kept here", ask.requester or "someone",
+                        ask.key, ask.from_seq)
+        for subject, data, hdrs in messages:
+            await self.nc.publish(subject, data, headers=hdrs)
+        metrics.REPLAYED.labels(self.role).inc(len(messages))
+        log.info("published %d message(s) of %s again from %d for %s", len(messages), ask.key, ask.from_seq,
+                 ask.requester or "someone")
 
     async def answer_malformed(self, data: bytes, error: str) -> None:
         """A work message that did not decode but names where to answer (JSON ``stream_subject`` /
@@ -343,7 +379,18 @@ class WorkerActor:
         """Answer a work message that did not decode (``body`` is its JSON), where it names a subject."""
 
     async def on_bus_lost(self) -> None:
-        """NATS went away: what was published since may be lost."""
+        """NATS went away. The work goes on: what is published meanwhile waits in the client's buffer, and
+        what the old connection lost is kept here for whoever asks again (:meth:`_on_replay`)."""
+        held = self.busy()
+        log.warning("%s %s lost its NATS connection; %s", self.role, self.worker_id,
+                    "its work goes on and is kept for the receivers" if held else "reconnecting")
+
+    async def on_bus_back(self) -> None:
+        """NATS is back (perhaps another member): tell routers at once that this worker is alive."""
+        try:
+            await publish(self.nc, self.subjects.stats(self.role, self.worker_id), self.stats())
+        except (nats.errors.Error, OSError) as e:  # the 1 Hz report follows anyway
+            log.warning("load report after reconnecting: %r", e)
 
 
     def on_outputs(self, outputs: list[StepOutput], step_s: float) -> None:
@@ -373,6 +420,7 @@ class WorkerActor:
             queued=e.num_waiting, free_blocks=e.blocks.num_free, total_blocks=e.blocks.num_blocks,
             prefix_hit_rate=e.blocks.hit_rate(), uptime=time.time() - self.started,
             incarnation=self.incarnation, max_batch=self.s.max_batch, draining=self.draining,
+            prefix_cache=self.s.enable_prefix_cache,
         )
 
     # ---------------------------------------------------------------- plumbing

@@ -70,6 +70,8 @@ class Request:
 
 
 class DecodeActor(WorkerActor):
+    replay_kind = "stream"
+
     def __init__(self, settings, loaded, health=None):
         super().__init__(settings, loaded, health)
         self.role = settings.role
@@ -88,6 +90,11 @@ class DecodeActor(WorkerActor):
         self.spawn(self._emitter())
         self.spawn(self._deadline_watch())
         await self.take_work("generate", self.subjects.generate_worker(self.worker_id))
+
+    async def on_bus_back(self) -> None:
+        await super().on_bus_back()
+        if self.remote is not None:  # an answer may have been lost while this worker failed over
+            await self.remote.ask_again_all()
 
     def busy(self) -> bool:
         return bool(self.requests) or not self.outbox.empty()
@@ -155,7 +162,7 @@ class DecodeActor(WorkerActor):
         await self.publish_stream(subject, StreamError(
             request_id=item.request_id, seq=0, code=ErrorCode.DUPLICATE_REQUEST, status=409,
             message=f"request_id {item.request_id!r} was already taken by {where}; this copy is dropped "
-                    "(send each request with a new request_id)"))
+                    "(send each request with a new request_id)"), keep=False)
 
     async def answer_bad_work(self, body: dict, error: str) -> None:
         """A generate request that did not decode gets a 400 on the stream subject it names."""
@@ -165,7 +172,7 @@ class DecodeActor(WorkerActor):
         rid = body.get("request_id")
         await self.publish_stream(subject, StreamError(
             request_id=rid if isinstance(rid, str) else "", seq=0, code=ErrorCode.BAD_REQUEST, status=400,
-            message=f"malformed generate request: {error}"))
+            message=f"malformed generate request: {error}"), keep=False)
 
     def _validate(self, r: Request) -> None:
         req = r.req
@@ -413,17 +420,3 @@ class DecodeActor(WorkerActor):
         if r.remote is not None and r.remote.job_sent and not r.in_engine:
             await publish(self.nc, self.subjects.cancel(rid), Cancel(request_id=rid, reason=code))
         await self._fail(r, code, message, status)
-
-    async def on_bus_lost(self) -> None:
-        """NATS is gone: tokens published from now on may be lost, and a gateway that lost NATS too has
-        failed its requests already. Stop them all now (no compute for nobody); each gets a
-        ``bus_unavailable`` error, delivered when NATS is back, for a gateway still waiting."""
-        held = list(self.requests)
-        if held:
-            log.warning("lost NATS: stopping the %d request(s) held here", len(held))
-            results = await asyncio.gather(*(self._expire(rid, ErrorCode.BUS_UNAVAILABLE,
-                                                          f"worker {self.worker_id} lost its NATS connection; retry",
-                                                          503) for rid in held), return_exceptions=True)
-            for e in results:
-                if isinstance(e, Exception):  # its error message could not be queued; it is stopped anyway
-                    log.warning("while stopping a request after losing NATS: %r", e)

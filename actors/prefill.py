@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 
 from actors.base import WorkerActor, bad_messages
 from bus.messages import ErrorCode, PrefillAccepted, PrefillDone, PrefillJob, StreamError
-from bus.publish import publish
+from bus.publish import publish, publish_kept
 from bus.subjects import check_subject
 from engine.engine import StepOutput
 from kv.layout import KVLayout, LayoutMismatch
@@ -35,6 +35,7 @@ MAX_CONCURRENT_JOBS = 4
 class PrefillActor(WorkerActor):
     role = "prefill_only"
     capacity_poll_s = 0.005
+    replay_kind = "prefill"
 
     def __init__(self, settings, loaded, health=None):
         super().__init__(settings, loaded, health)
@@ -87,8 +88,14 @@ class PrefillActor(WorkerActor):
             job = self.backlog.popleft()
             await self._refuse(job, ErrorCode.HANDED_BACK, f"prefill worker {self.worker_id} is draining")
 
+    async def _answer(self, job: PrefillJob, msg: PrefillAccepted | PrefillDone) -> None:
+        """Tell the decode worker (accepted: seq 0, done: seq 1, the last), keeping the answer for a minute
+        for a decode worker that missed it and asks again (``bus.replay``)."""
+        done = isinstance(msg, PrefillDone)
+        await publish_kept(self.nc, self.sent, job_key(job), int(done), job.reply_subject, msg, end=done)
+
     async def _refuse(self, job: PrefillJob, code: str, message: str) -> None:
-        await publish(self.nc, job.reply_subject, PrefillDone(
+        await self._answer(job, PrefillDone(
             request_id=job.request_id, ok=False, prefill_worker_id=self.worker_id, attempt=job.attempt,
             layout_fingerprint=self.layout.fingerprint(), error=message, error_code=code, wrote=False))
 
@@ -103,7 +110,7 @@ class PrefillActor(WorkerActor):
                 await self.publish_stream(stream, StreamError(
                     request_id=rid if isinstance(rid, str) else "", seq=0, code=ErrorCode.BAD_REQUEST, status=400,
                     message=f"{self.subjects.prefill_pool} takes prefill jobs (this looks like a generate request: "
-                            f"publish it on {self.subjects.generate_pool}): {error}"))
+                            f"publish it on {self.subjects.generate_pool}): {error}"), keep=False)
             return
         rid, attempt = body.get("request_id"), body.get("attempt")
         await publish(self.nc, check_subject(subject, "reply_subject"), PrefillDone(
@@ -121,9 +128,8 @@ class PrefillActor(WorkerActor):
         held = False
         stream: LayerStream | None = None
         try:
-            await publish(self.nc, job.reply_subject,
-                          PrefillAccepted(request_id=rid, attempt=job.attempt, prefill_worker_id=self.worker_id,
-                                          transfer=self._mechanism_to(job)))
+            await self._answer(job, PrefillAccepted(request_id=rid, attempt=job.attempt,
+                                                    prefill_worker_id=self.worker_id, transfer=self._mechanism_to(job)))
             self._check_cancel(rid)
             if job.deadline and time.time() > job.deadline:
                 raise _JobError(ErrorCode.DEADLINE_EXCEEDED, "prefill job deadline passed before it started")
@@ -189,7 +195,7 @@ class PrefillActor(WorkerActor):
                                  done.error_code, done.error)
         done.timings = timings
         try:
-            await publish(self.nc, job.reply_subject, done)
+            await self._answer(job, done)
         finally:
             self.jobs.pop(key, None)
             self._start_next()

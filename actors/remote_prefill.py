@@ -25,7 +25,7 @@ from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
-from nats.js.errors import APIError, NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from actors.base import SeenIds, bad_messages
 from actors.runner import EngineRunner
@@ -37,6 +37,7 @@ from bus.messages import (
     PrefillAccepted,
     PrefillDone,
     PrefillJob,
+    Replay,
     WorkerStats,
     decode,
 )
@@ -54,6 +55,10 @@ PREFILL_ALIVE_S = 3.0  # a prefill worker whose stats are older than this is not
 PREFILL_DEAD_S = 5.0  # ... and one silent this long is presumed dead with our job
 QUARANTINE_GRACE_S = 5.0
 LIVENESS_CHECK_S = 0.5  # how often a wait for a PrefillDone looks at its prefill worker's reports
+#: a job nobody took is withdrawn from the pool, retried this long while the pool has no leader
+WITHDRAW_FOR_S = 15.0
+#: a PrefillDone this late is asked for again (a NATS failover may have lost it; the prefill worker keeps it)
+ASK_AGAIN_S = 2.0
 POLL_S = 0.001  # landing poll of a transfer engine that needs it, while a write through it is expected
 
 LANDED, FAILED, FALLBACK, CANCELLED = "landed", "failed", "fallback", "cancelled"
@@ -91,6 +96,15 @@ class PrefillWorkers:
         """Prefill workers that reported lately and take jobs (a draining one gets none)."""
         now = time.monotonic()
         return {w: st for w, (st, seen) in self.reports.items() if now - seen < PREFILL_ALIVE_S and not st.draining}
+
+    def pause(self) -> None:
+        """This worker heard nothing for a while through no fault of theirs (its own NATS link was down): count
+        the prefill workers' silence from the latest report it did hear, as if the outage had not happened."""
+        if not self.reports:
+            return
+        now = time.monotonic()
+        gap = now - max(seen for _, seen in self.reports.values())
+        self.reports = {w: (st, min(now, seen + gap)) for w, (st, seen) in self.reports.items()}
 
     def silent(self, worker: str) -> bool:
         """Whether ``worker`` (known here) stopped reporting long enough to be presumed dead."""
@@ -275,14 +289,44 @@ class RemotePrefills:
         await asyncio.sleep(delay)
         await self.release_quarantine(tag)
 
+    async def ask_again(self, tag: str, from_seq: int = 0) -> None:
+        """Ask the prefill workers to publish their answers to attempt ``tag`` again (from ``from_seq``: 0 the
+        acceptance, 1 the PrefillDone): one may have been lost while a NATS client failed over."""
+        try:
+            await publish(self.nc, self.subjects.replay("prefill"),
+                          Replay(key=tag, from_seq=from_seq, requester=self.worker_id))
+        except (nats.errors.Error, OSError) as e:  # the bus is away: the next check asks again
+            log.info("cannot ask again for the answer to %s: %r", tag, e)
+
+    async def ask_again_all(self) -> None:
+        """After this worker's own reconnect: the time away is not the prefill workers' silence, and every
+        attempt waiting for an answer asks again."""
+        self.workers.pause()
+        for tag, attempt in list(self.attempts.items()):
+            await self.ask_again(tag, 1 if attempt.taker else 0)
+
     async def withdraw(self, seq: int, tag: str) -> None:
         """Take a prefill job nobody took out of the pool: a prefill worker that comes later must not compute it
-        (its write would be refused anyway), and the pool's backlog, what autoscalers read, must not count it."""
-        try:
-            await self.nc.jetstream(timeout=2.0).delete_msg(self.subjects.prefill_stream, seq)
-            log.info("withdrew prefill job %s from the pool", tag)
-        except (nats.errors.Error, APIError, asyncio.TimeoutError) as e:  # taken meanwhile, or the bus is away
-            log.info("could not withdraw prefill job %s from the pool: %r", tag, e)
+        (its write would be refused anyway), and the pool's backlog, what autoscalers read, must not count it.
+
+        The pool may be electing a leader (its member just died): tried again each second for
+        ``WITHDRAW_FOR_S``; a job a prefill worker took meanwhile is not found, and that is the end of it.
+        """
+        js = self.nc.jetstream(timeout=2.0)
+        give_up = time.monotonic() + WITHDRAW_FOR_S
+        while True:
+            try:
+                await js.delete_msg(self.subjects.prefill_stream, seq)
+                log.info("withdrew prefill job %s from the pool", tag)
+                return
+            except NotFoundError:  # taken (and acknowledged) meanwhile
+                log.info("prefill job %s left the pool before it was withdrawn", tag)
+                return
+            except (nats.errors.Error, APIError, asyncio.TimeoutError) as e:  # no leader yet, or the bus is away
+                if time.monotonic() >= give_up:
+                    log.warning("could not withdraw prefill job %s from the pool: %r", tag, e)
+                    return
+            await asyncio.sleep(1.0)
 
     async def release_quarantine(self, tag: str) -> None:
         blocks = self.quarantined.pop(tag, None)
@@ -415,7 +459,8 @@ class RemotePrefill:
         That worker is the target, or for a pool job the one whose PrefillAccepted came back; a
         pool job nobody took is given up when no prefill worker is alive.
         """
-        workers = self.hub.workers
+        workers, landings = self.hub.workers, self.hub.landings
+        asked = time.monotonic()
         while True:
             left = self.deadline - time.time()
             if left <= 0:
@@ -424,6 +469,13 @@ class RemotePrefill:
                 return await asyncio.wait_for(asyncio.shield(self._answer), timeout=min(left, LIVENESS_CHECK_S))
             except asyncio.TimeoutError:
                 pass
+            # no answer yet: late (or the KV is here and its answer is not), ask for it again
+            now = time.monotonic()
+            if now - asked >= ASK_AGAIN_S or self.tag in landings.landed:
+                asked = now
+                await self.hub.ask_again(self.tag, 1 if self.taker else 0)
+            if not self.hub.nc.is_connected:  # our own link is down: their silence says nothing about them
+                continue
             worker = target or self.taker
             if worker is None and not workers.alive():
                 log.warning("no prefill worker is alive to take pool job %s; giving up on it", self.tag)

@@ -4,7 +4,9 @@ Why one place: every process (workers, gateway, CLI) must reach the same NATS th
 way, survive a server restart without a human, and say in its log when the bus went
 away and came back. :func:`connect` retries the first connection until
 ``connect_timeout`` (an authorization failure stops at once), then reconnects forever
-with exponential backoff and jitter.
+with a short, capped backoff and jitter, trying the other members of a cluster before the
+one it lost. Pings every second find a member that went silent (a dead host, a cut link)
+within two to three seconds, so a client is on another member within about three.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def redact_url(url: str) -> str:
 class BusOptions:
     """How to reach NATS.
 
-    ``servers`` is a list of URLs (a cluster: any member will do). Authentication is
+    ``servers`` is a list of URLs (a cluster: any member will do), tried in that order: put the member on
+    this process's machine first; after a failure the others come before the one lost. Authentication is
     one of user/password, token, an NKey seed file or a ``.creds`` file (JWT + seed);
     NKey and creds need the ``nkeys`` package. ``tls_ca`` verifies the server;
     ``tls_cert``/``tls_key`` present a client certificate (mutual TLS).
@@ -100,12 +103,15 @@ class BusOptions:
     inbox_prefix: str = DEFAULT_INBOX
     #: Deadline for the first connection (seconds); afterwards reconnects never stop.
     connect_timeout: float = 30.0
-    #: Reconnect backoff: first wait, cap. Each failed round doubles the wait (±20 % jitter).
+    #: Reconnect backoff: first wait, cap. Each failed attempt at a server doubles its wait (±20 % jitter);
+    #: the cap is short so that a member back after an outage is found within about a second.
     reconnect_wait_min: float = 0.1
-    reconnect_wait_max: float = 5.0
-    #: Client→server pings: detects a dead server on a silent network within ~interval×outstanding.
-    ping_interval: float = 10.0
-    max_outstanding_pings: int = 3
+    reconnect_wait_max: float = 1.0
+    #: One connection attempt (TCP, TLS, CONNECT): a member behind a cut link costs this much, not more.
+    attempt_timeout: float = 2.0
+    #: Client→server pings: a silent member is given up after ``interval × (outstanding + 1)`` at most.
+    ping_interval: float = 1.0
+    max_outstanding_pings: int = 2
     #: Bytes buffered while reconnecting before publishes fail.
     reconnect_buffer: int = 8 * 1024 * 1024
 
@@ -145,6 +151,7 @@ class BusOptions:
             tls_cert=get("TANDEM_NATS_TLS_CERT"),
             tls_key=get("TANDEM_NATS_TLS_KEY"),
             inbox_prefix=get("TANDEM_NATS_INBOX_PREFIX") or DEFAULT_INBOX,
+            ping_interval=_positive(get("TANDEM_NATS_PING_INTERVAL"), "TANDEM_NATS_PING_INTERVAL", 1.0),
         )
         changes = {k: v for k, v in overrides.items() if v is not None}
         if isinstance(changes.get("servers"), str):
@@ -214,6 +221,18 @@ class BusOptions:
         return kw
 
 
+def _positive(value: str | None, name: str, default: float) -> float:
+    if value is None:
+        return default
+    try:
+        out = float(value)
+    except ValueError:
+        out = 0.0
+    if not out > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return out
+
+
 def user_login(user: str, env: Mapping[str, str]) -> dict[str, str]:
     """The variables that log a process in as NATS ``user`` of tandem's configs (``tandem --nats-user``).
 
@@ -244,6 +263,24 @@ def backoff_delay(attempt: int, wait_min: float, wait_max: float, rng: random.Ra
     base = min(wait_max, wait_min * (2 ** min(attempt, 30)))
     r = rng or random
     return base * r.uniform(0.8, 1.2)
+
+
+def pick_server(servers: Sequence[Any], lost: str) -> Any:
+    """The server to try next: the least-tried, and among those any but the one just lost (``lost``: its
+    ``host:port``): a member that died or went silent is the last to try, not the first."""
+    return min(servers, key=lambda s: (s.reconnects, s.uri.netloc == lost))
+
+
+async def force_reconnect(nc: Client, why: str) -> None:
+    """Drop the current connection and reconnect (to another member first), as a stale ping would.
+
+    For a client that has evidence of a dead link sooner than its pings do (every peer fell silent at
+    once and a ping round trip failed). nats-py has no public call for it; this is its stale-connection path.
+    """
+    if not nc.is_connected:
+        return
+    log.warning("nats: %s; dropping the connection to %s to reconnect", why, _url_of(nc))
+    await nc._process_op_err(nats.errors.StaleConnectionError())
 
 
 # Errors that announce a disconnect; the disconnect line reports them.
@@ -295,7 +332,8 @@ async def connect(
     first_error: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
     last_error: list[BaseException] = []
 
-    state: dict[str, Any] = {"url": "?", "down_since": None}
+    # "netloc": host:port of the member connected to; "lost": the one the last disconnect left
+    state: dict[str, Any] = {"url": "?", "down_since": None, "netloc": "", "lost": ""}
 
     async def error_cb(err: Exception) -> None:
         last_error[:] = [err]
@@ -314,13 +352,14 @@ async def connect(
         if not connected.is_set() or nc.is_closed:
             return
         state["down_since"] = time.monotonic()
+        state["lost"] = state["netloc"]
         cause = f" ({last_error[0]!r})" if last_error else ""
         log.warning("nats %s: disconnected from %s%s; reconnecting", name, state["url"], cause)
         if on_disconnect is not None:
             await on_disconnect()
 
     async def reconnected_cb() -> None:
-        state["url"] = _url_of(nc)
+        state["url"], state["netloc"] = _url_of(nc), _netloc_of(nc)
         since = state["down_since"]
         down = f" after {time.monotonic() - since:.1f}s" if since is not None else ""
         state["down_since"] = None
@@ -340,8 +379,7 @@ async def connect(
         log.warning("nats %s: server %s entered lame-duck mode; will move to another", name, _url_of(nc))
 
     def choose_server(servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
-        # Least-tried server first; wait grows with the number of failed rounds.
-        target = min(servers, key=lambda s: s.reconnects)
+        target = pick_server(servers, state["lost"])
         delay = backoff_delay(target.reconnects, opts.reconnect_wait_min, opts.reconnect_wait_max)
         log.debug("nats %s: reconnecting to %s in %.2fs", name, redact_url(target.uri.geturl()), delay)
         return target, delay
@@ -358,9 +396,10 @@ async def connect(
             lame_duck_mode_cb=lame_duck_cb,
             reconnect_to_server_handler=choose_server,
             allow_reconnect=True,
+            dont_randomize=True,  # the order given is the preference (own member first)
             max_reconnect_attempts=-1,
             reconnect_time_wait=opts.reconnect_wait_min,  # type: ignore[arg-type]  # first-connect retry pace
-            connect_timeout=min(5, max(1, int(opts.connect_timeout))),
+            connect_timeout=min(opts.attempt_timeout, opts.connect_timeout),  # type: ignore[arg-type]
             ping_interval=opts.ping_interval,  # type: ignore[arg-type]
             max_outstanding_pings=opts.max_outstanding_pings,
             pending_size=opts.reconnect_buffer,
@@ -378,7 +417,7 @@ async def connect(
                 await nc.close()
             raise BusConnectError(f"cannot connect {name!r} to NATS at {opts.display_servers}: {e!r}") from e
         connected.set()
-        state["url"] = _url_of(nc)
+        state["url"], state["netloc"] = _url_of(nc), _netloc_of(nc)
         last_error.clear()
         log.info("nats %s: connected to %s (max_payload %d)", name, _url_of(nc), nc.max_payload)
         return nc
@@ -400,6 +439,11 @@ async def connect(
 def _url_of(nc: Client) -> str:
     url = nc.connected_url
     return redact_url(url.geturl()) if url is not None else "?"
+
+
+def _netloc_of(nc: Client) -> str:
+    url = nc.connected_url
+    return url.netloc if url is not None else ""
 
 
 def _server_urls(nc: Client) -> Sequence[str]:

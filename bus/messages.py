@@ -71,7 +71,6 @@ class ErrorCode:
     WORKER_LOST = "worker_lost"
     HANDED_BACK = "handed_back"  # a draining worker gave the request back before its first token
     QUEUE_TIMEOUT = "queue_timeout"  # it did not start by its ``start_by`` time: dropped where it waited
-    BUS_UNAVAILABLE = "bus_unavailable"  # the worker lost NATS while it streamed: tokens may be lost
     # a request_id already served (or being served): a copy of one request, or a hand-written request reusing
     # an id; the gateway never reuses ids, so to it this only says that a copy was dropped
     DUPLICATE_REQUEST = "duplicate_request"
@@ -322,6 +321,22 @@ class Claim(_Msg, tag="claim", kw_only=True):
     worker_id: str = ""
 
 
+class Replay(_Msg, tag="replay", kw_only=True):
+    """Publish again what you sent for ``key`` from message ``from_seq`` on (``tandem.<model>.replay.<role>``).
+
+    Core NATS drops what is published while a receiver is away (its member died, its link failed over):
+    a gateway that sees a gap in a request's stream, hears nothing for a while, or has just reconnected,
+    asks the decode workers for the request's stream messages (``key`` = the request id, ``from_seq`` its
+    next expected ``seq``); a decode worker waiting for a prefill's answer asks the prefill workers
+    (``key`` = ``<request>:<attempt>``). Whoever sent them publishes them again, unchanged, to where they
+    went; everybody else ignores the request. A receiver drops what it already had by ``seq``.
+    """
+
+    key: str
+    from_seq: NonNegInt = 0
+    requester: str = ""
+
+
 class KVMetaRequest(_Msg, tag="kv_meta_request", kw_only=True):
     """Ask a worker (``tandem.kv.meta.<worker>``) for its transfer-engine metadata."""
 
@@ -360,6 +375,8 @@ class WorkerStats(_Msg, tag="worker_stats", kw_only=True):
     draining: bool = False  # stopping: route nothing new here
     #: decode_only: prompts it prefills locally only for want of a free prefill worker (bus/demand.py)
     deferred_prefills: NonNegInt = 0
+    #: it keeps served prompts' blocks for later requests: only then does a router send it the same prefix again
+    prefix_cache: bool = True
     ts: float = msgspec.field(default_factory=time.time)
 
 
@@ -397,6 +414,7 @@ AnyMessage = Union[  # noqa: UP007 - a runtime union object msgspec decodes into
     StreamError,
     Cancel,
     Claim,
+    Replay,
     KVMetaRequest,
     KVMetaReply,
     WorkerStats,

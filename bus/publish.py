@@ -17,6 +17,7 @@ from nats.js.api import PubAck
 from nats.js.client import JetStreamContext
 
 from bus.messages import check_payload, decode, encode, headers
+from bus.replay import SentLog
 
 
 def _prepare(
@@ -48,6 +49,16 @@ async def publish(
     """Core-publish a message (request id header from ``msg.request_id`` unless given)."""
     data, hdrs = _prepare(nc, subject, msg, request_id, extra_headers)
     await nc.publish(subject, data, reply=reply, headers=hdrs or None)
+
+
+async def publish_kept(nc: Client, sent: SentLog, key: str, seq: int, subject: str, msg: msgspec.Struct, *,
+                       end: bool = False) -> None:
+    """Core-publish ``msg`` and keep it in ``sent`` under ``key`` (``seq``: its place there; ``end``: the key's
+    last message), for a receiver that missed it and asks again (:mod:`bus.replay`). It is kept even when the
+    publish fails: the connection is down, and the receiver will ask once it is back."""
+    data, hdrs = _prepare(nc, subject, msg, None, None)
+    sent.record(key, subject, seq, data, hdrs or None, end=end)
+    await nc.publish(subject, data, headers=hdrs or None)
 
 
 async def request(

@@ -17,6 +17,8 @@ Subject map (namespace ``tandem``, model token ``<model>``)::
     tandem.stats.<role>.<worker>             1 Hz load report
     tandem.autoscale.state                   core request: a local autoscaler's desired/actual workers
     tandem.<model>.claim                     JetStream: a worker claims a request before serving it
+    tandem.<model>.replay.stream             ask the decode workers to publish a request's stream messages again
+    tandem.<model>.replay.prefill            ask the prefill workers to publish a job's answers again
 
 Stream and durable consumer names (what KEDA's ``nats-jetstream`` trigger names)::
 
@@ -189,6 +191,13 @@ class Subjects:
         """``tandem.<model>.prefill.<worker>``: a prefill job for one prefill worker."""
         return f"{self.prefill_pool}.{check_token(worker_id, 'worker id')}"
 
+    def replay(self, role: str) -> str:
+        """``tandem.<model>.replay.stream|prefill``: ask the decode (``stream``) or prefill workers to publish
+        again what they sent for a key (``bus.messages.Replay``); every worker of that kind hears it."""
+        if role not in ("stream", "prefill"):
+            raise ValueError(f"replay is asked of 'stream' or 'prefill' workers, not {role!r}")
+        return f"{self.namespace}.{self.model_token}.replay.{role}"
+
     # ---- per request ---------------------------------------------------------------
     def stream(self, gateway_id: str, request_id: str) -> str:
         """``tandem.stream.<gateway>.<request>``: where the owner gateway hears tokens."""
@@ -333,7 +342,8 @@ class Subjects:
                     "$SRV.>",
                 ],
                 "subscribe": [
-                    f"{self.prefill_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *micro, "$SRV.>", *replies,
+                    f"{self.prefill_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", self.replay("prefill"),
+                    *micro, "$SRV.>", *replies,
                 ],
             }
         if role in (ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE):
@@ -345,12 +355,13 @@ class Subjects:
                 self.claims,  # a request delivered twice is served once
                 "$SRV.>",
             ]
-            sub = [f"{self.generate_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", *micro, "$SRV.>", *replies]
+            sub = [f"{self.generate_pool}.{me}", self.cancel_all, f"{ns}.kv.meta.{me}", self.replay("stream"), *micro,
+                   "$SRV.>", *replies]
             if role == ROLE_DECODE_ONLY:
                 # prefill jobs go to the pool (JetStream) or to one prefill worker (core);
                 # a decode worker cancels the prefills it gave up on, hears the prefill
                 # workers' load reports and finds them with $SRV.INFO.tandem-prefill-only.
-                pub += [self.prefill_pool, f"{self.prefill_pool}.*", self.cancel_all,
+                pub += [self.prefill_pool, f"{self.prefill_pool}.*", self.cancel_all, self.replay("prefill"),
                         f"$JS.API.STREAM.MSG.DELETE.{self.prefill_stream}"]  # withdraws a job nobody took
                 sub += [f"{ns}.prefill.done.{me}.*", f"{ns}.stats.{ROLE_PREFILL_ONLY}.*"]
             return {"publish": pub, "subscribe": sub}
@@ -358,7 +369,7 @@ class Subjects:
             return {
                 # its workers' micro endpoints: the page's cluster view (gateway/cluster.py)
                 "publish": [*setup, self.generate_pool, f"{self.generate_pool}.*", self.cancel_all, "$SRV.>",
-                            f"{ns}.svc.*.*"],
+                            f"{ns}.svc.*.*", self.replay("stream")],
                 "subscribe": [f"{ns}.stream.{me}.*", self.stats_all, "$SRV.>", *replies],
             }
         if role == ROLE_OBSERVER:

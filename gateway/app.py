@@ -76,7 +76,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
         registry = WorkerRegistry(subjects.model_token, alive_after=config.alive_after,
                                   load_weight=config.route_load_weight)
         opts = BusOptions.from_env(servers=config.nats_url, connect_timeout=config.connect_timeout)
-        bus = GatewayBus(subjects, config.gateway_id, registry, opts)
+        bus = GatewayBus(subjects, config.gateway_id, registry, opts, bus_lost_after=config.bus_lost_after)
         await bus.start(ensure=config.ensure_streams, replicas=config.stream_replicas)
         gw = Gateway(config, tm, bus, registry, metrics)
         state["gw"] = gw

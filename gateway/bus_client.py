@@ -5,6 +5,13 @@ the gateway subscribes once to ``tandem.stream.<gateway>.*`` at start and dispat
 message by its request id to the queue of the HTTP request that owns it, so there is no
 per-request subscribe round trip and no window where a fast worker's first token is lost.
 Load reports (``tandem.stats.>``) feed the :class:`~gateway.router.WorkerRegistry`.
+
+Its own link: when every worker falls silent at once, the gateway suspects its connection before the
+workers. It asks its member for a ping round trip; none within a second and it fails over to another
+member (``bus.connection.force_reconnect``) at once instead of waiting out its pings. While the link is
+down or suspect, no worker is judged lost (:attr:`GatewayBus.trusted`); once back, the silence is not
+counted against them (``WorkerRegistry.pause``) and every open request asks its worker for what it
+missed (``BUS_BACK``). Only after ``bus_lost_after`` seconds away do open requests fail (``BUS_LOST``).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Coroutine
 from typing import Any
 
 import nats.errors
@@ -21,12 +29,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import APIError, NoStreamResponseError
 
-from bus.connection import BusOptions, connect
+from bus.connection import BusOptions, connect, force_reconnect
 from bus.messages import (
     Cancel,
     GenerateRequest,
     MessageError,
     PayloadTooLarge,
+    Replay,
     StreamMessage,
     StreamTokens,
     WorkerStats,
@@ -41,10 +50,18 @@ from gateway.router import WorkerRegistry
 
 log = logging.getLogger("tandem.gateway.bus")
 
-#: put into every open request's queue when the NATS connection drops: messages may be lost
+#: put into every open request's queue when the gateway has been away from NATS for ``bus_lost_after``
 BUS_LOST = object()
+#: put into every open request's queue when NATS is back: what was published meanwhile is to be asked for
+BUS_BACK = object()
+#: every worker silent this long: the gateway checks its own link before it judges them
+LINK_SUSPECT_S = 2.0
+#: ... with a ping round trip that must come back within this
+LINK_PING_S = 1.0
 
 
+#: a request sent while the gateway fails over to another member waits this long for the connection
+FAILOVER_WAIT_S = 5.0
 #: a message for a request nobody here waits for cancels it again after this many seconds
 ORPHAN_RECANCEL_S = 5.0
 
@@ -71,7 +88,8 @@ class GatewayBus:
     """NATS connection of one gateway: its id, its stream subscription, the worker registry."""
 
     def __init__(
-        self, subjects: Subjects, gateway_id: str, registry: WorkerRegistry, opts: BusOptions
+        self, subjects: Subjects, gateway_id: str, registry: WorkerRegistry, opts: BusOptions,
+        bus_lost_after: float = 20.0,
     ) -> None:
         self.subjects = subjects
         self.gateway_id = gateway_id
@@ -85,20 +103,35 @@ class GatewayBus:
         self._inbox = f"{opts.inbox_prefix}.{gateway_id}."
         self.dropped = 0
         self._cancelled_at: OrderedDict[str, float] = OrderedDict()  # request id → when we last cancelled it
+        self.bus_lost_after = bus_lost_after
+        self._lost_timer: asyncio.TimerHandle | None = None
+        self._down_since: float | None = None  # monotonic: when the link went down (or fell silent)
+        self._verified_at = 0.0  # monotonic: the last ping round trip that proved the link while all were silent
+        self._epoch = 0  # connections so far: a ping sent on an earlier one proves nothing about this one
+        self._watch: asyncio.Task[None] | None = None
+        self._up: asyncio.Event | None = None  # set while connected (made on the running loop, in start)
 
     # ---- life cycle --------------------------------------------------------------------
     async def start(self, ensure: bool = True, replicas: int = 1) -> None:
         """Connect (deadline: ``opts.connect_timeout``), ensure the pool streams (``replicas``), subscribe."""
-        self.nc = await connect(self.opts, name=f"gateway-{self.gateway_id}", on_disconnect=self._on_disconnect)
+        self.nc = await connect(self.opts, name=f"gateway-{self.gateway_id}", on_disconnect=self._on_disconnect,
+                                on_reconnect=self._on_reconnect)
         if ensure:
             await ensure_streams(self.nc, self.subjects, replicas=replicas)
         await self.nc.subscribe(self.subjects.streams_of_gateway(self.gateway_id), cb=self._on_stream)
         await self.nc.subscribe(self.subjects.stats_all, cb=self._on_stats)
         await self.nc.subscribe(f"{self._inbox}*", cb=self._on_inbox)
         await self.nc.flush(timeout=5)
+        self._up = asyncio.Event()
+        self._up.set()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_link())
 
     async def close(self) -> None:
         """Cancel what is in flight, then drain the connection (bounded)."""
+        if self._watch is not None:
+            self._watch.cancel()
+        if self._lost_timer is not None:
+            self._lost_timer.cancel()
         for rid in list(self._routes):
             self.cancel_soon(rid, "gateway shutting down")
         if self._tasks:
@@ -115,13 +148,85 @@ class GatewayBus:
         """Whether NATS is connected right now (False while reconnecting)."""
         return self.nc is not None and self.nc.is_connected
 
+    @property
+    def trusted(self) -> bool:
+        """Whether silence on this link says something about the workers: connected, and either someone
+        reported lately or a ping round trip proved the link since everybody fell silent."""
+        if not self.connected:
+            return False
+        last = self.registry.last_heard()
+        return last is None or self.registry.clock() - last < LINK_SUSPECT_S or self._verified_at > last
+
+    # ---- its own link ------------------------------------------------------------------
+    async def _watch_link(self) -> None:
+        """Every half second: when every worker has been silent for ``LINK_SUSPECT_S``, ping the member; a
+        ping that does not come back within ``LINK_PING_S`` on the same connection means the link is dead:
+        fail over now."""
+        while True:
+            await asyncio.sleep(0.5)
+            nc = self.nc
+            if nc is None or not nc.is_connected or self.registry.last_heard() is None or self.trusted:
+                continue
+            epoch = self._epoch
+            try:
+                await nc.flush(timeout=LINK_PING_S)
+                self._verified_at = time.monotonic()
+                log.info("no worker reported for %.1fs, but NATS answers: judging the workers", self._silent_s())
+            except (nats.errors.Error, asyncio.TimeoutError, OSError):
+                if epoch != self._epoch or self.trusted:  # it reconnected meanwhile, or someone reported
+                    continue
+                self._down_since = self.registry.last_heard()
+                await force_reconnect(nc, f"no worker reported for {self._silent_s():.1f}s and the member did not "
+                                          f"answer a ping within {LINK_PING_S:g}s")
+
+    def _silent_s(self) -> float:
+        last = self.registry.last_heard()
+        return 0.0 if last is None else self.registry.clock() - last
+
     # ---- incoming ----------------------------------------------------------------------
     async def _on_disconnect(self) -> None:
-        """Core NATS does not replay what was published while we were away: every open stream
-        may have lost tokens, so each open request is failed (and cancelled) rather than
-        silently returning a hole in its text or waiting for its deadline."""
+        """Core NATS drops what is published while we are away; the workers keep it, and every open request
+        asks for it once we are back. Only a gateway away for ``bus_lost_after`` fails them."""
+        if self._up is not None:
+            self._up.clear()
+        now = time.monotonic()
+        last = self.registry.last_heard()
+        self._down_since = min(now, self._down_since or now, last if last is not None else now)
+        if self._lost_timer is None:
+            self._lost_timer = asyncio.get_running_loop().call_later(self.bus_lost_after, self._bus_lost)
+
+    def _bus_lost(self) -> None:
+        self._lost_timer = None
+        if self.connected:
+            return
+        log.warning("away from NATS for %.0fs: ending the %d open request(s)", self.bus_lost_after, len(self._routes))
         for queue, tag in list(self._routes.values()):
             queue.put_nowait((tag, BUS_LOST))
+
+    async def _on_reconnect(self) -> None:
+        """Back: the time away is not the workers' silence, and every open request asks for what it missed."""
+        self._epoch += 1
+        if self._up is not None:
+            self._up.set()
+        if self._lost_timer is not None:
+            self._lost_timer.cancel()
+            self._lost_timer = None
+        if self._down_since is not None:
+            self.registry.pause(self._down_since)
+            self._down_since = None
+        for queue, tag in list(self._routes.values()):
+            queue.put_nowait((tag, BUS_BACK))
+
+    async def ask_replay(self, request_id: str, from_seq: int) -> None:
+        """Ask the decode workers to publish request ``request_id``'s stream again from message ``from_seq``."""
+        nc = self.nc
+        if nc is None or not nc.is_connected:
+            return  # asked again once back (BUS_BACK)
+        try:
+            await publish(nc, self.subjects.replay("stream"),
+                          Replay(key=request_id, from_seq=from_seq, requester=self.gateway_id))
+        except (nats.errors.Error, OSError) as e:
+            log.info("cannot ask for request %s's stream again: %r", request_id, e)
 
     async def _on_stream(self, msg: Msg) -> None:
         rid = msg.subject[len(self._prefix):] if msg.subject.startswith(self._prefix) else ""
@@ -189,13 +294,23 @@ class GatewayBus:
         """Stop routing ``request_id`` (later messages are dropped)."""
         self._routes.pop(request_id, None)
 
+    async def wait_connected(self, timeout: float) -> bool:
+        """Until NATS is connected (True), at most ``timeout`` seconds: a failover takes one to three."""
+        if self._up is not None and not self.connected:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._up.wait(), timeout)
+        return self.connected
+
     async def submit(self, req: GenerateRequest, worker_id: str | None) -> None:
-        """Publish ``req`` to one worker (core) or to the pool (JetStream, de-duplicated by id).
+        """Publish ``req`` to one worker (core) or to the pool (JetStream, de-duplicated by id); while NATS
+        fails over to another member, wait for it (up to ``FAILOVER_WAIT_S``).
 
         Raises :class:`OpenAIError`: 429 when the pool is full, 503 when NATS or JetStream is
         unavailable, 400 when the request is over the server's max_payload.
         """
         nc = self.nc
+        if nc is not None and not nc.is_connected and not nc.is_closed:
+            await self.wait_connected(FAILOVER_WAIT_S)
         if nc is None or not nc.is_connected:
             raise OpenAIError(503, "the gateway is not connected to NATS", code="bus_unavailable")
         try:
@@ -236,7 +351,11 @@ class GatewayBus:
         """:meth:`cancel` from code that must not await (a cancelled task's cleanup)."""
         self.close_request(request_id)
         self._remember_cancel(request_id)
-        task = asyncio.get_running_loop().create_task(self.cancel(request_id, reason))
+        self.spawn(self.cancel(request_id, reason))
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a publish in the background (the gateway's close waits a little for these)."""
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -68,7 +68,10 @@ class WorkerInfo:
         return not (s.total_blocks and s.free_blocks < blocks_needed)
 
     def matched_blocks(self, hashes: list[bytes]) -> int:
-        """How many leading blocks of the prompt it probably has cached."""
+        """How many leading blocks of the prompt it probably has cached (none, for a worker without a prefix
+        cache: routing it the same prompt again saves nothing)."""
+        if not self.stats.prefix_cache:
+            return 0
         n = 0
         for h in hashes:
             if h not in self.blocks:
@@ -164,6 +167,21 @@ class WorkerRegistry:
         info = self.workers.get(worker_id)
         window = self.alive_after if within is None else within
         return info is not None and info.last_seen >= self.clock() - window
+
+    def last_heard(self) -> float | None:
+        """When the latest report of any worker came (None before the first): the gateway's own link is
+        suspect when everybody falls silent at once."""
+        return max((i.last_seen for i in self.workers.values()), default=None)
+
+    def pause(self, since: float) -> None:
+        """This gateway heard nothing from ``since`` to now through no fault of the workers (its own link was
+        down): each worker's silence is counted as if that time had not passed, so none is judged lost for
+        it, and those alive when the link went down stay routable until they report again."""
+        gap = self.clock() - since
+        if gap <= 0:
+            return
+        for info in self.workers.values():
+            info.last_seen = min(self.clock(), info.last_seen + gap)
 
     def prefill_workers(self) -> list[WorkerInfo]:
         """Live prefill-only workers (for ``/ready`` details and ``target_endpoint`` checks)."""

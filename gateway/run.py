@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from bus.messages import ErrorCode, GenerateRequest, StreamError, StreamFinish, StreamTokens, Usage
 from bus.streams import DEFAULT_GENERATE
 from engine.params import SamplingParams
-from gateway.bus_client import BUS_LOST, NoResponders, Unreadable
+from gateway.bus_client import BUS_BACK, BUS_LOST, FAILOVER_WAIT_S, NoResponders, Unreadable
 from gateway.errors import OpenAIError
 
 if TYPE_CHECKING:
@@ -31,12 +31,18 @@ POOL_MAX_AGE_S = DEFAULT_GENERATE.max_age
 #: worker errors that mean "the request is fine, this worker is not": re-sent elsewhere before any token
 _GIVEN_BACK = {
     ErrorCode.HANDED_BACK: "is draining and handed the request back",
-    ErrorCode.BUS_UNAVAILABLE: "lost its NATS connection",
 }
 #: a pool request not taken this long after its ``start_by`` fails here (the worker that pulls it drops it)
 START_GRACE_S = 2.0
 #: what workers publish on a request's stream subject
 _FROM_WORKERS = (StreamTokens, StreamFinish, StreamError, Unreadable)
+#: a stream silent this long asks its worker for what it may have missed (doubling up to ``ASK_AGAIN_MAX_S``
+#: while it stays silent): a message lost in a NATS failover is otherwise noticed at the next one, or never
+ASK_AGAIN_S = 2.0
+ASK_AGAIN_MAX_S = 8.0
+#: a gap in a stream's sequence numbers is asked for at once and again each second; one not filled for this
+#: long (its worker keeps reporting but does not have the messages any more) fails the request
+GAP_WAIT_S = 10.0
 
 
 def _not_from_holder(job: Job, msg: StreamTokens | StreamFinish | StreamError | Unreadable) -> str:
@@ -94,6 +100,10 @@ class Job:
     first_token_s: float | None = None
     last_token_at: float | None = None
     token_gaps: list[float] = field(default_factory=list)  # seconds between token messages
+    heard_at: float = field(default_factory=time.monotonic)  # its last message in order (or its dispatch)
+    asked_at: float = 0.0  # when its worker was last asked to publish its stream again
+    ask_every: float = ASK_AGAIN_S
+    gap_since: float | None = None  # a message ahead of ``next_seq`` came: the ones between are asked for
 
     @property
     def text(self) -> str:
@@ -134,6 +144,8 @@ class Run:
     async def start(self) -> None:
         """Check capacity and publish every job (raises OpenAIError: 429/503/400)."""
         gw = self.gw
+        if not gw.bus.connected:  # failing over to another member: a second or three
+            await gw.bus.wait_connected(FAILOVER_WAIT_S)
         gw.check_ready()
         need = len(self.jobs)
         if gw.inflight + need > gw.config.max_inflight:
@@ -193,7 +205,8 @@ class Run:
         job.pooled = route.worker_id is None
         job.worker_incarnation = reg.incarnation(route.worker_id) if route.worker_id else ""
         job.route_reason = route.reason
-        job.started = time.monotonic()
+        job.started = job.heard_at = time.monotonic()
+        job.ask_every, job.gap_since = ASK_AGAIN_S, None
         job.start_by = req.start_by
         reg.dispatched(route.worker_id, job.hashes, blocks, job.request_id)
         log.info("request %s -> %s (%s, %d cached blocks)", job.request_id,
@@ -233,6 +246,11 @@ class Run:
             job = self.jobs[idx]
             if job.done:
                 continue
+            if msg is BUS_BACK:  # what was published while the gateway failed over is asked for again
+                if job.gap_since is not None:  # the time away does not count against the gap
+                    job.gap_since = time.monotonic()
+                self._ask_again(job, "reconnect")
+                continue
             if isinstance(msg, NoResponders):
                 if job.worker_id is not None and msg.request_id == job.request_id:
                     await self._lost(job, job.worker_id, "is not listening (stopped or draining)")
@@ -260,11 +278,10 @@ class Run:
             if msg.seq < job.next_seq:
                 gw.stream_dropped("duplicate", job.request_id, msg.worker_id, msg.incarnation)
                 return None
-            if msg.seq > job.next_seq:  # its own worker skipped one: NATS lost it (a reconnect)
-                raise OpenAIError(
-                    502, f"lost part of the token stream (expected message {job.next_seq}, got {msg.seq})",
-                    code="stream_gap",
-                )
+            if msg.seq > job.next_seq:  # NATS lost the ones between (a failover): ask for them, show nothing yet
+                self._gap(job, msg.seq)
+                return None
+            self._heard(job)
             job.next_seq = msg.seq + 1
             if not msg.token_ids and not msg.text:  # the worker's admission notice
                 return None
@@ -290,10 +307,8 @@ class Run:
             if msg.request_id != job.request_id:
                 return None
             if msg.seq > job.next_seq and msg.finish_reason != "cancelled":
-                raise OpenAIError(
-                    502, f"lost the end of the token stream (expected message {job.next_seq}, got {msg.seq})",
-                    code="stream_gap",
-                )
+                self._gap(job, msg.seq)
+                return None
             job.done = True
             gw.bus.close_request(job.request_id)
             gw.registry.finished(job.request_id)
@@ -326,9 +341,36 @@ class Run:
             raise OpenAIError(502, f"a worker sent a message this gateway cannot read: {msg.error}",
                               code="bad_worker_message")
         if msg is BUS_LOST:
-            raise OpenAIError(503, "the gateway lost its NATS connection while the request ran; retry",
-                              code="bus_unavailable", retry_after=2)
+            raise OpenAIError(503, f"the gateway was away from NATS for {gw.config.bus_lost_after:g}s while the "
+                              "request ran; retry", code="bus_unavailable", retry_after=2)
         return None
+
+    # ---- what NATS lost ----------------------------------------------------------------
+    def _heard(self, job: Job) -> None:
+        job.heard_at = time.monotonic()
+        job.ask_every, job.gap_since = ASK_AGAIN_S, None
+
+    def _gap(self, job: Job, seq: int | None = None) -> None:
+        """Message ``seq`` came while ``job.next_seq`` is due (None: a check of a gap already open): ask for the
+        missing ones (once a second), and fail after ``GAP_WAIT_S`` of asking over a working link."""
+        now = time.monotonic()
+        if job.gap_since is None:
+            if seq is None:
+                return
+            job.gap_since = now
+            log.warning("request %s: message %d came while %d is due; asking its worker for the missing ones",
+                        job.request_id, seq, job.next_seq, extra={"request_id": job.request_id})
+        elif now - job.gap_since > GAP_WAIT_S and self.gw.bus.trusted:
+            raise OpenAIError(502, f"lost part of the token stream: message {job.next_seq} did not come again "
+                              f"within {GAP_WAIT_S:g}s of asking", code="stream_gap")
+        if now - job.asked_at >= 1.0:
+            self._ask_again(job, "gap")
+
+    def _ask_again(self, job: Job, reason: str) -> None:
+        """Ask the decode workers to publish ``job``'s stream again from its next expected message."""
+        job.asked_at = time.monotonic()
+        self.gw.metrics.replays.labels(reason).inc()
+        self.gw.bus.spawn(self.gw.bus.ask_replay(job.request_id, job.next_seq))
 
     def _deadline_passed(self) -> OpenAIError:
         return OpenAIError(504, f"the request's deadline of {self.prep.timeout:g}s passed", code="deadline_exceeded")
@@ -336,9 +378,17 @@ class Run:
     async def _check_workers(self) -> None:
         """Jobs whose worker went silent or restarted are handled by :meth:`_lost`; a job the
         pool dropped unread (JetStream ``max_age``) fails."""
-        reg = self.gw.registry
+        reg, bus = self.gw.registry, self.gw.bus
+        now = time.monotonic()
         for job in self.jobs:
             if job.done:
+                continue
+            if job.gap_since is not None:
+                self._gap(job)
+            elif now - max(job.heard_at, job.asked_at) >= job.ask_every:
+                job.ask_every = min(ASK_AGAIN_MAX_S, job.ask_every * 2)
+                self._ask_again(job, "silence")
+            if not bus.trusted:  # silence on our own link says nothing about the workers
                 continue
             if job.worker_id is None:
                 waited = time.monotonic() - job.started

@@ -57,6 +57,10 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds a request whose worker died waits, when no other decode worker is alive, for "
                         "one to come (or the same one restarted) before it fails (TANDEM_GATEWAY_WORKER_WAIT, "
                         "default 15)")
+    p.add_argument("--bus-lost-after", type=float, default=None,
+                   help="seconds the gateway may be cut off from every NATS member before its open requests end "
+                        "with 503 bus_unavailable; shorter outages lose no token (TANDEM_GATEWAY_BUS_LOST_AFTER, "
+                        "default 20)")
     add_sampling_default_flags(p)
     p.set_defaults(func=main)
     return p
@@ -159,6 +163,7 @@ def main(args: argparse.Namespace) -> int:
             max_queue_wait=args.max_queue_wait,
             migration_limit=args.migration_limit,
             worker_wait=args.worker_wait,
+            bus_lost_after=args.bus_lost_after,
             **{f"default_{name}": getattr(args, f"default_{name}") for name, _ in SAMPLING_FLAGS},
         )
         text = load_text_model(config.model)

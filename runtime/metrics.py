@@ -29,6 +29,11 @@ class GatewayMetrics:
             "Messages on a request's stream subject not shown to the client: not from the worker holding the "
             "request (unsigned, other_worker, other_process), or a sequence number already seen (duplicate)",
             ["reason"], registry=r)
+        self.replays = Counter(
+            "tandem_gateway_replays_requested_total",
+            "Times the gateway asked the decode workers to publish a request's stream messages again: a gap in "
+            "the sequence numbers (gap), a stream silent for a while (silence), or after its own NATS reconnect "
+            "(reconnect)", ["reason"], registry=r)
         self.in_flight = Gauge("tandem_gateway_requests_in_flight", "Choices being generated", registry=r)
         self.live_workers = Gauge("tandem_gateway_live_workers", "Decode-capable workers heard from recently",
                                   registry=r)
@@ -79,6 +84,9 @@ REMOTE_PREFILL_WAIT = Histogram("tandem_decode_remote_prefill_wait_seconds",
                                 registry=REGISTRY)
 WORKER_CANCELLED = Counter("tandem_worker_cancelled_total", "Requests stopped because their client or gateway "
                            "cancelled them", ["role"], registry=REGISTRY)
+REPLAYED = Counter("tandem_worker_replayed_messages_total", "Messages published again because a receiver asked "
+                   "(bus.messages.Replay): stream messages (decode) or prefill answers (prefill)", ["role"],
+                   registry=REGISTRY)
 PREEMPTIONS = Counter("tandem_decode_preemptions_total", "Sequences preempted for recompute", registry=REGISTRY)
 WORKER_TTFT = Histogram("tandem_worker_time_to_first_token_seconds", "Accepted to first token, on the worker",
                         buckets=LATENCY_BUCKETS, registry=REGISTRY)

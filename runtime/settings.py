@@ -224,6 +224,9 @@ class GatewayConfig:
     migration_limit: int = 1
     #: seconds such a request waits, when no other decode worker is alive, for one (or the same, restarted)
     worker_wait: float = 15.0
+    #: seconds the gateway may be away from NATS (every member unreachable) before its open requests end with
+    #: 503 ``bus_unavailable``; shorter outages lose nothing (the workers publish again what it missed)
+    bus_lost_after: float = 20.0
     #: sampling for requests that leave a field out; None: the model's own default (generation_config.json)
     default_temperature: float | None = None
     default_top_p: float | None = None
@@ -242,7 +245,7 @@ class GatewayConfig:
             raise ValueError("request timeout must be positive and at most max_request_timeout")
         if not 0 <= self.route_load_weight < float("inf"):
             raise ValueError(f"TANDEM_GATEWAY_ROUTE_LOAD_WEIGHT must be a number ≥ 0, got {self.route_load_weight}")
-        for name in ("drain_timeout", "max_queue_wait", "migration_limit", "worker_wait"):
+        for name in ("drain_timeout", "max_queue_wait", "migration_limit", "worker_wait", "bus_lost_after"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
 
@@ -266,6 +269,7 @@ class GatewayConfig:
             max_queue_wait=_env_value("TANDEM_GATEWAY_MAX_QUEUE_WAIT", 30.0),
             migration_limit=_env_value("TANDEM_GATEWAY_MIGRATION_LIMIT", 1),
             worker_wait=_env_value("TANDEM_GATEWAY_WORKER_WAIT", 15.0),
+            bus_lost_after=_env_value("TANDEM_GATEWAY_BUS_LOST_AFTER", 20.0),
         )
         if os.environ.get("TANDEM_GATEWAY_ID"):
             cfg = replace(cfg, gateway_id=os.environ["TANDEM_GATEWAY_ID"])

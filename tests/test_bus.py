@@ -27,7 +27,7 @@ from nats.js import api
 from nats.js.errors import NoStreamResponseError
 
 from bus import messages as m
-from bus.connection import BusConnectError, BusOptions, backoff_delay, connect, redact_url
+from bus.connection import BusConnectError, BusOptions, backoff_delay, connect, pick_server, redact_url
 from bus.publish import js_publish, publish, request, respond
 from bus.server import EmbeddedNats, NatsServerError, find_nats_server
 from bus.streams import (
@@ -251,6 +251,53 @@ def test_backoff_grows_and_caps() -> None:
     assert 0.08 <= waits[0] <= 0.12
     assert waits[5] > waits[1]
     assert max(waits) <= 6.0
+
+
+def test_reconnect_tries_the_other_members_before_the_lost_one() -> None:
+    from urllib.parse import urlsplit
+
+    from nats.aio.client import Server
+
+    pool = [Server(uri=urlsplit(f"nats://10.0.0.{i}:4222")) for i in (1, 2, 3)]
+    assert pick_server(pool, "10.0.0.1:4222").uri.netloc == "10.0.0.2:4222"  # the first other, in the given order
+    pool[1].reconnects = 1  # tried and failed: the third, then the lost one
+    assert pick_server(pool, "10.0.0.1:4222").uri.netloc == "10.0.0.3:4222"
+    pool[2].reconnects = 1
+    assert pick_server(pool, "10.0.0.1:4222").uri.netloc == "10.0.0.1:4222"
+    # a silent member is given up within ~3 s of pings; a member back after an outage is tried within ~1 s
+    opts = BusOptions()
+    assert opts.ping_interval * (opts.max_outstanding_pings + 1) <= 3.0
+    assert opts.reconnect_wait_max <= 1.0 and opts.attempt_timeout <= 2.0
+    assert BusOptions.from_env({"TANDEM_NATS_PING_INTERVAL": "0.5"}).ping_interval == 0.5
+    with pytest.raises(ValueError, match="TANDEM_NATS_PING_INTERVAL"):
+        BusOptions.from_env({"TANDEM_NATS_PING_INTERVAL": "0"})
+
+
+def test_sent_log_keeps_a_key_until_a_while_after_its_end() -> None:
+    from bus.replay import SentLog
+
+    now = [100.0]
+    log = SentLog(keep_s=60.0, max_keys=3, max_messages=4, clock=lambda: now[0])
+    for seq in range(3):
+        log.record("r1", "tandem.stream.g.r1", seq, f"m{seq}".encode(), {"h": "1"})
+    assert log.since("r1", 1) == ([("tandem.stream.g.r1", b"m1", {"h": "1"}), ("tandem.stream.g.r1", b"m2", {"h": "1"})],
+                                  True)
+    assert log.since("r1", 3) == ([], True)
+    assert log.since("nobody", 0) is None
+    for seq in range(3, 6):  # over max_messages: the oldest go, and a receiver asking for them is told
+        log.record("r1", "s", seq, b"x")
+    kept, whole = log.since("r1", 0)
+    assert len(kept) == 4 and not whole
+    assert log.since("r1", 2)[1]
+    log.record("r1", "s", 6, b"end", end=True)
+    now[0] += 59.0
+    assert "r1" in log and log.since("r1", 6) == ([("s", b"end", None)], True)
+    now[0] += 2.0
+    log.record("r2", "s", 0, b"y")  # looks at the expired keys (at most once a second)
+    assert "r1" not in log
+    for k in ("r3", "r4", "r5"):  # over max_keys: the least recently touched goes
+        log.record(k, "s", 0, b"z")
+    assert "r2" not in log and len(log) == 3
 
 
 AUTH_CONF = """
@@ -591,6 +638,7 @@ def sample_messages() -> list[msgspec.Struct]:
         ),
         m.Cancel(request_id="r1", reason="client disconnected"),
         m.Claim(key="GenerateRequest:r1", request_id="r1", worker_id="d1"),
+        m.Replay(key="r1", from_seq=3, requester="gw1"),
         m.KVMetaRequest(worker_id="d1", engine="nixl"),
         m.KVMetaReply(
             worker_id="p1",

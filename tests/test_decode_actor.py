@@ -29,6 +29,7 @@ from bus.messages import (
     decode,
     encode,
 )
+from bus.replay import SentLog
 from bus.subjects import Subjects
 from kv.layout import KVLayout
 from kv.transfer import create_engine
@@ -113,6 +114,7 @@ def bare_decode_actor() -> DecodeActor:
     actor = object.__new__(DecodeActor)
     actor.tasks = set()
     actor.runner = RecordingRunner()
+    actor.sent = SentLog()
     return actor
 
 

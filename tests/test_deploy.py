@@ -708,6 +708,29 @@ def test_compose_cluster_profile_is_three_members_of_one_rendered_config() -> No
     assert "nats-2" not in single and single["nats"]["command"][:2] == ["-c", "/etc/nats/nats.conf"]
 
 
+def test_the_emulated_machines_members_and_kubernetes_come_from_one_template(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tandem nats --cluster`` (what tests/multihost starts on each emulated machine) renders the member from
+    the template Kubernetes' StatefulSet runs: the same text but for the member's ports, routes and address."""
+    import argparse
+
+    from bus.server import cluster_config, make_passwords
+
+    for line in make_passwords().splitlines():
+        name, _, value = line.partition("=")
+        monkeypatch.setenv(name, value)
+    routes = ",".join(f"nats-route://10.9.9.{i}:6222" for i in (1, 2, 3))
+    args = argparse.Namespace(cluster=routes, port=4222, cluster_port=6222, monitor_port=None, host="0.0.0.0",
+                              server_name="host-a", model=None, namespace=None)
+    path, env = cluster_config(args, tmp_path)
+    import difflib
+
+    ours, k8s = path.read_text().splitlines(), render.CLUSTER_OUT.read_text().splitlines()
+    changed = [line[2:] for line in difflib.ndiff(ours, k8s) if line[:1] in "+-"]
+    assert changed and all("nats-route://" in line or line.startswith(("#", "pid_file")) for line in changed), changed
+    assert env["POD_NAME"] == "host-a"
+
+
 def test_compose_workers_advertise_a_name_peers_resolve(compose: dict[str, Any],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """KV over TCP across containers: a worker listening on 0.0.0.0 must not advertise 127.0.0.1."""

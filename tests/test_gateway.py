@@ -10,6 +10,8 @@ tokenized by the real tokenizer. Behaviours are selected by words in the prompt:
     [utf8]       a reply with multi-byte characters, split mid-character by the tokenizer
     [badmsg]     a stream message from a newer schema version (unreadable here)
     [flood]      8 KiB of text per message, 16 MiB in all, then waits to be cancelled
+    [gap]        message 3 is kept but not published (NATS lost it); a replay request brings it
+    [hole]       message 3 is never made: a gap nobody can fill
 
 A request with ``resume_ids`` (a migrated stream) continues the canned reply after those tokens.
 
@@ -41,7 +43,8 @@ import uvicorn
 from nats.aio.msg import Msg
 
 from bus import messages as m
-from bus.publish import publish
+from bus.publish import publish, publish_kept
+from bus.replay import SentLog
 from bus.server import EmbeddedNats
 from bus.streams import ensure_streams, fetch_one, pull_subscription
 from bus.subjects import ROLE_PREFILL_AND_DECODE, Subjects
@@ -100,6 +103,8 @@ class FakeWorker:
         self.nc: Any = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._cancelled: set[str] = set()
+        self.sent = SentLog()  # as a real decode worker keeps its streams for replay requests
+        self.replays: list[m.Replay] = []
 
     async def start(self) -> None:
         self.nc = await nats.connect(self.url, name=f"fake-{self.worker_id}", max_reconnect_attempts=-1,
@@ -108,6 +113,7 @@ class FakeWorker:
         if self.listen_direct:
             await self.nc.subscribe(self.subjects.generate_worker(self.worker_id), cb=self._direct)
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._cancel)
+        await self.nc.subscribe(self.subjects.replay("stream"), cb=self._replay)
         self._tasks.append(asyncio.create_task(self._stats_loop()))
         if self.pull_pool:
             psub = await pull_subscription(self.nc, self.subjects, "generate")
@@ -158,6 +164,13 @@ class FakeWorker:
         self.cancels.append(c.request_id)
         self._cancelled.add(c.request_id)
 
+    async def _replay(self, msg: Msg) -> None:
+        ask = m.decode(msg.data, m.Replay)
+        self.replays.append(ask)
+        kept = self.sent.since(ask.key, ask.from_seq)
+        for subject, data, hdrs in kept[0] if kept else []:
+            await self.nc.publish(subject, data, headers=hdrs)
+
     def _take(self, msg: Msg, how: str) -> None:
         req = m.decode(msg.data, m.GenerateRequest)
         self.requests.append((how, req))
@@ -189,9 +202,14 @@ class FakeWorker:
         rng = random.Random(s.seed) if s.seed is not None else random.Random()
         return " ".join(rng.choice(WORDS) for _ in range(12)) + "."
 
-    async def _send(self, subject: str, msg: Any) -> None:
+    async def _send(self, subject: str, msg: Any, lost: bool = False) -> None:
+        """Publish (and keep) a stream message; ``lost``: keep it only, as if NATS had dropped it."""
         msg.worker_id, msg.incarnation = self.worker_id, self.incarnation
-        await publish(self.nc, subject, msg)
+        if lost:
+            self.sent.record(msg.request_id, subject, msg.seq, m.encode(msg), m.headers(msg.request_id))
+            return
+        await publish_kept(self.nc, self.sent, msg.request_id, msg.seq, subject, msg,
+                           end=not isinstance(msg, m.StreamTokens))
 
     async def _serve(self, req: m.GenerateRequest, seq: int) -> None:
         tok = self.text.tokenizer
@@ -266,9 +284,12 @@ class FakeWorker:
             if s.logprobs:
                 lps = [-0.25 - 0.01 * i]
                 tops = [[(tid, lps[0]), (min(tid + 1, 49151), -3.0)][: s.top_logprobs]]
-            await self._send(subj, m.StreamTokens(request_id=rid, seq=seq, token_ids=[tid], text=delta,
-                                                  logprobs=lps, top_logprobs=tops))
-            seq += 2 if ("[gap]" in prompt and i == 2) else 1
+            hole = "[hole]" in prompt and seq == 3
+            if not hole:
+                await self._send(subj, m.StreamTokens(request_id=rid, seq=seq, token_ids=[tid], text=delta,
+                                                      logprobs=lps, top_logprobs=tops),
+                                 lost="[gap]" in prompt and seq == 3)
+            seq += 1
             if stopped:
                 break
             if len(out) >= s.max_tokens:
@@ -489,6 +510,35 @@ def test_registry_prefers_cached_prefix_then_least_loaded() -> None:
     now[0] += 100
     reg.prune()
     assert reg.workers == {}
+
+
+def test_registry_sends_a_prefix_again_only_where_it_is_cached() -> None:
+    """A worker without a prefix cache (``--no-prefix-cache``: ``prefix_cache`` false in its reports) saves
+    nothing on a prompt it served before: routing is by load alone there."""
+    reg = WorkerRegistry("m", rng=random.Random(0))
+    for wid in ("a", "b"):
+        reg.observe(m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id=wid, free_blocks=100, total_blocks=100,
+                                  max_batch=8, prefix_cache=False))
+    hashes = prefix_hashes(list(range(64)), 16)
+    reg.dispatched("a", hashes, 4)
+    assert reg.choose(hashes, 4) == Route("b", "least loaded", 0)
+
+
+def test_registry_pause_does_not_count_the_gateways_own_outage() -> None:
+    """While the gateway's link was down it heard nobody: once back, each worker's silence is what it was
+    when the link went down, so none is judged lost for the outage, and a worker silent before it stays so."""
+    now = [100.0]
+    reg = WorkerRegistry("m", clock=lambda: now[0], alive_after=3.0)
+    reg.observe(m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="quiet", max_batch=4))
+    now[0] = 102.0
+    reg.observe(m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="fresh", max_batch=4))
+    assert reg.last_heard() == 102.0
+    now[0] = 112.0  # ten seconds away
+    assert not reg.is_alive("fresh")
+    reg.pause(102.0)
+    assert reg.is_alive("fresh", within=0.5) and reg.is_alive("quiet") and not reg.is_alive("quiet", within=1.5)
+    now[0] = 113.5
+    assert not reg.is_alive("quiet") and reg.is_alive("fresh")
 
 
 def test_registry_restart_forgets_cache() -> None:
@@ -1067,8 +1117,29 @@ def test_api_keys_401(nats_srv: EmbeddedNats, worker: FakeWorker, text_model: Te
         srv.stop()
 
 
-def test_stream_gap_is_an_error_not_a_hole(gw: ServerThread) -> None:
-    assert_error(httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("[gap]", temperature=0)), 502,
+def test_a_lost_stream_message_is_asked_for_again(gw: ServerThread, worker: FakeWorker) -> None:
+    """Message 3 never reached the gateway (NATS dropped it in a failover): the next one shows the gap, the
+    gateway asks the workers to publish the stream again from 3, and the client gets the whole text."""
+    whole = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("x", temperature=0)).json()
+    for stream in (False, True):
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("[gap]", temperature=0, stream=stream))
+        assert r.status_code == 200, r.text
+        if stream:
+            text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                           for line in r.text.splitlines() if line.startswith("data: {") and '"choices":[{' in line)
+        else:
+            text = r.json()["choices"][0]["message"]["content"]
+        assert text == whole["choices"][0]["message"]["content"]
+    asked = [a for a in worker.replays if a.from_seq == 3]
+    assert len(asked) >= 2 and all(a.requester for a in asked), worker.replays
+    assert 'tandem_gateway_replays_requested_total{reason="gap"} ' in httpx.get(f"{gw.url}/metrics").text
+
+
+def test_a_gap_nobody_fills_is_an_error_not_a_hole(gw: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gateway.run
+
+    monkeypatch.setattr(gateway.run, "GAP_WAIT_S", 1.0)
+    assert_error(httpx.post(f"{gw.url}/v1/chat/completions", json=chat_body("[hole]", temperature=0)), 502,
                  code="stream_gap")
     still_serving(gw.url)
 
@@ -1102,8 +1173,9 @@ def test_disconnect_before_first_token_cancels(gw: ServerThread, worker: FakeWor
     assert time.monotonic() - t0 < 15
 
 
-def test_nats_restart_mid_stream_fails_the_stream(text_model: TextModel, loop_thread: LoopThread) -> None:
-    """Tokens published while the gateway is disconnected are gone: the stream ends with an error event."""
+def test_nats_restart_mid_stream_loses_no_token(text_model: TextModel, loop_thread: LoopThread) -> None:
+    """Tokens published while the gateway and the worker were away from NATS (a restart of the only
+    server) are asked for again once both are back: the stream completes with the text of an uncut run."""
     with EmbeddedNats() as srv:
         subj = Subjects(text_model.name)
         w = FakeWorker(srv.url, subj, text_model, "fake-r")
@@ -1111,21 +1183,28 @@ def test_nats_restart_mid_stream_fails_the_stream(text_model: TextModel, loop_th
         gws = ServerThread(create_app(make_config(srv.url), text_model)).start()
         try:
             wait_for(lambda: httpx.get(f"{gws.url}/ready").status_code == 200, 15, "ready")
-            lines: list[str] = []
-            restarted_at = 0.0
-            with httpx.stream("POST", f"{gws.url}/v1/chat/completions", json=chat_body("[slow]", stream=True),
-                              timeout=30) as r:
-                assert r.status_code == 200
-                for line in r.iter_lines():
-                    if not line:
-                        continue
-                    lines.append(line)
-                    if len(lines) == 3:
-                        srv.restart()
-                        restarted_at = time.monotonic()
-            assert lines[-1] == "data: [DONE]"
-            err = json.loads(lines[-2][len("data: "):])["error"]
-            assert err["code"] == "bus_unavailable", lines[-3:]
+
+            restarted: list[float] = []
+
+            def streamed(restart: bool) -> list[str]:
+                lines: list[str] = []
+                with httpx.stream("POST", f"{gws.url}/v1/chat/completions",
+                                  json=chat_body("[slow]", stream=True, max_tokens=30), timeout=30) as r:
+                    assert r.status_code == 200
+                    for line in r.iter_lines():
+                        if line:
+                            lines.append(line)
+                        if restart and len(lines) == 3:
+                            srv.restart()
+                            restarted.append(time.monotonic())
+                assert lines[-1] == "data: [DONE]" and '"error"' not in "".join(lines), lines[-3:]
+                return [json.loads(x[6:])["choices"][0]["delta"].get("content") or "" for x in lines
+                        if x.startswith("data: {") and '"choices":[{' in x]
+
+            uncut = streamed(restart=False)
+            assert "".join(streamed(restart=True)) == "".join(uncut)
+            restarted_at = restarted[0]
+            assert w.replays, "the gateway never asked for what it missed"
             # once reconnected, the gateway serves again. Load reports from before the restart keep
             # /ready at 200 for the 3 s liveness window: wait for one the gateway got after the restart.
             # It proves both are back: the gateway's subscriptions, and the worker's (nats-py sends

@@ -8,6 +8,7 @@ this process against the fake decode workers of tests/test_gateway.py on a real 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -282,3 +283,81 @@ def test_a_stream_moves_off_a_worker_that_dies_mid_stream(nats_srv: EmbeddedNats
         srv.stop()
         for w in (dying, heir):
             loop_thread.run(w.stop())
+
+
+# ============================================================================ a silent link
+
+
+class SilentLink:
+    """A TCP relay to NATS that can go silent: ``cut()`` makes it stop passing bytes both ways while every
+    connection stays open, as a pulled cable or a dead host looks to a client (no FIN, no RST)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.silent = False
+        self.server: Any = None
+        self.port = 0
+
+    async def start(self) -> SilentLink:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                if not self.silent:  # silent: swallowed (the client gives this connection up anyway)
+                    dst.write(data)
+                    await dst.drain()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+    def cut(self) -> None:
+        self.silent = True
+
+    async def stop(self) -> None:
+        self.server.close()
+
+
+def test_a_gateway_whose_link_falls_silent_suspects_itself_not_the_worker(
+        nats_srv: EmbeddedNats, text_model: TextModel, loop_thread: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway reaches NATS through a link that goes silent mid-stream (the worker's own link is fine).
+    Every worker falls silent at once, so the gateway checks its own link first: a ping that does not come
+    back within 1 s, and it fails over to the next server URL; the time away is not counted against the
+    worker, which is never judged lost (no re-send, no migration), and the tokens published while the
+    gateway was away are asked for again: the client gets the text of an uncut run."""
+    ns = "silent"
+    worker = fake_worker(nats_srv.url, ns, text_model, "steady", loop_thread, admit=True)
+    link = loop_thread.run(SilentLink(nats_srv.port).start())
+    # pings every 5 s find the silent link only after 10-15 s; the worker would be judged lost after 3 s of
+    # silence, and with nowhere to go the stream would fail, were it not for the gateway suspecting its link
+    monkeypatch.setenv("TANDEM_NATS_PING_INTERVAL", "5")
+    cfg = make_config(f"nats://127.0.0.1:{link.port},{nats_srv.url}", namespace=ns, alive_after=2.0,
+                      worker_lost_after=3.0, worker_wait=0.0)
+    srv = ServerThread(create_app(cfg, text_model)).start()
+    try:
+        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
+        uncut = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60,
+                           json=chat_body("[slow] a story", max_tokens=50, temperature=0)).json()
+        result = stream_in_background(srv.url, "[slow] a story", max_tokens=50)
+        wait_for(lambda: len(worker.requests) == 2, 15, "the stream to start")
+        time.sleep(1.0)  # about ten tokens out
+        cut_at = time.monotonic()
+        link.cut()
+        status, lines = result()
+        took = time.monotonic() - cut_at
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        text, events = sse_text(lines)
+        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+        assert text == uncut["choices"][0]["message"]["content"]
+        assert len(worker.requests) == 2, [r.request_id for _, r in worker.requests]  # never re-sent or moved
+        assert any(a.from_seq > 0 for a in worker.replays), worker.replays  # asked for what it missed
+        assert took < 15, took
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        assert 'tandem_gateway_replays_requested_total{reason="reconnect"} 1.0' in metrics
+    finally:
+        srv.stop()
+        loop_thread.run(link.stop())
+        loop_thread.run(worker.stop())

@@ -15,6 +15,7 @@ import actors.prefill
 from actors.base import SeenIds
 from actors.prefill import MAX_CONCURRENT_JOBS, PrefillActor
 from bus.messages import KVDestination, PrefillDone, PrefillJob, SamplingParams
+from bus.replay import SentLog
 
 
 def job(n: int = 1) -> PrefillJob:
@@ -53,6 +54,7 @@ def bare_prefill_actor() -> PrefillActor:
     actor.worker_id = "p1"
     actor.jobs, actor.first_tokens, actor.backlog = {}, {}, collections.deque()
     actor.cancelled_ids, actor.seen = SeenIds(), SeenIds()
+    actor.sent = SentLog()
     actor.tasks = set()
     actor.draining = False
     actor.layout = SimpleNamespace(fingerprint=lambda: "fp", block_bytes=64, num_layers=2)
@@ -85,10 +87,11 @@ def test_prefill_done_leaves_before_the_model_thread_lets_the_job_go(monkeypatch
     async def go() -> PrefillActor:
         actor = bare_prefill_actor()
 
-        async def publish(nc: Any, subject: str, msg: Any) -> None:
+        async def publish_kept(nc: Any, log: Any, key: str, seq: int, subject: str, msg: Any, end: bool = False) -> None:
+            assert (key, seq, end) == ("r1:0", int(isinstance(msg, PrefillDone)), isinstance(msg, PrefillDone))
             sent.append((subject, msg, list(actor.runner.let_go)))
 
-        monkeypatch.setattr(actors.prefill, "publish", publish)
+        monkeypatch.setattr(actors.prefill, "publish_kept", publish_kept)
         actor.jobs["r1:0"] = job()
         task = asyncio.create_task(actor._run_job(job()))
         while not any(isinstance(m, PrefillDone) for _, m, _ in sent):

@@ -17,7 +17,7 @@ import nats
 import pytest
 
 from bench.cluster import MODEL, Client, Worker, start_workers
-from bus.messages import KVDestination, PrefillJob, SamplingParams, encode
+from bus.messages import KVDestination, PrefillJob, Replay, SamplingParams, encode
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
 from tests.conftest import chat_ids
@@ -282,22 +282,43 @@ def test_a_drain_that_runs_out_of_time_hands_the_streams_back(cluster: Any, smol
     assert msgs[-1]["code"] == "handed_back" and msgs[-1]["status"] == 503
 
 
-def test_zz_nats_restart_stops_the_streams_it_cut_and_everyone_comes_back(cluster: Any, smollm: Any) -> None:
-    """NATS restarted (same port and store) under a long stream: the decode worker stops generating for
-    it at once (its gateway cannot hear it any more) and frees its blocks; afterwards every worker
-    is back and a disaggregated request succeeds."""
+def test_zz_nats_restart_under_a_stream_loses_no_token_and_everyone_comes_back(cluster: Any, smollm: Any) -> None:
+    """NATS restarted (same port and store) under a stream: the decode worker goes on generating, keeping what
+    it sends; the client, back, asks for the rest (``Replay``) and reads the whole stream, every message once,
+    to its end; afterwards every worker is back and a disaggregated request succeeds."""
     srv, workers = cluster
 
-    async def stream_then_restart() -> None:
+    async def stream_through_a_restart() -> list[dict[str, Any]]:
         async with Client(srv.url) as c:
-            sub = await c.start(rid(), chat_ids(smollm, "Tell a very long story."), worker="d1", max_tokens=3000,
+            r = rid()
+            sub = await c.start(r, chat_ids(smollm, "Tell a very long story."), worker="d1", max_tokens=200,
                                 ignore_eos=True)
-            for _ in range(4):
-                await sub.next_msg(timeout=120)
-        await srv.arestart()
+            msgs = [json.loads((await sub.next_msg(timeout=120)).data) for _ in range(4)]
+            await srv.arestart()
+            deadline = time.monotonic() + 30
+            while not c.nc.is_connected:
+                assert time.monotonic() < deadline, "the client did not reconnect"
+                await asyncio.sleep(0.05)
+            asked = 0.0
+            while msgs[-1]["kind"] == "stream_tokens":  # as a gateway does: ask (again) while behind
+                assert time.monotonic() < deadline + 120, msgs[-1]
+                if time.monotonic() - asked > 1.0:
+                    asked = time.monotonic()
+                    await c.nc.publish(c.subjects.replay("stream"),
+                                       encode(Replay(key=r, from_seq=msgs[-1]["seq"] + 1, requester="test")))
+                try:
+                    d = json.loads((await sub.next_msg(timeout=1.0)).data)
+                except nats.errors.TimeoutError:
+                    continue
+                if d["seq"] == msgs[-1]["seq"] + 1:  # the next one; later ones come again after the ask
+                    msgs.append(d)
+            return msgs
 
-    run(stream_then_restart())
-    wait_for_line([workers["d1"]], "lost NATS: stopping the 1 request(s) held here")
+    msgs = run(stream_through_a_restart())
+    assert [m["seq"] for m in msgs] == list(range(len(msgs)))  # no gap: what the restart lost came again
+    assert msgs[-1]["kind"] == "stream_finish" and msgs[-1]["finish_reason"] == "length", msgs[-1]
+    assert sum(len(m.get("token_ids") or []) for m in msgs) == 200
+    wait_for_line([workers["d1"]], "published")  # the replay came from the worker's kept messages
 
     async def after() -> None:
         async with Client(srv.url) as c:
