@@ -121,6 +121,7 @@ class WorkerActor:
         self.cancelled_ids = SeenIds()  # a cancel can overtake its request queued in the pool
         self.peer_incarnations: dict[str, str] = {}
         self.sent = SentLog()  # what it published per request or job, for a receiver that missed some
+        self.bus_down_since = 0.0  # monotonic: since when its NATS link was (probably) silent, at the last loss
         self.nc = None
         self.subs: list = []  # subscriptions that bring new work (dropped first when draining)
         self.runner: EngineRunner | None = None
@@ -158,7 +159,7 @@ class WorkerActor:
         loop.close()
 
     async def run(self) -> None:
-        opts = BusOptions.from_env(servers=[u.strip() for u in self.s.nats_url.split(",")])
+        opts = self.bus_opts = BusOptions.from_env(servers=[u.strip() for u in self.s.nats_url.split(",")])
         self.health.phase = "connecting"
         print(f"{self.worker_id}: connecting to NATS at {self.s.nats_url}", file=sys.stderr, flush=True)
         self.nc = await connect(opts, name=f"tandem-{self.role}-{self.worker_id}", on_disconnect=self.on_bus_lost,
@@ -381,6 +382,8 @@ class WorkerActor:
     async def on_bus_lost(self) -> None:
         """NATS went away. The work goes on: what is published meanwhile waits in the client's buffer, and
         what the old connection lost is kept here for whoever asks again (:meth:`_on_replay`)."""
+        # noticed now; silent since at most the pings' deadline ago
+        self.bus_down_since = time.monotonic() - self.bus_opts.silent_after
         held = self.busy()
         log.warning("%s %s lost its NATS connection; %s", self.role, self.worker_id,
                     "its work goes on and is kept for the receivers" if held else "reconnecting")

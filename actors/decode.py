@@ -94,7 +94,7 @@ class DecodeActor(WorkerActor):
     async def on_bus_back(self) -> None:
         await super().on_bus_back()
         if self.remote is not None:  # an answer may have been lost while this worker failed over
-            await self.remote.ask_again_all()
+            await self.remote.after_reconnect(self.bus_down_since)
 
     def busy(self) -> bool:
         return bool(self.requests) or not self.outbox.empty()
@@ -304,8 +304,8 @@ class DecodeActor(WorkerActor):
                     continue
                 try:
                     await self._emit(r, out, step_s)
-                except Exception as e:  # one bad publish must not stop the others' streams
-                    log.error("stream publish for %s failed: %s", out.request_id, e, extra={"request_id": out.request_id})
+                except Exception as e:  # one bad publish must not stop the others' streams (kept: asked for again)
+                    bad_messages.warning("stream publish", "stream publish for %s failed: %s", out.request_id, e)
 
     async def _emit(self, r: Request, out: StepOutput, step_s: float) -> None:
         rid = r.req.request_id

@@ -57,8 +57,9 @@ QUARANTINE_GRACE_S = 5.0
 LIVENESS_CHECK_S = 0.5  # how often a wait for a PrefillDone looks at its prefill worker's reports
 #: a job nobody took is withdrawn from the pool, retried this long while the pool has no leader
 WITHDRAW_FOR_S = 15.0
-#: a PrefillDone this late is asked for again (a NATS failover may have lost it; the prefill worker keeps it)
-ASK_AGAIN_S = 2.0
+#: a PrefillDone this late is asked for again, then after twice as long, ... (a NATS failover may have lost it;
+#: the prefill worker keeps it)
+LATE_ANSWER_S = 2.0
 POLL_S = 0.001  # landing poll of a transfer engine that needs it, while a write through it is expected
 
 LANDED, FAILED, FALLBACK, CANCELLED = "landed", "failed", "fallback", "cancelled"
@@ -97,14 +98,13 @@ class PrefillWorkers:
         now = time.monotonic()
         return {w: st for w, (st, seen) in self.reports.items() if now - seen < PREFILL_ALIVE_S and not st.draining}
 
-    def pause(self) -> None:
-        """This worker heard nothing for a while through no fault of theirs (its own NATS link was down): count
-        the prefill workers' silence from the latest report it did hear, as if the outage had not happened."""
-        if not self.reports:
-            return
+    def pause(self, since: float) -> None:
+        """This worker heard nothing from ``since`` (monotonic) to now through no fault of theirs (its own NATS
+        link was down): count the prefill workers' silence as if that time had not passed."""
         now = time.monotonic()
-        gap = now - max(seen for _, seen in self.reports.values())
-        self.reports = {w: (st, min(now, seen + gap)) for w, (st, seen) in self.reports.items()}
+        gap = now - since
+        if gap > 0:
+            self.reports = {w: (st, min(now, seen + gap)) for w, (st, seen) in self.reports.items()}
 
     def silent(self, worker: str) -> bool:
         """Whether ``worker`` (known here) stopped reporting long enough to be presumed dead."""
@@ -298,10 +298,11 @@ class RemotePrefills:
         except (nats.errors.Error, OSError) as e:  # the bus is away: the next check asks again
             log.info("cannot ask again for the answer to %s: %r", tag, e)
 
-    async def ask_again_all(self) -> None:
-        """After this worker's own reconnect: the time away is not the prefill workers' silence, and every
-        attempt waiting for an answer asks again."""
-        self.workers.pause()
+    async def after_reconnect(self, down_since: float) -> None:
+        """This worker's own NATS link was down from ``down_since``: that time is not the prefill workers'
+        silence, and every attempt waiting for an answer asks for it again (it may have been lost)."""
+        latest = max((seen for _, seen in self.workers.reports.values()), default=down_since)
+        self.workers.pause(max(down_since, latest))
         for tag, attempt in list(self.attempts.items()):
             await self.ask_again(tag, 1 if attempt.taker else 0)
 
@@ -460,7 +461,7 @@ class RemotePrefill:
         pool job nobody took is given up when no prefill worker is alive.
         """
         workers, landings = self.hub.workers, self.hub.landings
-        asked = time.monotonic()
+        asked, ask_every = time.monotonic(), LATE_ANSWER_S
         while True:
             left = self.deadline - time.time()
             if left <= 0:
@@ -471,8 +472,8 @@ class RemotePrefill:
                 pass
             # no answer yet: late (or the KV is here and its answer is not), ask for it again
             now = time.monotonic()
-            if now - asked >= ASK_AGAIN_S or self.tag in landings.landed:
-                asked = now
+            if now - asked >= ask_every or (self.tag in landings.landed and now - asked >= LIVENESS_CHECK_S):
+                asked, ask_every = now, ask_every * 2
                 await self.hub.ask_again(self.tag, 1 if self.taker else 0)
             if not self.hub.nc.is_connected:  # our own link is down: their silence says nothing about them
                 continue

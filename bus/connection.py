@@ -127,6 +127,11 @@ class BusOptions:
             raise ValueError("tls_key given without tls_cert")
         check_token(self.inbox_prefix, "TANDEM_NATS_INBOX_PREFIX")
 
+    @property
+    def silent_after(self) -> float:
+        """Seconds after which a silent member is given up at the latest (the pings' deadline)."""
+        return self.ping_interval * (self.max_outstanding_pings + 1)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> BusOptions:
         """Read ``TANDEM_NATS_*`` variables (``TANDEM_NATS_URL`` is a comma-separated list).
@@ -265,10 +270,37 @@ def backoff_delay(attempt: int, wait_min: float, wait_max: float, rng: random.Ra
     return base * r.uniform(0.8, 1.2)
 
 
-def pick_server(servers: Sequence[Any], lost: str) -> Any:
-    """The server to try next: the least-tried, and among those any but the one just lost (``lost``: its
-    ``host:port``): a member that died or went silent is the last to try, not the first."""
-    return min(servers, key=lambda s: (s.reconnects, s.uri.netloc == lost))
+def pick_server(servers: Sequence[Any], lost: str, failures: Mapping[str, int]) -> Any:
+    """The server to try next: the one that failed least often since the connection was lost (``failures``
+    by ``host:port``), the one lost (``lost``) counting as failed once already, so that a member that died
+    or went silent is tried once each of the others was, not first; other ties in the order given."""
+    def key(s: Any) -> tuple[int, bool]:
+        gone = s.uri.netloc == lost
+        return failures.get(s.uri.netloc, 0) + gone, not gone
+
+    return min(servers, key=key)
+
+
+#: a subject nobody subscribes to: the member itself answers a request there with "no responders"
+LINK_CHECK_SUBJECT = "$SRV.PING.tandem-link-check"
+
+
+async def member_answers(nc: Client, timeout: float) -> bool:
+    """Whether the member this client is connected to answers a round trip within ``timeout`` seconds.
+
+    A request nobody subscribes to, which the member answers itself ("no responders"). Not ``flush``: a
+    pong that comes after its timeout makes nats-py's reader fail (nats.py issue 624).
+    """
+    try:
+        await nc.request(LINK_CHECK_SUBJECT, b"", timeout=timeout)
+    except nats.errors.NoRespondersError:
+        return True
+    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        return False
+    except (nats.errors.Error, OSError) as e:  # e.g. closed or reconnecting meanwhile: no proof either way
+        log.debug("link check: %r", e)
+        return False
+    return True
 
 
 async def force_reconnect(nc: Client, why: str) -> None:
@@ -333,7 +365,8 @@ async def connect(
     last_error: list[BaseException] = []
 
     # "netloc": host:port of the member connected to; "lost": the one the last disconnect left
-    state: dict[str, Any] = {"url": "?", "down_since": None, "netloc": "", "lost": ""}
+    # "failures": per host:port, failed attempts since; "tried": the one the last attempt went to
+    state: dict[str, Any] = {"url": "?", "down_since": None, "netloc": "", "lost": "", "failures": {}, "tried": ""}
 
     async def error_cb(err: Exception) -> None:
         last_error[:] = [err]
@@ -352,7 +385,7 @@ async def connect(
         if not connected.is_set() or nc.is_closed:
             return
         state["down_since"] = time.monotonic()
-        state["lost"] = state["netloc"]
+        state["lost"], state["failures"], state["tried"] = state["netloc"], {}, ""
         cause = f" ({last_error[0]!r})" if last_error else ""
         log.warning("nats %s: disconnected from %s%s; reconnecting", name, state["url"], cause)
         if on_disconnect is not None:
@@ -379,8 +412,12 @@ async def connect(
         log.warning("nats %s: server %s entered lame-duck mode; will move to another", name, _url_of(nc))
 
     def choose_server(servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
-        target = pick_server(servers, state["lost"])
-        delay = backoff_delay(target.reconnects, opts.reconnect_wait_min, opts.reconnect_wait_max)
+        failures = state["failures"]
+        if state["tried"]:  # asked again: the last attempt failed
+            failures[state["tried"]] = failures.get(state["tried"], 0) + 1
+        target = pick_server(servers, state["lost"], failures)
+        state["tried"] = target.uri.netloc
+        delay = backoff_delay(failures.get(target.uri.netloc, 0), opts.reconnect_wait_min, opts.reconnect_wait_max)
         log.debug("nats %s: reconnecting to %s in %.2fs", name, redact_url(target.uri.geturl()), delay)
         return target, delay
 

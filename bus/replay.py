@@ -25,21 +25,24 @@ class _Sent:
     messages: list[tuple[str, int, bytes, dict[str, str] | None]] = field(default_factory=list)
     first_seq: int = 0  # the seq of messages[0] (a receiver asking for an earlier one cannot have it)
     ended_at: float | None = None
-    touched: float = 0.0
+    nbytes: int = 0
 
 
 class SentLog:
     """Messages published per key, kept until ``keep_s`` after the key's last message (``end``).
 
-    At most ``max_keys`` keys (the least recently touched go first) and ``max_messages`` messages per key
-    (the oldest go first: a receiver that falls that far behind cannot catch up and is told so by
-    :meth:`since`).
+    Bounded: at most ``max_keys`` keys and ``max_bytes`` of messages, the keys that ended going first (the
+    oldest first), then, only past that, the least recently used open ones; and at most ``max_messages``
+    per key (the oldest go: a receiver that falls that far behind cannot catch up, and :meth:`since` says so).
     """
 
     def __init__(self, keep_s: float = 60.0, max_keys: int = 4096, max_messages: int = 65536,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.keep_s, self.max_keys, self.max_messages, self.clock = keep_s, max_keys, max_messages, clock
-        self._keys: OrderedDict[str, _Sent] = OrderedDict()
+                 max_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic) -> None:
+        self.keep_s, self.max_keys, self.max_messages, self.max_bytes = keep_s, max_keys, max_messages, max_bytes
+        self.clock = clock
+        self._keys: OrderedDict[str, _Sent] = OrderedDict()  # least recently used first
+        self._ended: OrderedDict[str, None] = OrderedDict()  # keys that ended, oldest end first
+        self._bytes = 0
         self._next_expiry = 0.0
 
     def __contains__(self, key: str) -> bool:
@@ -59,20 +62,18 @@ class SentLog:
             sent = self._keys[key] = _Sent(first_seq=seq)
         self._keys.move_to_end(key)
         sent.messages.append((subject, seq, data, headers))
+        sent.nbytes += len(data)
+        self._bytes += len(data)
         if len(sent.messages) > self.max_messages:
-            del sent.messages[0]
+            dropped = sent.messages.pop(0)[2]
+            sent.nbytes -= len(dropped)
+            self._bytes -= len(dropped)
             sent.first_seq = sent.messages[0][1]
-        sent.touched = now
         if end:
             sent.ended_at = now
-        while len(self._keys) > self.max_keys:
-            self._keys.popitem(last=False)
-
-    def end(self, key: str) -> None:
-        """No more messages for ``key``: it is kept ``keep_s`` from now."""
-        sent = self._keys.get(key)
-        if sent is not None and sent.ended_at is None:
-            sent.ended_at = self.clock()
+            self._ended[key] = None
+        while len(self._keys) > self.max_keys or (self._bytes > self.max_bytes and len(self._keys) > 1):
+            self._forget(next(iter(self._ended)) if self._ended else next(iter(self._keys)))
 
     def since(self, key: str, from_seq: int) -> tuple[list[tuple[str, bytes, dict[str, str] | None]], bool] | None:
         """The kept ``(subject, data, headers)`` of ``key`` from ``from_seq`` on and whether that is all of them
@@ -89,5 +90,13 @@ class SentLog:
         if now < self._next_expiry:
             return
         self._next_expiry = now + 1.0
-        for key in [k for k, s in self._keys.items() if s.ended_at is not None and now - s.ended_at > self.keep_s]:
-            del self._keys[key]
+        while self._ended:
+            key = next(iter(self._ended))
+            if now - self._keys[key].ended_at <= self.keep_s:  # type: ignore[operator]
+                break
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        sent = self._keys.pop(key)
+        self._ended.pop(key, None)
+        self._bytes -= sent.nbytes

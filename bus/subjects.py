@@ -191,12 +191,13 @@ class Subjects:
         """``tandem.<model>.prefill.<worker>``: a prefill job for one prefill worker."""
         return f"{self.prefill_pool}.{check_token(worker_id, 'worker id')}"
 
-    def replay(self, role: str) -> str:
-        """``tandem.<model>.replay.stream|prefill``: ask the decode (``stream``) or prefill workers to publish
-        again what they sent for a key (``bus.messages.Replay``); every worker of that kind hears it."""
-        if role not in ("stream", "prefill"):
-            raise ValueError(f"replay is asked of 'stream' or 'prefill' workers, not {role!r}")
-        return f"{self.namespace}.{self.model_token}.replay.{role}"
+    def replay(self, kind: str) -> str:
+        """``tandem.<model>.replay.stream|prefill``: ask the decode workers (what they sent on a request's
+        ``stream``) or the prefill workers (their answers to a ``prefill`` job) to publish it again
+        (``bus.messages.Replay``); every worker of that kind hears it."""
+        if kind not in ("stream", "prefill"):
+            raise ValueError(f"replay is asked for 'stream' or 'prefill' messages, not {kind!r}")
+        return f"{self.namespace}.{self.model_token}.replay.{kind}"
 
     # ---- per request ---------------------------------------------------------------
     def stream(self, gateway_id: str, request_id: str) -> str:

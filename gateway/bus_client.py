@@ -29,7 +29,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import APIError, NoStreamResponseError
 
-from bus.connection import BusOptions, connect, force_reconnect
+from bus.connection import BusOptions, connect, force_reconnect, member_answers
 from bus.messages import (
     Cancel,
     GenerateRequest,
@@ -103,10 +103,11 @@ class GatewayBus:
         self._inbox = f"{opts.inbox_prefix}.{gateway_id}."
         self.dropped = 0
         self._cancelled_at: OrderedDict[str, float] = OrderedDict()  # request id → when we last cancelled it
+        self._ended: OrderedDict[str, None] = OrderedDict()  # requests whose worker finished them, lately
         self.bus_lost_after = bus_lost_after
         self._lost_timer: asyncio.TimerHandle | None = None
-        self._down_since: float | None = None  # monotonic: when the link went down (or fell silent)
-        self._verified_at = 0.0  # monotonic: the last ping round trip that proved the link while all were silent
+        self._down_since: float | None = None  # registry clock: when the link went down (or fell silent)
+        self._verified_at = float("-inf")  # registry clock: the last round trip that proved it while all were silent
         self._epoch = 0  # connections so far: a ping sent on an earlier one proves nothing about this one
         self._watch: asyncio.Task[None] | None = None
         self._up: asyncio.Event | None = None  # set while connected (made on the running loop, in start)
@@ -151,33 +152,39 @@ class GatewayBus:
     @property
     def trusted(self) -> bool:
         """Whether silence on this link says something about the workers: connected, and either someone
-        reported lately or a ping round trip proved the link since everybody fell silent."""
+        reported lately or a round trip to the member proved the link lately (while everybody is silent)."""
         if not self.connected:
             return False
-        last = self.registry.last_heard()
-        return last is None or self.registry.clock() - last < LINK_SUSPECT_S or self._verified_at > last
+        last, now = self.registry.last_heard(), self.registry.clock()
+        return last is None or now - last < LINK_SUSPECT_S or now - self._verified_at < LINK_SUSPECT_S
 
     # ---- its own link ------------------------------------------------------------------
     async def _watch_link(self) -> None:
-        """Every half second: when every worker has been silent for ``LINK_SUSPECT_S``, ping the member; a
-        ping that does not come back within ``LINK_PING_S`` on the same connection means the link is dead:
-        fail over now."""
+        """Every half second: when every worker has been silent for ``LINK_SUSPECT_S``, ask the member for a
+        round trip; none within ``LINK_PING_S`` on the same connection means the link is dead: fail over now."""
         while True:
             await asyncio.sleep(0.5)
-            nc = self.nc
-            if nc is None or not nc.is_connected or self.registry.last_heard() is None or self.trusted:
-                continue
-            epoch = self._epoch
             try:
-                await nc.flush(timeout=LINK_PING_S)
-                self._verified_at = time.monotonic()
-                log.info("no worker reported for %.1fs, but NATS answers: judging the workers", self._silent_s())
-            except (nats.errors.Error, asyncio.TimeoutError, OSError):
-                if epoch != self._epoch or self.trusted:  # it reconnected meanwhile, or someone reported
-                    continue
-                self._down_since = self.registry.last_heard()
-                await force_reconnect(nc, f"no worker reported for {self._silent_s():.1f}s and the member did not "
-                                          f"answer a ping within {LINK_PING_S:g}s")
+                await self._check_link()
+            except Exception:  # the watch must outlive one bad check, or no silent worker is judged again
+                log.exception("checking the gateway's own NATS link failed")
+
+    async def _check_link(self) -> None:
+        nc = self.nc
+        if nc is None or not nc.is_connected or self.registry.last_heard() is None or self.trusted:
+            return
+        epoch = self._epoch
+        if await member_answers(nc, LINK_PING_S):
+            self._verified_at = self.registry.clock()
+            log.info("no worker reported for %.1fs, but NATS answers: judging the workers", self._silent_s())
+            return
+        if epoch != self._epoch or self.trusted:  # it reconnected meanwhile, or someone reported
+            return
+        # silent since the last report, but not longer than this check took to notice (nobody is revived)
+        self._down_since = max(self.registry.last_heard() or 0.0,
+                               self.registry.clock() - LINK_SUSPECT_S - LINK_PING_S - 0.5)
+        await force_reconnect(nc, f"no worker reported for {self._silent_s():.1f}s and the member did not "
+                                  f"answer within {LINK_PING_S:g}s")
 
     def _silent_s(self) -> float:
         last = self.registry.last_heard()
@@ -189,9 +196,9 @@ class GatewayBus:
         asks for it once we are back. Only a gateway away for ``bus_lost_after`` fails them."""
         if self._up is not None:
             self._up.clear()
-        now = time.monotonic()
-        last = self.registry.last_heard()
-        self._down_since = min(now, self._down_since or now, last if last is not None else now)
+        if self._down_since is None:  # the link went silent at most a ping timeout ago (or the last report)
+            now, last = self.registry.clock(), self.registry.last_heard()
+            self._down_since = max(now - self.opts.silent_after, last if last is not None else now)
         if self._lost_timer is None:
             self._lost_timer = asyncio.get_running_loop().call_later(self.bus_lost_after, self._bus_lost)
 
@@ -256,8 +263,8 @@ class GatewayBus:
             body = decode(data, StreamMessage)
         except MessageError:
             return
-        if not isinstance(body, StreamTokens) or not rid:
-            return  # a finish or an error: that worker stopped by itself
+        if not isinstance(body, StreamTokens) or not rid or rid in self._ended:
+            return  # a finish or an error, or a copy of tokens of a request that ended: that worker stopped
         last = self._cancelled_at.get(rid)
         if last is not None and time.monotonic() - last < ORPHAN_RECANCEL_S:
             return
@@ -290,9 +297,14 @@ class GatewayBus:
         self._routes[request_id] = (queue, tag)
         return self.subjects.stream(self.gateway_id, request_id)
 
-    def close_request(self, request_id: str) -> None:
-        """Stop routing ``request_id`` (later messages are dropped)."""
+    def close_request(self, request_id: str, ended: bool = False) -> None:
+        """Stop routing ``request_id`` (later messages are dropped); ``ended``: its worker finished it, so
+        copies of its messages published again later (a replay) are no reason to cancel it."""
         self._routes.pop(request_id, None)
+        if ended:
+            self._ended[request_id] = None
+            while len(self._ended) > 10_000:
+                self._ended.popitem(last=False)
 
     async def wait_connected(self, timeout: float) -> bool:
         """Until NATS is connected (True), at most ``timeout`` seconds: a failover takes one to three."""

@@ -206,7 +206,8 @@ class Run:
         job.worker_incarnation = reg.incarnation(route.worker_id) if route.worker_id else ""
         job.route_reason = route.reason
         job.started = job.heard_at = time.monotonic()
-        job.ask_every, job.gap_since = ASK_AGAIN_S, None
+        # a pool job no worker named itself for yet is most likely just queued: ask for it seldom
+        job.ask_every, job.gap_since = ASK_AGAIN_S if route.worker_id else ASK_AGAIN_MAX_S, None
         job.start_by = req.start_by
         reg.dispatched(route.worker_id, job.hashes, blocks, job.request_id)
         log.info("request %s -> %s (%s, %d cached blocks)", job.request_id,
@@ -310,7 +311,7 @@ class Run:
                 self._gap(job, msg.seq)
                 return None
             job.done = True
-            gw.bus.close_request(job.request_id)
+            gw.bus.close_request(job.request_id, ended=True)
             gw.registry.finished(job.request_id)
             if job.last_token_at is not None and job.first_token_s is not None:
                 gw.admission.finished(job.last_token_at - (self.accepted_at + job.first_token_s))
@@ -332,7 +333,7 @@ class Run:
             if msg.request_id != job.request_id:
                 return None
             job.done = True
-            gw.bus.close_request(job.request_id)
+            gw.bus.close_request(job.request_id, ended=True)
             gw.registry.finished(job.request_id)
             raise OpenAIError(msg.status, msg.message, code=msg.code)
         if isinstance(msg, Unreadable):
@@ -376,8 +377,9 @@ class Run:
         return OpenAIError(504, f"the request's deadline of {self.prep.timeout:g}s passed", code="deadline_exceeded")
 
     async def _check_workers(self) -> None:
-        """Jobs whose worker went silent or restarted are handled by :meth:`_lost`; a job the
-        pool dropped unread (JetStream ``max_age``) fails."""
+        """Once a second: a stream with a gap or silent for a while asks for its messages again; jobs whose
+        worker went silent (over a link the gateway trusts) or restarted are handled by :meth:`_lost`; a job
+        the pool dropped unread (JetStream ``max_age``) fails."""
         reg, bus = self.gw.registry, self.gw.bus
         now = time.monotonic()
         for job in self.jobs:

@@ -259,11 +259,16 @@ def test_reconnect_tries_the_other_members_before_the_lost_one() -> None:
     from nats.aio.client import Server
 
     pool = [Server(uri=urlsplit(f"nats://10.0.0.{i}:4222")) for i in (1, 2, 3)]
-    assert pick_server(pool, "10.0.0.1:4222").uri.netloc == "10.0.0.2:4222"  # the first other, in the given order
-    pool[1].reconnects = 1  # tried and failed: the third, then the lost one
-    assert pick_server(pool, "10.0.0.1:4222").uri.netloc == "10.0.0.3:4222"
-    pool[2].reconnects = 1
-    assert pick_server(pool, "10.0.0.1:4222").uri.netloc == "10.0.0.1:4222"
+    for s in pool[1:]:
+        s.reconnects = 5  # failures of an earlier outage do not count in this one
+    lost, failures = "10.0.0.1:4222", {}
+    assert pick_server(pool, lost, failures).uri.netloc == "10.0.0.2:4222"  # the first other, in the given order
+    failures["10.0.0.2:4222"] = 1  # tried and failed: the third, then the lost one, then round again
+    assert pick_server(pool, lost, failures).uri.netloc == "10.0.0.3:4222"
+    failures["10.0.0.3:4222"] = 1
+    assert pick_server(pool, lost, failures).uri.netloc == "10.0.0.1:4222"
+    failures["10.0.0.1:4222"] = 1
+    assert pick_server(pool, lost, failures).uri.netloc == "10.0.0.2:4222"
     # a silent member is given up within ~3 s of pings; a member back after an outage is tried within ~1 s
     opts = BusOptions()
     assert opts.ping_interval * (opts.max_outstanding_pings + 1) <= 3.0
@@ -295,9 +300,16 @@ def test_sent_log_keeps_a_key_until_a_while_after_its_end() -> None:
     now[0] += 2.0
     log.record("r2", "s", 0, b"y")  # looks at the expired keys (at most once a second)
     assert "r1" not in log
-    for k in ("r3", "r4", "r5"):  # over max_keys: the least recently touched goes
-        log.record(k, "s", 0, b"z")
+    log.record("r3", "s", 0, b"z", end=True)
+    log.record("r4", "s", 0, b"z")
+    log.record("r5", "s", 0, b"z")  # over max_keys: a key that ended goes first, though r2 is older
+    assert "r3" not in log and {"r2", "r4", "r5"} == {k for k in ("r2", "r4", "r5") if k in log}
+    log.record("r6", "s", 0, b"z")  # no ended key left: the least recently used open one
     assert "r2" not in log and len(log) == 3
+    small = SentLog(max_bytes=10)
+    small.record("a", "s", 0, b"12345678")
+    small.record("b", "s", 0, b"12345678")  # over max_bytes: the oldest goes
+    assert "a" not in small and "b" in small
 
 
 AUTH_CONF = """
