@@ -322,7 +322,8 @@ class Claim(_Msg, tag="claim", kw_only=True):
 
 
 class Replay(_Msg, tag="replay", kw_only=True):
-    """Publish again what you sent for ``key`` from message ``from_seq`` on (``tandem.<model>.replay.<role>``).
+    """Publish again what you sent for ``key`` from message ``from_seq`` on (``tandem.<model>.replay.stream``
+    for decode workers, ``.prefill`` for prefill workers).
 
     Core NATS drops what is published while a receiver is away (its member died, its link failed over):
     a gateway that sees a gap in a request's stream, hears nothing for a while, or has just reconnected,

@@ -10,7 +10,6 @@ The times a client waits (leader election, the gateway's reconnect) are measured
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import threading
 import time
@@ -23,92 +22,12 @@ import nats
 import pytest
 
 from bench.hosts import Deployment, Hosts
-from runtime.settings import read_env_file
 from tests.faults.test_up_faults import assert_clear, long_prompt, stream_chat
+from tests.multihost.site import DECODE_ARGS, MACHINE_ENV, Site
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-MACHINE_ENV = {"TANDEM_QUANTIZATION": "none", "TANDEM_THREADS": "1", "TANDEM_NUM_BLOCKS": "256"}
-#: every prompt goes to the prefill worker while it lives (none is short enough to stay, none stalls)
-DECODE_ARGS = ("--local-prefill-max-tokens", "0", "--prefill-stall-budget-ms", "0")
 STREAMS = 6
-GENERATE_STREAM = "TANDEM_SMOLLM2_135M_INSTRUCT_GENERATE"
-
-
-class Site:
-    def __init__(self, hosts: Hosts, dep: Deployment) -> None:
-        self.hosts, self.dep = hosts, dep
-        self.url = f"http://{hosts.ip('d')}:8000"
-
-    def cluster(self) -> dict[str, Any]:
-        return httpx.get(f"{self.url}/cluster", timeout=10).json()
-
-    def heard(self, workers: set[str], timeout: float = 60.0) -> None:
-        """Until the gateway's router has fresh load reports of ``workers`` (what routing and admission use)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            rows = httpx.get(f"{self.url}/ready", timeout=10).json().get("workers", [])
-            if workers <= {w["worker_id"] for w in rows if w["age_s"] < 2}:
-                return
-            assert time.monotonic() < deadline, rows
-            time.sleep(0.2)
-
-    def wait_until(self, what: str, pred: Any, timeout: float = 60.0) -> float:
-        """Seconds until ``pred(cluster view)`` holds (AssertionError naming ``what`` after ``timeout``)."""
-        t0 = time.monotonic()
-        last: Any = None
-        while time.monotonic() - t0 < timeout:
-            try:
-                last = self.cluster()
-                if pred(last):
-                    return time.monotonic() - t0
-            except (httpx.HTTPError, ValueError) as e:
-                last = repr(e)
-            time.sleep(0.3)
-        raise AssertionError(f"{what}: not after {timeout:g}s; last view {last}")
-
-    def idle(self, survivors: set[str]) -> None:
-        """The survivors hold no block and run nothing, the queues are empty."""
-        def ok(c: dict[str, Any]) -> bool:
-            rows = {w["worker_id"]: w for w in c["workers"] if w["alive"]}
-            return survivors <= set(rows) and all(rows[w]["used_blocks"] == 0 and rows[w]["running"] == 0
-                                                  for w in survivors) \
-                and all(p["pending"] == 0 and p["in_flight"] == 0 for p in c["pools"] if p["error"] is None)
-        self.wait_until(f"{sorted(survivors)} idle", ok, 90)
-
-    async def admin(self, dead: str = "") -> Any:
-        values = read_env_file(self.dep.env_file)
-        servers = [u for u in self.dep.urls.split(",") if not dead or self.hosts.ip(dead) not in u]
-        return await nats.connect(servers=servers, user="admin", dont_randomize=True,
-                                  password=values["TANDEM_NATS_PASSWORD_ADMIN"], connect_timeout=5,
-                                  max_reconnect_attempts=3)
-
-    def leader(self, dead: str = "") -> str:
-        """The member leading the generate queue (asked of the members but ``dead``)."""
-        async def go() -> str:
-            nc = await self.admin(dead)
-            try:
-                return (await nc.jetstream().stream_info(GENERATE_STREAM)).cluster.leader
-            finally:
-                await nc.close()
-
-        return asyncio.run(go())
-
-    def lead_from(self, name: str, timeout: float = 30.0) -> None:
-        """Until member ``name`` leads the generate queue (asking the leader to step down in its favour)."""
-        async def step_down() -> None:
-            nc = await self.admin()
-            try:
-                await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{GENERATE_STREAM}",
-                                 json.dumps({"placement": {"preferred": name}}).encode(), timeout=5)
-            finally:
-                await nc.close()
-
-        deadline = time.monotonic() + timeout
-        while (now := self.leader()) != name:
-            assert time.monotonic() < deadline, f"{name} does not lead the work queue ({now} does)"
-            asyncio.run(step_down())
-            time.sleep(1.0)
 
 
 def member(hosts: Hosts, host: str) -> dict[str, str]:

@@ -26,7 +26,7 @@ import pytest
 
 from bench.hosts import Deployment, Hosts
 from tests.faults.test_up_faults import assert_clear, long_prompt, stream_chat
-from tests.multihost.test_host_loss import DECODE_ARGS, MACHINE_ENV, Site
+from tests.multihost.site import DECODE_ARGS, MACHINE_ENV, Site
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
