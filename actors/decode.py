@@ -177,7 +177,7 @@ class DecodeActor(WorkerActor):
     def _validate(self, r: Request) -> None:
         req = r.req
         if not r.prompt_ids and req.prompt:
-            r.prompt_ids = self.engine.tokenizer.encode(req.prompt)
+            r.prompt_ids = self.engine.tokenizer.encode_prompt(req.prompt)
         if req.deadline and time.time() > req.deadline:
             raise RequestFailed(ErrorCode.DEADLINE_EXCEEDED, "request deadline passed before it was admitted", 504)
         try:

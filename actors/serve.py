@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from engine.loader import load_model
 from engine.progress import LoadProgress
-from runtime.health import WorkerHealth, serve_worker_http
+from runtime.health import WorkerHealth, metrics_at_line, serve_worker_http
 from runtime.placement import available_cpus, format_cpus, parse_cpus, pin_process
 from runtime.settings import Settings
 
@@ -21,10 +22,17 @@ def serve(settings: Settings) -> int:
     place(settings)
     health = WorkerHealth(settings.role, settings.worker_id)
     try:  # before loading the model: a busy port fails in a moment, not after seconds
-        serve_worker_http(settings.metrics_port, settings.metrics_host, health)
+        server = serve_worker_http(settings.metrics_port, settings.metrics_host, health,
+                                   any_port_if_busy=settings.metrics_port_fallback)
     except OSError as e:
         raise ValueError(f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
                          f"{e.strerror or e}") from e
+    if server is not None and settings.metrics_port_fallback:
+        # tandem up's pick may have been taken since (another cluster starting): say where the metrics are,
+        # and advertise that port
+        port = int(server.server_address[1])
+        print(metrics_at_line(settings.worker_id, settings.metrics_port, port), file=sys.stderr, flush=True)
+        settings.metrics_port = port
     health.phase = "loading model"
     loaded = load_model(settings.model, settings.dtype, settings.quantization, LoadProgress(settings.worker_id))
     health.model_loaded = True

@@ -47,6 +47,8 @@ _FALLBACK_WORDS = (
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> list[int]: ...
+
     def decode(self, ids: list[int], skip_special: bool = True) -> str: ...
 
 
@@ -103,7 +105,7 @@ class PromptBuilder:
             if self.template is None:
                 return None
             text = self.template.render(messages)
-        return len(self.tokenizer.encode(text or ""))
+        return len(self.tokenizer.encode_prompt(text or ""))
 
     def filler(self, rng: random.Random, n: int) -> str:
         """``n`` random words, each one token after a space (the text starts with a space)."""

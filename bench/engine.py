@@ -27,7 +27,7 @@ import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
-from engine.model_files import DEFAULT_MODEL, resolve_model_path
+from engine.model_files import DEFAULT_MODEL, model_name, resolve_model_path
 from engine.params import SamplingParams
 
 DECODE_PROMPT = 64
@@ -219,10 +219,11 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
     for e in engines.values():
         e.blocks.check_idle()
     bw = copy_bandwidth()
+    own = "" if model == DEFAULT_MODEL else f" --model {model}"
     lines = [
-        "## Engine: weight formats",
+        "## Engine: weight formats" + (f" ({model})" if own else ""),
         "",
-        f"`python -m bench.engine --quantization {','.join(modes)}{' --torch-ops' if torch_ops else ''}"
+        f"`python -m bench.engine{own} --quantization {','.join(modes)}{' --torch-ops' if torch_ops else ''}"
         f"{' --baseline ' + baseline if baseline else ''}` on "
         f"{platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {dtype}; copy bandwidth "
@@ -244,7 +245,7 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         from bench.report import plot_lines
 
         series = {c: [(b, dict(rows)[f"decode batch {b} (output tok/s)"][c]) for b in batches] for c in columns}
-        lines += ["", plot_lines("engine_decode", "Decode throughput by weight format", "batch size",
+        lines += ["", plot_lines("engine_decode" if not own else f"engine_decode_{model_name(model)}", "Decode throughput by weight format", "batch size",
                                  "output tok/s", series).rstrip()]
     return "\n".join(lines) + "\n"
 
@@ -290,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         from bench.report import write_section
 
-        write_section("engine-formats", report)
+        write_section("engine-formats" if args.model == DEFAULT_MODEL else f"engine-formats-{model_name(args.model)}",
+                      report)
     return 0
 
 

@@ -1,8 +1,10 @@
 """Experiment 2 of issue 10: tandem against llama.cpp's server, same machine, same prompts, one run.
 
-    python -m bench.peers [--concurrency 1,4,16] [--requests 32] [--layouts disaggregated,aggregated] [--write]
+    python -m bench.peers [--model gemma3-270m] [--concurrency 1,4,16] [--requests 32]
+                          [--layouts disaggregated,aggregated] [--write]
 
-Each server is started in turn on the default model's GGUF and measured by the same ``tandem bench``
+Each server is started in turn on the same GGUF (the default model's unless ``--model`` names another alias
+or file; its section in docs/benchmarks.md is then its own) and measured by the same ``tandem bench``
 command (``random`` dataset, ``--input-len`` prompt tokens, ``--output-len`` out, greedy, ignore_eos,
 closed loop at each concurrency, the same seed and so the same prompts):
 
@@ -28,7 +30,7 @@ from typing import Any
 
 from bench import llama_server
 from bench.cluster import TandemUp
-from engine.model_files import resolve_model_path
+from engine.model_files import DEFAULT_MODEL, model_name, resolve_model_path
 from runtime.placement import available_cpus
 
 VLLM_CPU_DESIGN = {1: 19.0, 4: 44.0, 16: 62.0}  # DESIGN §6, output tok/s: quoted, not measured here
@@ -55,7 +57,7 @@ def measure_tandem(name: str, up_args: list[str], args: argparse.Namespace, out_
     log_dir = out_dir / name
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"== tandem {name}: tandem up {' '.join(up_args)}", flush=True)
-    up = TandemUp(log_dir, "--quiet", *up_args).start()
+    up = TandemUp(log_dir, "--quiet", "--model", args.model, *up_args).start()
     try:
         return run_bench(up.url, args, log_dir / "bench.json")
     finally:
@@ -68,7 +70,7 @@ def measure_llama(args: argparse.Namespace, out_dir: Path) -> dict[str, Any] | N
         print("llama-server: skipped (set TANDEM_LLAMA_SERVER or put it on PATH; DESIGN §8 says how to build it)")
         return None
     print(f"== llama-server -np {args.llama_slots} -t 2", flush=True)
-    server = llama_server.LlamaServer(binary, resolve_model_path("smollm2-135m-instruct"), threads=2,
+    server = llama_server.LlamaServer(binary, resolve_model_path(args.model), threads=2,
                                       slots=args.llama_slots, ctx=args.llama_slots * 2048)
     try:
         server.wait_ready()
@@ -89,7 +91,7 @@ def rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def verdict(table: list[dict[str, Any]]) -> str:
+def verdict(table: list[dict[str, Any]], quote_vllm: bool = True) -> str:
     by = {(r["server"], r["concurrency"]): r for r in table}
     servers = sorted({r["server"] for r in table if r["server"] != "llama-server"})
     if not servers:
@@ -98,8 +100,9 @@ def verdict(table: list[dict[str, Any]]) -> str:
     lines = [f"Best tandem layout at concurrency 16: {best}."]
     if (best, 16) in by:
         t16 = by[(best, 16)]["tok_s"]
-        lines.append(f"At 16: {t16:.1f} tok/s = {t16 / VLLM_CPU_DESIGN[16]:.2f}× vLLM-CPU's quoted "
-                     f"{VLLM_CPU_DESIGN[16]:g} (target ≥ 1.5×: {'met' if t16 >= 1.5 * VLLM_CPU_DESIGN[16] else 'missed'})")
+        lines.append(f"At 16: {t16:.1f} tok/s" + (
+            f" = {t16 / VLLM_CPU_DESIGN[16]:.2f}× vLLM-CPU's quoted {VLLM_CPU_DESIGN[16]:g} (target ≥ 1.5×: "
+            f"{'met' if t16 >= 1.5 * VLLM_CPU_DESIGN[16] else 'missed'})" if quote_vllm else ""))
         if ("llama-server", 16) in by:
             l16 = by[("llama-server", 16)]["tok_s"]
             lines.append(f"and {t16 / l16:.2f}× llama-server's {l16:.1f} (target ≥ 1.5×: "
@@ -115,9 +118,11 @@ def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f}"
 
+    model = "" if args.model == DEFAULT_MODEL else f" --model {args.model}"
+    title = "Experiment 2: tandem and llama-server side by side" if not model else f"{args.model}: tandem and llama-server side by side"
     lines = [
-        "## Experiment 2: tandem and llama-server side by side (bench/peers.py)", "",
-        f"`python -m bench.peers --concurrency {args.concurrency} --requests {args.requests}`: `tandem bench "
+        f"## {title} (bench/peers.py)", "",
+        f"`python -m bench.peers{model} --concurrency {args.concurrency} --requests {args.requests}`: `tandem bench "
         f"--dataset random --input-len {args.input_len} --output-len {args.output_len}` (greedy, the same "
         f"prompts for every server), each server alone on the two cores with the load generator; "
         f"llama-server `-np {args.llama_slots} -t 2` on the same GGUF. vLLM-CPU does not install here: "
@@ -128,15 +133,17 @@ def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
     for r in table:
         lines.append(f"| {r['server']} | {r['concurrency']} | {r['tok_s']:.1f} | {ms(r['ttft_p50'])} | "
                      f"{ms(r['itl_p50'])} | {ms(r['itl_p99'])} | {r['failed']} |")
-    for c, v in VLLM_CPU_DESIGN.items():
-        lines.append(f"| vLLM-CPU (DESIGN §6, quoted) | {c} | {v:g} | - | - | - | - |")
-    lines += ["", verdict(table)]
+    if not model:  # DESIGN §6's vLLM figures are of the default model
+        for c, v in VLLM_CPU_DESIGN.items():
+            lines.append(f"| vLLM-CPU (DESIGN §6, quoted) | {c} | {v:g} | - | - | - | - |")
+    lines += ["", verdict(table, quote_vllm=not model)]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.peers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"alias or GGUF both servers run (default {DEFAULT_MODEL})")
     p.add_argument("--concurrency", default="1,4,16", help="closed-loop levels (default 1,4,16)")
     p.add_argument("--requests", type=int, default=32, help="requests per level (default 32)")
     p.add_argument("--input-len", type=int, default=255)
@@ -157,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         from bench.report import write_section
 
-        write_section("peers", report)
+        write_section("peers" if args.model == DEFAULT_MODEL else f"peers-{model_name(args.model)}", report)
     return 0
 
 

@@ -23,7 +23,7 @@ from engine import native
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel, load_model
 from engine.model import ForwardBatch, PrefillSpan
-from engine.model_files import DEFAULT_MODEL
+from engine.model_files import DEFAULT_MODEL, model_name
 from engine.params import SamplingParams
 from engine.quant import KERNELS
 
@@ -58,18 +58,36 @@ def small_rows() -> int:
 
 def score(loaded: LoadedModel, text: str = "") -> Quality:
     """Perplexity of the text (mean over its windows' next-token log-likelihoods, per path) and greedy outputs."""
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=WINDOW // 16 + 8, max_step_tokens=WINDOW, max_batch=len(PROMPTS),
-                                            enable_prefix_cache=False))
-    ids = loaded.tokenizer.encode(text or TEXT.read_text())
-    windows = [ids[s:s + WINDOW] for s in range(0, len(ids) - 1, WINDOW) if len(ids[s:s + WINDOW]) >= 2]
+    engine = _engine(loaded)
+    windows = _windows(loaded, text)
     perplexities = [_perplexity(engine, windows, chunk) for chunk in (WINDOW, small_rows())]
-    prompts = [loaded.tokenizer.encode(loaded.chat_template.render([{"role": "user", "content": p}]))
+    prompts = [loaded.tokenizer.encode_prompt(loaded.chat_template.render([{"role": "user", "content": p}]))
                for p in PROMPTS]
     params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
     together = [s.output_ids for s in engine.generate(prompts, params)]
     n = small_rows()
     apart = [s.output_ids for i in range(0, len(prompts), n) for s in engine.generate(prompts[i:i + n], params)]
     return Quality(loaded.quantization, *perplexities, together, apart)
+
+
+def perplexity(loaded: LoadedModel, text: str = "", chunk: int = WINDOW) -> float:
+    """The text's perplexity alone, its windows computed `chunk` tokens a forward pass (`score` does both paths)."""
+    return _perplexity(_engine(loaded), _windows(loaded, text), chunk)
+
+
+def _engine(loaded: LoadedModel) -> LLMEngine:
+    return LLMEngine(loaded, EngineConfig(num_blocks=WINDOW // 16 + 8, max_step_tokens=WINDOW, max_batch=len(PROMPTS),
+                                          enable_prefix_cache=False))
+
+
+def _windows(loaded: LoadedModel, text: str) -> list[list[int]]:
+    """The text's tokens in windows of WINDOW, each read as a prompt (BOS first where the model wants one:
+    Gemma is lost without it)."""
+    tok = loaded.tokenizer
+    ids = tok.encode(text or TEXT.read_text())
+    bos = [tok.bos_id] if tok.add_bos else []
+    step = WINDOW - len(bos)
+    return [bos + ids[s:s + step] for s in range(0, len(ids) - 1, step) if len(ids[s:s + step]) >= 2]
 
 
 def _perplexity(engine: LLMEngine, windows: list[list[int]], chunk: int) -> float:
@@ -109,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     ref = score(load_model(args.model, "float32", "none"))
     lines = [
-        "## Engine: quality of the weight formats",
+        "## Engine: quality of the weight formats" + ("" if args.model == DEFAULT_MODEL else f" ({args.model})"),
         "",
         f"`python -m bench.quality` on {args.model}: perplexity of tests/data/perplexity.txt "
         f"(windows of {WINDOW} tokens, each as one prompt, then in chunks of {small_rows()} that run on the "
@@ -132,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         from bench.report import write_section
 
-        write_section("engine-quality", report)
+        write_section("engine-quality" if args.model == DEFAULT_MODEL else f"engine-quality-{model_name(args.model)}",
+                      report)
     return 0
 
 

@@ -18,7 +18,7 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import GrammarCompiler, GrammarState, check_grammar
 from engine.loader import LoadedModel
-from engine.model import LlamaModel
+from engine.model import DecoderModel
 from engine.model_runner import ModelRunner
 from engine.params import SamplingParams
 from engine.sampling import TokenLogprob
@@ -69,7 +69,7 @@ class LLMEngine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         mc = loaded.config
-        self.model = LlamaModel(mc, loaded.weights, self.cfg.device, DTYPES[self.cfg.dtype])
+        self.model = DecoderModel(mc, loaded.weights, self.cfg.device, DTYPES[self.cfg.dtype])
         self.layout = self.layout_for(loaded, self.cfg)
         self.pool = pool or KVPool(self.layout, self.cfg.num_blocks, self.cfg.device)
         if self.pool.layout != self.layout:

@@ -1,9 +1,12 @@
-"""Load a Llama-family model from a GGUF file or a Hugging Face directory.
+"""Load a model of any family (`engine.families`) from a GGUF file or a Hugging Face directory.
 
 Weights come out in the engine's own naming with QKV and gate/up fused, each linear weight dense
-or quantized (`engine.quant`): `--quantization auto` keeps a GGUF's own Q4_0/Q4_1 blocks as int4
-(exactly), turns Q8_0 and the K-quants into int8 and leaves float tensors and Hugging Face
-checkpoints dense; `int8`/`int4` quantize everything, `none` dequantizes everything. Parsing a GGUF
+or quantized (`engine.quant`). `--quantization auto` keeps a GGUF's blocks as the kernels take them:
+Q4_0/Q4_1 as int4 exactly; Q4_K as int4 too, its 6-bit sub-block scales and mins multiplied out and
+rounded to float16 (2^-11 relative, see `_q4k_codes`); Q8_0, Q5_0 and Q4_0 as Q8_0 blocks exactly (their codes
+fit int8 with the same scale); Q6_K, Q5_K and Q5_1 re-quantized to Q8_0 blocks (8 bits for their 5-6: the
+rounding adds about 1/16 of their own error's variance). Float tensors and Hugging Face checkpoints stay
+dense; `int8`/`int4` quantize everything, `none` dequantizes everything. Parsing a GGUF
 and repacking costs seconds, so the result is cached as safetensors keyed by the file's hash, the
 dtype and the quantization; a second process memory-maps the cache and starts fast.
 """
@@ -22,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from engine import families
 from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig
 from engine.model_files import (
@@ -41,10 +45,10 @@ from kv.layout import DTYPES
 
 log = logging.getLogger(__name__)
 
-_SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 _FLOAT_TYPES = {"F32", "F16", "BF16"}
-_INT4_TYPES = {"Q4_0", "Q4_1"}  # group-32 int4 with a scale (and offset): torch's int4 kernel, exactly
-_Q8_TYPES = {"Q8_0"}  # group-32 int8 with a scale: kept as it is (engine.quant.Q8Weight)
+_INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # int4 codes with a scale and offset per 32: engine.quant.Int4Weight
+_Q8_TYPES = {"Q8_0", "Q5_0", "Q4_0"}  # codes that fit int8 with a float16 scale per 32: Q8Weight, exactly
+_Q8_REQUANT_TYPES = {"Q6_K", "Q5_K", "Q5_1"}  # re-quantized to Q8_0 blocks (finer than theirs)
 
 
 @dataclass
@@ -125,9 +129,8 @@ class GGUFWeights:
     def check(self, name: str):
         t = self.tensors.get(name)
         if t is None:
-            raise ModelLoadError(f"{self.source}: tensor {name} is missing (not a Llama-family GGUF, or an incomplete one)")
-        if t.tensor_type.name not in _SUPPORTED_QUANTS:
-            raise ModelLoadError(f"{self.source}: tensor {name} has unsupported quant type {t.tensor_type.name}")
+            raise ModelLoadError(f"{self.source}: tensor {name} is missing (an incomplete GGUF, or one whose "
+                                 "general.architecture does not say what it holds)")
         return t
 
     def floats(self, name: str, heads: int = 0) -> torch.Tensor:
@@ -149,39 +152,51 @@ class GGUFWeights:
         kind = _weight_kind(self.mode, types, embedding)
         shape = (sum(int(self.tensors[n].shape[1]) for n, _ in parts), int(self.tensors[parts[0][0]].shape[0]))
         if kind == "int4" and not _int4_fits(shape):
-            log.info("%s: %s is %dx%d, which the int4 kernel cannot take; using int8", self.source, parts[0][0],
-                     *shape)
-            kind = "int8"
+            kind = "q8_0" if self.mode == "auto" and shape[1] % 32 == 0 else "int8"
+            log.info("%s: %s is %dx%d, which the int4 kernel cannot take; using %s", self.source, parts[0][0],
+                     *shape, kind)
         self.kinds.add(kind)
         if kind == "int4" and types <= _INT4_TYPES:  # the file's own codes, scales and offsets
             codes = [_q4_codes(self.tensors[name], heads) for name, heads in parts]
             return Int4Weight.from_codes(*(torch.cat(c) for c in zip(*codes))).tensors(prefix)
-        if kind == "q8_0":  # the file's own blocks
-            codes = [_q8_codes(self.tensors[name], heads) for name, heads in parts]
-            return Q8Weight(*(torch.cat(c) for c in zip(*codes))).tensors(prefix)
+        if kind == "q8_0":  # the file's own codes where they fit int8, re-quantized otherwise
+            blocks = [_q8_codes(self.tensors[name], heads) if self.tensors[name].tensor_type.name in _Q8_TYPES
+                      else Q8Weight.quantize(self.floats(name, heads)).blocks() for name, heads in parts]
+            return Q8Weight(*(torch.cat(c) for c in zip(*blocks))).tensors(prefix)
         w = torch.cat([self.floats(name, heads) for name, heads in parts])
         return encode_weight(w, kind, prefix, self.dtype)
+
+
+#: GGUF per-layer norm tensors -> the engine's names; the second group only where the config says
+_GGUF_NORMS = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm"}
+_GGUF_SANDWICH = {"post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_ffn_norm"}
+_GGUF_QK_NORMS = {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
 
 
 def _gguf_weights(path: Path, tensors: dict, cfg: ModelConfig, dtype: str, mode: str,
                   layer_done: Callable[[], None] = lambda: None) -> tuple[dict[str, torch.Tensor], str]:
     """The engine's weights from GGUF tensors, and the label of what they became."""
     g = GGUFWeights(str(path), tensors, mode, dtype)
+    permuted = families.by_name(cfg.family).gguf_permuted_qk
+    qh, kh = (cfg.num_heads, cfg.num_kv_heads) if permuted else (0, 0)
     out: dict[str, torch.Tensor] = {"norm": g.floats("output_norm.weight").to(g.dtype)}
     out.update(g.weight("embed", [("token_embd.weight", 0)], embedding=True))
     if "output.weight" in tensors:
         out.update(g.weight("lm_head", [("output.weight", 0)], embedding=True))
+    norms = {**_GGUF_NORMS, **(_GGUF_SANDWICH if cfg.sandwich_norms else {}), **(_GGUF_QK_NORMS if cfg.qk_norm else {})}
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
         layer = {
-            "wqkv": [(p + "attn_q.weight", cfg.num_heads), (p + "attn_k.weight", cfg.num_kv_heads),
-                     (p + "attn_v.weight", 0)],
+            "wqkv": [(p + "attn_q.weight", qh), (p + "attn_k.weight", kh), (p + "attn_v.weight", 0)],
             "wo": [(p + "attn_output.weight", 0)],
             "w_gate_up": [(p + "ffn_gate.weight", 0), (p + "ffn_up.weight", 0)],
             "w_down": [(p + "ffn_down.weight", 0)],
         }
-        out[f"layers.{i}.attn_norm"] = g.floats(p + "attn_norm.weight").to(g.dtype)
-        out[f"layers.{i}.ffn_norm"] = g.floats(p + "ffn_norm.weight").to(g.dtype)
+        for theirs, ours in norms.items():
+            out[f"layers.{i}.{ours}"] = g.floats(f"{p}{theirs}.weight").to(g.dtype)
+        if cfg.qkv_bias:
+            out[f"layers.{i}.wqkv_bias"] = torch.cat([g.floats(p + "attn_q.bias", qh), g.floats(p + "attn_k.bias", kh),
+                                                      g.floats(p + "attn_v.bias")]).to(g.dtype)
         for name, parts in layer.items():
             out.update(g.weight(f"layers.{i}.{name}", parts))
         layer_done()
@@ -194,11 +209,9 @@ def _weight_kind(mode: str, types: set[str], embedding: bool) -> str:
         return mode
     if mode == "int4":  # the embedding/LM head stays int8 unless it already is int4
         return "int4" if not embedding or types <= _INT4_TYPES else "int8"
-    if types <= _INT4_TYPES:
-        return "int4"
-    if types <= _Q8_TYPES:
-        return "q8_0"
-    return "none" if types <= _FLOAT_TYPES else "int8"
+    if types <= _FLOAT_TYPES:
+        return "none"
+    return "int4" if types <= _INT4_TYPES else "q8_0"
 
 
 def _label(mode: str, kinds: set[str]) -> str:
@@ -210,16 +223,36 @@ def _int4_fits(shape: tuple[int, int]) -> bool:
     return n % 32 == 0 and k % 64 == 0
 
 
+def _blocks(t, block_bytes: int) -> np.ndarray:
+    """A quantized tensor's raw blocks [rows, blocks per row, block_bytes]."""
+    n = int(t.shape[1])
+    return np.asarray(t.data).reshape(n, -1, block_bytes)
+
+
 def _q4_codes(t, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q4_1 tensor's codes [N, K] (0..15) and per-group d and m [N, K/32] (float16 values), with
-    ``w = d q + m`` — the GGUF values exactly (Q4_1: q * d + m; Q4_0: (q - 8) * d, so m = -8 d)."""
+    """A Q4_0/Q4_1/Q4_K tensor's codes [N, K] (0..15) and per-32 d and m [N, K/32] (float16), ``w = d q + m``:
+    Q4_1: q * d + m; Q4_0: (q - 8) * d, so m = -8 d (both exactly); Q4_K: d * sc * q - dmin * mn per 32, with
+    d * sc and dmin * mn (a float16 times a 6-bit integer) rounded to float16."""
     n, k = int(t.shape[1]), int(t.shape[0])
-    offset = 4 if t.tensor_type.name == "Q4_1" else 2
-    raw = np.asarray(t.data).reshape(n, k // 32, offset + 16)
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0]
-    qs = raw[..., offset:]
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k)  # element j low nibble, j + 16 high
-    m = raw[..., 2:4].copy().view(np.float16)[..., 0] if offset == 4 else d * np.float16(-8)
+    kind = t.tensor_type.name
+    if kind == "Q4_K":
+        from gguf.quants import Q4_K
+
+        raw = _blocks(t, 144)
+        d, dmin = (raw[..., a:a + 2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None] for a in (0, 2))
+        sc, mn = Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12))
+        sc, mn = sc.reshape(n, -1, 8), mn.reshape(n, -1, 8)
+        qs = raw[..., 16:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        q = (qs & 0xF).reshape(n, k)  # sub-block 2c: the low nibbles of 32 bytes, 2c + 1: their high nibbles
+        d = (d * sc).astype(np.float16).reshape(n, k // 32)
+        m = (-(dmin * mn)).astype(np.float16).reshape(n, k // 32)
+    else:
+        offset = 4 if kind == "Q4_1" else 2
+        raw = _blocks(t, offset + 16)
+        d = raw[..., 0:2].copy().view(np.float16)[..., 0]
+        qs = raw[..., offset:]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k)  # element j low nibble, j + 16 high
+        m = raw[..., 2:4].copy().view(np.float16)[..., 0] if offset == 4 else d * np.float16(-8)
     if heads:
         q, d, m = (_unpermute(a, heads) for a in (q, d, m))
     return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)), \
@@ -227,11 +260,21 @@ def _q4_codes(t, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _q8_codes(t, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 tensor's int8 codes [N, K] and float16 scales [N, K/32] (as int16 bits): the file's blocks."""
+    """A Q8_0, Q5_0 or Q4_0 tensor's int8 codes [N, K] and float16 scales [N, K/32] (as int16 bits), exactly its
+    blocks (Q5_0: q - 16 with q's fifth bit from qh; Q4_0: q - 8)."""
     n, k = int(t.shape[1]), int(t.shape[0])
-    raw = np.asarray(t.data).reshape(n, k // 32, 34)
+    kind = t.tensor_type.name
+    raw = _blocks(t, {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18}[kind])
     scales = raw[..., 0:2].copy().view(np.int16)[..., 0]
-    q = raw[..., 2:].copy().view(np.int8).reshape(n, k)
+    if kind == "Q8_0":
+        q = raw[..., 2:].copy().view(np.int8).reshape(n, k)
+    else:
+        qs = raw[..., -16:]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # element j: low nibble of byte j, j + 16: high nibble
+        if kind == "Q5_0":
+            qh = raw[..., 2:6].copy().view(np.uint32)  # bit j: element j's fifth bit
+            q = q | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+        q = (q.astype(np.int16) - (16 if kind == "Q5_0" else 8)).astype(np.int8).reshape(n, k)
     if heads:
         q, scales = _unpermute(q, heads), _unpermute(scales, heads)
     return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(scales))
@@ -242,6 +285,18 @@ def _save_cache(weights: dict[str, torch.Tensor], path: Path, metadata: dict[str
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata=metadata)
     os.replace(tmp, path)
+
+
+#: per-layer norms in the engine's naming (those past the first two only in some families)
+LAYER_NORMS = ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm")
+
+
+def _required(cfg: ModelConfig) -> list[str]:
+    """The per-layer tensors (engine names, before fusing) a model of `cfg` must have."""
+    names = ["attn_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
+    names += ["post_attn_norm", "post_ffn_norm"] if cfg.sandwich_norms else []
+    names += ["q_norm", "k_norm"] if cfg.qk_norm else []
+    return names + (["bq", "bk", "bv"] if cfg.qkv_bias else [])
 
 
 def fuse_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype,
@@ -261,8 +316,11 @@ def fuse_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dt
         out.update(encode_weight(raw["lm_head"], kind(raw["lm_head"], True), "lm_head", dtype))
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        out[p + "attn_norm"] = raw[p + "attn_norm"].to(dtype)
-        out[p + "ffn_norm"] = raw[p + "ffn_norm"].to(dtype)
+        for norm in LAYER_NORMS:
+            if p + norm in raw:
+                out[p + norm] = raw[p + norm].to(dtype)
+        if p + "bq" in raw:
+            out[p + "wqkv_bias"] = torch.cat([raw[p + "bq"], raw[p + "bk"], raw[p + "bv"]]).to(dtype)
         fused = {
             "wqkv": torch.cat([raw[p + "wq"], raw[p + "wk"], raw[p + "wv"]]),
             "wo": raw[p + "wo"],
@@ -277,25 +335,14 @@ def fuse_weights(raw: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dt
 # ---------------------------------------------------------------- Hugging Face
 
 
-_HF_NAMES = {
-    "input_layernorm.weight": "attn_norm",
-    "post_attention_layernorm.weight": "ffn_norm",
-    "self_attn.q_proj.weight": "wq",
-    "self_attn.k_proj.weight": "wk",
-    "self_attn.v_proj.weight": "wv",
-    "self_attn.o_proj.weight": "wo",
-    "mlp.gate_proj.weight": "w_gate",
-    "mlp.up_proj.weight": "w_up",
-    "mlp.down_proj.weight": "w_down",
-}
-
-
 def _load_hf(path: Path, dtype: str, quantization: str) -> LoadedModel:
     text = hf_text(path)
     cfg = text.config
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
+    family = families.by_name(cfg.family)
+    names, offset = family.hf_layer_names, family.hf_norm_offset
     raw: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
@@ -309,10 +356,17 @@ def _load_hf(path: Path, dtype: str, quantization: str) -> LoadedModel:
                     raw["lm_head"] = t
                 elif key.startswith("model.layers."):
                     _, _, idx, rest = key.split(".", 3)
-                    if rest in _HF_NAMES:
-                        raw[f"layers.{idx}.{_HF_NAMES[rest]}"] = t
+                    if rest in names:
+                        raw[f"layers.{idx}.{names[rest]}"] = t
                     elif not rest.endswith("rotary_emb.inv_freq"):
-                        raise ModelLoadError(f"{f.name}: unexpected tensor {key} for a Llama model")
+                        raise ModelLoadError(f"{f.name}: unexpected tensor {key} for a {family.name} model")
+    if offset:  # the family's norms scale by (offset + w)
+        raw = {k: v.float() + offset if k == "norm" or k.endswith("_norm") else v for k, v in raw.items()}
+    missing = [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in _required(cfg)
+               if f"layers.{i}.{n}" not in raw]
+    if missing:
+        raise ModelLoadError(f"{path}: tensors missing for a {family.name} model: {', '.join(missing[:4])}"
+                             + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
     if "lm_head" not in raw and not cfg.tie_embeddings:
         raise ModelLoadError(f"{path}: lm_head.weight missing and tie_word_embeddings is false")
     weights = fuse_weights(raw, cfg, DTYPES[dtype], quantization)  # auto: float checkpoints stay dense

@@ -1,4 +1,8 @@
-"""Llama-family decoder in plain PyTorch, attending through a paged, block-major KV pool.
+"""The decoder of every family in plain PyTorch, attending through a paged, block-major KV pool.
+
+Llama's graph, plus what a family's config turns on (`engine.config.ModelConfig`, set by `engine.families`):
+Q/K/V biases, per-head q/k RMSNorm, norms after attention and MLP, GELU(tanh), scaled embeddings, and
+sliding-window layers with their own RoPE base.
 
 One forward pass serves a mixed batch: any number of sequences each contributing a chunk of
 new tokens. Linear layers run once over all tokens (their weights are dense or quantized, see
@@ -12,6 +16,7 @@ the torch operations below are the same computation, for other devices and dtype
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,9 +98,16 @@ class Layer:
     ffn_norm: torch.Tensor
     w_gate_up: Weight
     w_down: Weight
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # of each query head, before RoPE
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # of the attention output, before it joins the residual
+    post_ffn_norm: torch.Tensor | None = None
+    window: int = 0  # tokens it attends to (0: all)
+    rope: int = 0  # its RoPE table: 0 the model's, 1 the local layers'
 
 
-class LlamaModel:
+class DecoderModel:
     """Weights: a flat dict of tensors in the loader's naming (fused QKV and gate/up; a quantized weight
     is several tensors under one prefix, see `engine.quant.Weight.tensors`)."""
 
@@ -117,29 +129,45 @@ class LlamaModel:
         def norm(name: str) -> torch.Tensor:
             return weights[name].to(self.device, dtype)
 
+        def optional(name: str) -> torch.Tensor | None:
+            return norm(name) if name in weights else None
+
         self.embed = weight("embed")
         self.lm_head = weight("lm_head") if _has(weights, "lm_head") else self.embed
         self.norm = norm("norm")
+        self.ropes = [self._rope_table(cfg)]
+        if cfg.local_layers and cfg.rope_local_theta and cfg.rope_local_theta != cfg.rope_theta:
+            self.ropes.append(self._rope_table(dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta,
+                                                                   rope_scaling=None)))
+        self.cos, self.sin = self.ropes[0]
         self.layers = [
             Layer(norm(f"layers.{i}.attn_norm"), weight(f"layers.{i}.wqkv"), weight(f"layers.{i}.wo"),
-                  norm(f"layers.{i}.ffn_norm"), weight(f"layers.{i}.w_gate_up"), weight(f"layers.{i}.w_down"))
+                  norm(f"layers.{i}.ffn_norm"), weight(f"layers.{i}.w_gate_up"), weight(f"layers.{i}.w_down"),
+                  optional(f"layers.{i}.wqkv_bias"), optional(f"layers.{i}.q_norm"), optional(f"layers.{i}.k_norm"),
+                  optional(f"layers.{i}.post_attn_norm"), optional(f"layers.{i}.post_ffn_norm"), cfg.window(i),
+                  int(i in cfg.local_layers and len(self.ropes) > 1))
             for i in range(cfg.num_layers)
         ]
-        inv = rope_frequencies(cfg).to(self.device)
-        t = torch.arange(cfg.max_position, device=self.device, dtype=torch.float32)
-        freqs = torch.outer(t, inv)
-        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(dtype)
-        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)
         self.native = self.device.type == "cpu" and dtype == torch.float32 and native.available()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.fused = self._fused_layers()
 
+    def _rope_table(self, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (with rotate_half's sign folded in) of every position, [max_position, head_dim]."""
+        inv = rope_frequencies(cfg).to(self.device)
+        t = torch.arange(cfg.max_position, device=self.device, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        return torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(self.dtype), \
+            torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.dtype)
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (every linear layer, the LM head, the norms)."""
         linears = [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-        norms = [layer.attn_norm for layer in self.layers] + [layer.ffn_norm for layer in self.layers] + [self.norm]
+        norms = [t for layer in self.layers for t in (layer.attn_norm, layer.ffn_norm, layer.qkv_bias, layer.q_norm,
+                                                       layer.k_norm, layer.post_attn_norm, layer.post_ffn_norm)
+                 if t is not None] + [self.norm]
         return sum(w.nbytes for w in linears) + self.lm_head.nbytes + sum(t.numel() * t.element_size() for t in norms)
 
     @torch.inference_mode()
@@ -152,17 +180,20 @@ class LlamaModel:
         """
         cfg = self.cfg
         h = self.embed.rows(batch.tokens).to(self.dtype)
+        if cfg.embed_scale != 1.0:
+            h.mul_(cfg.embed_scale)
         if self.native and pool.tensor.dtype == torch.float32:
-            paged = _PagedAttention(batch, cfg.num_heads, cfg.head_dim)
+            paged = _PagedAttention(batch, cfg.num_heads, cfg.softmax_scale)
             if self.fused is not None and batch.dequant_rows == 0 and not paged.long_spans:
                 self._fused_forward(h, batch, paged, pool, layer_done)
             else:
                 self._layer_ops(h, batch, pool, layer_done, paged=paged)
         else:
-            decode = _DecodeAttention(batch, pool.layout.block_size) if batch.decode_tables is not None else None
-            angles = (self.cos.index_select(0, batch.positions).unsqueeze(1),
-                      self.sin.index_select(0, batch.positions).unsqueeze(1))
-            self._layer_ops(h, batch, pool, layer_done, torch_attn=(decode, *angles))
+            decode = _DecodeAttention(batch, pool.layout.block_size, cfg.softmax_scale) \
+                if batch.decode_tables is not None else None
+            angles = [(cos.index_select(0, batch.positions).unsqueeze(1), sin.index_select(0, batch.positions).unsqueeze(1))
+                      for cos, sin in self.ropes]
+            self._layer_ops(h, batch, pool, layer_done, torch_attn=(decode, angles))
         if batch.logit_rows.numel() == 0:
             return h.new_empty((0, self.lm_head.out_features), dtype=torch.float32)
         h = self._norm(h.index_select(0, batch.logit_rows), self.norm)
@@ -173,35 +204,55 @@ class LlamaModel:
                    layer_done: Callable[[int], None] | None, paged: _PagedAttention | None = None,
                    torch_attn: tuple | None = None) -> None:
         """The layers one operation at a time (`paged`: engine.native's attention; else torch's, with
-        `torch_attn` = the decode attention and the RoPE angles)."""
+        `torch_attn` = the decode attention and the RoPE angles of each table)."""
         cfg = self.cfg
         n, heads, kv_heads, hd = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk_size, dq = self.q_size + self.kv_size, batch.dequant_rows
         slots = (batch.slot_blocks, batch.slot_offsets)
-        decode, cos, sin = torch_attn or (None, None, None)
+        decode, angles = torch_attn or (None, None)
         # int8 weights answer in bfloat16 (torch's kernel's dtype): the residual stream, RoPE and attention stay in
         # the model dtype (the adds promote). Each sublayer's output joins the residual stream in the next norm.
         out = None
         for li, layer in enumerate(self.layers):
             qkv = layer.wqkv(self._norm(h, layer.attn_norm, out), dq)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            if layer.q_norm is not None:
+                qkv = self._qk_norm(qkv, layer)
             kc, vc = pool.keys(li), pool.values(li)
             if paged is not None:  # RoPE in place with the K/V write, then attention through the pool: two calls
                 qkv = qkv.float().contiguous()
-                native.rope_store(qkv, batch.positions, self.cos, self.sin, heads, kv_heads, kc, vc, *slots)
-                attn = paged(qkv, self.q_size, kv_heads, kc, vc)
+                cos, sin = self.ropes[layer.rope]
+                native.rope_store(qkv, batch.positions, cos, sin, heads, kv_heads, kc, vc, *slots)
+                attn = paged(qkv, self.q_size, kv_heads, kc, vc, layer.window)
             else:
+                cos, sin = angles[layer.rope]
                 qk = apply_rope(qkv[:, :qk_size].view(n, heads + kv_heads, hd), cos, sin)
                 q, k = qk[:, :heads], qk[:, heads:]
                 v = qkv[:, qk_size:].view(n, kv_heads, hd)
                 kc.index_put_(slots, k.to(kc.dtype))
                 vc.index_put_(slots, v.to(vc.dtype))
-                attn = self._attention(q, k, v.to(q.dtype), kc, vc, batch, decode)
+                attn = self._attention(q, k, v.to(q.dtype), kc, vc, batch, decode, layer.window)
             out = layer.wo(attn.reshape(n, self.q_size), dq)
+            if layer.post_attn_norm is not None:
+                out = self._norm(out.to(h.dtype).contiguous(), layer.post_attn_norm)
             out = layer.w_down(self._gate(layer.w_gate_up(self._norm(h, layer.ffn_norm, out), dq)), dq)
+            if layer.post_ffn_norm is not None:
+                out = self._norm(out.to(h.dtype).contiguous(), layer.post_ffn_norm)
             if layer_done is not None:
                 layer_done(li)
         if out is not None:
             h.add_(out)
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """qkv with each query and key head RMS-normed (over head_dim, by q_norm / k_norm)."""
+        n, hd, q_size = qkv.shape[0], self.cfg.head_dim, self.q_size
+        qkv = qkv.to(self.dtype).contiguous()
+        q = qkv[:, :q_size].reshape(-1, hd).contiguous()  # with one KV head, reshape is a strided view
+        k = qkv[:, q_size:q_size + self.kv_size].reshape(-1, hd).contiguous()
+        qkv[:, :q_size] = self._norm(q, layer.q_norm).view(n, q_size)
+        qkv[:, q_size:q_size + self.kv_size] = self._norm(k, layer.k_norm).view(n, self.kv_size)
+        return qkv
 
     def _fused_forward(self, h: torch.Tensor, batch: ForwardBatch, paged: _PagedAttention, pool: KVPool,
                        layer_done: Callable[[int], None] | None) -> None:
@@ -209,7 +260,7 @@ class LlamaModel:
         cfg = self.cfg
         step = native.LayerStep(h, self.fused[0], batch.positions, batch.slot_blocks, batch.slot_offsets, self.cos,
                                 self.sin, cfg.num_heads, cfg.num_kv_heads, pool.keys(0), paged.tables,
-                                paged.row_table, paged.lens, cfg.rms_eps, paged.scale)
+                                paged.row_table, paged.lens, cfg.rms_eps, cfg.softmax_scale)
         for li, layer in enumerate(self.fused):
             step.run(layer, pool.keys(li), pool.values(li))
             if layer_done is not None:
@@ -219,7 +270,7 @@ class LlamaModel:
     def _fused_layers(self) -> list[native.Layer] | None:
         """The layers for `engine.native`'s one-call-per-layer path, where every linear layer is a kind it
         multiplies; None elsewhere."""
-        if not self.native:
+        if not self.native or not self.cfg.plain_llama:
             return None
 
         def linear(w: Weight) -> native.Linear | None:
@@ -238,49 +289,58 @@ class LlamaModel:
         return layers
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm of the residual stream `h`, after adding a sublayer's output `residual` to it (in place)."""
+        """RMSNorm of the rows of `h`, after adding a sublayer's output `residual` to it (in place)."""
         if self.native and h.dtype == torch.float32:
             return native.rms_norm(h, weight, self.cfg.rms_eps, None if residual is None else residual.float().contiguous())
         if residual is not None:
             h.add_(residual)
-        return F.rms_norm(h, (self.cfg.hidden_size,), weight, self.cfg.rms_eps)
+        return F.rms_norm(h, (h.shape[-1],), weight, self.cfg.rms_eps)
 
     def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.cfg.activation == "gelu_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.gelu(gate, approximate="tanh").mul_(up)
         if self.native and gate_up.dtype == torch.float32:
             return native.silu_mul(gate_up.contiguous())
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 
-    def _attention(self, q, k, v, kc, vc, batch: ForwardBatch, decode: _DecodeAttention | None) -> torch.Tensor:
+    def _attention(self, q, k, v, kc, vc, batch: ForwardBatch, decode: _DecodeAttention | None,
+                   window: int) -> torch.Tensor:
         if not batch.prefills and decode is not None:
-            return decode(q, kc, vc)
+            return decode(q, kc, vc, window)
         out = torch.empty_like(q)
         for span in batch.prefills:
-            _span_attention(q, k, v, kc, vc, span, out)
+            _span_attention(q, k, v, kc, vc, span, out, self.cfg.softmax_scale, window)
         if decode is not None:
-            out[batch.decode_start:] = decode(q[batch.decode_start:], kc, vc)
+            out[batch.decode_start:] = decode(q[batch.decode_start:], kc, vc, window)
         return out
 
 
-def _span_attention(q, k, v, kc, vc, span: PrefillSpan, out: torch.Tensor) -> None:
+def _span_attention(q, k, v, kc, vc, span: PrefillSpan, out: torch.Tensor, scale: float, window: int = 0) -> None:
     """One prompt chunk's causal attention ([rows, heads, d] views of the flat batch) with torch's SDPA,
-    into `out`: over the chunk itself, or over its cached context gathered from the pool."""
+    into `out`: over the chunk itself, or over its cached context gathered from the pool; with `window`, each
+    row over its last `window` tokens only."""
     sl = slice(span.start, span.start + span.length)
     qs = q[sl].transpose(0, 1).unsqueeze(0)
+    past = span.context - span.length
     if span.context == span.length:  # nothing cached: attend to the chunk itself
-        ks, vs, mask, causal = k[sl], v[sl], None, True
+        ks, vs = k[sl], v[sl]
     else:
         bs = kc.shape[1]
         blk = span.blocks[: (span.context + bs - 1) // bs]
         ks = kc[blk].flatten(0, 1)[: span.context].to(q.dtype)
         vs = vc[blk].flatten(0, 1)[: span.context].to(q.dtype)
-        past = span.context - span.length
-        qi = torch.arange(span.length, device=q.device).unsqueeze(1)
+    mask, causal = None, True
+    if past or (window and span.context > window):
+        qi = torch.arange(span.length, device=q.device).unsqueeze(1) + past
         kj = torch.arange(span.context, device=q.device).unsqueeze(0)
-        mask, causal = kj <= qi + past, False
+        mask, causal = kj <= qi, False
+        if window:
+            mask &= kj > qi - window
     o = F.scaled_dot_product_attention(
         qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask, is_causal=causal, enable_gqa=True,
+        attn_mask=mask, is_causal=causal, enable_gqa=True, scale=scale,
     )
     out[sl] = o.squeeze(0).transpose(0, 1)
 
@@ -296,8 +356,8 @@ class _PagedAttention:
     same code as decode rows, so such a token computes the same either way (as it does in the linear
     layers). Longer chunks are GEMM-shaped: torch's SDPA (`_span_attention`) is many times faster there."""
 
-    def __init__(self, batch: ForwardBatch, heads: int, head_dim: int):
-        self.heads, self.scale = heads, 1.0 / math.sqrt(head_dim)
+    def __init__(self, batch: ForwardBatch, heads: int, scale: float):
+        self.heads, self.scale = heads, scale
         self.long_spans = [s for s in batch.prefills if s.length > KERNELS.kernel_max_chunk]
         short = [s for s in batch.prefills if s.length <= KERNELS.kernel_max_chunk]
         decode_rows = batch.decode_tables.shape[0] if batch.decode_tables is not None else 0
@@ -326,23 +386,24 @@ class _PagedAttention:
                                   + [torch.arange(batch.decode_start, batch.decode_start + decode_rows)])
 
     def __call__(self, qkv: torch.Tensor, q_size: int, kv_heads: int, kc: torch.Tensor,
-                 vc: torch.Tensor) -> torch.Tensor:
+                 vc: torch.Tensor, window: int = 0) -> torch.Tensor:
         """Attention output [rows, q_size] of the batch's rows, from `qkv` after RoPE (K/V in the pool)."""
         q = qkv[:, :q_size]
         if not self.long_spans:
-            return self._paged(q, kc, vc)
+            return self._paged(q, kc, vc, window)
         n, d = qkv.shape[0], q_size // self.heads
         out = torch.empty(n, q_size, dtype=qkv.dtype)
         qh, kh = q.view(n, self.heads, d), qkv[:, q_size:q_size + kv_heads * d].view(n, kv_heads, d)
         vh = qkv[:, q_size + kv_heads * d:].view(n, kv_heads, d)
         for span in self.long_spans:
-            _span_attention(qh, kh, vh, kc, vc, span, out.view(n, self.heads, d))
+            _span_attention(qh, kh, vh, kc, vc, span, out.view(n, self.heads, d), self.scale, window)
         if self.rows is not None:
-            out.index_copy_(0, self.rows, self._paged(q.index_select(0, self.rows), kc, vc))
+            out.index_copy_(0, self.rows, self._paged(q.index_select(0, self.rows), kc, vc, window))
         return out
 
-    def _paged(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-        return native.paged_attention(q, kc, vc, self.tables, self.row_table, self.lens, self.heads, self.scale)
+    def _paged(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, window: int) -> torch.Tensor:
+        return native.paged_attention(q, kc, vc, self.tables, self.row_table, self.lens, self.heads, self.scale,
+                                      window)
 
 
 class _DecodeAttention:
@@ -350,48 +411,57 @@ class _DecodeAttention:
 
     Sequences are grouped by context length (`ForwardBatch.decode_groups`), so a group's block
     tables are padded only to its own longest context, never to the batch's. Each group's gather
-    index and length mask are built once per forward pass and serve every layer; a group of one
-    sequence needs no mask (its context is sliced).
+    index and length mask are built once per forward pass and serve every layer (a sliding-window
+    layer's mask once per window); a group of one sequence needs no mask (its context is sliced).
     """
 
-    def __init__(self, batch: ForwardBatch, block_size: int):
+    def __init__(self, batch: ForwardBatch, block_size: int, scale: float):
         groups = batch.decode_groups or [(None, batch.decode_max_len or int(batch.decode_lens.max()))]
-        self.groups = [_DecodeGroup(batch, rows, longest, block_size) for rows, longest in groups]
+        self.groups = [_DecodeGroup(batch, rows, longest, block_size, scale) for rows, longest in groups]
 
-    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, window: int = 0) -> torch.Tensor:
         if len(self.groups) == 1 and self.groups[0].rows is None:
-            return self.groups[0](q, kc, vc)
+            return self.groups[0](q, kc, vc, window)
         out = torch.empty_like(q)
         for g in self.groups:
-            out.index_copy_(0, g.rows, g(q.index_select(0, g.rows), kc, vc))
+            out.index_copy_(0, g.rows, g(q.index_select(0, g.rows), kc, vc, window))
         return out
 
 
 class _DecodeGroup:
-    def __init__(self, batch: ForwardBatch, rows: list[int] | None, longest: int, block_size: int):
+    def __init__(self, batch: ForwardBatch, rows: list[int] | None, longest: int, block_size: int, scale: float):
         tables, lens = batch.decode_tables, batch.decode_lens
         self.rows = None
         if rows is not None:
             self.rows = torch.tensor(rows, device=tables.device)
             tables, lens = tables.index_select(0, self.rows), lens.index_select(0, self.rows)
         nblk = (longest + block_size - 1) // block_size
-        self.bsz = tables.shape[0]
+        self.bsz, self.scale, self.lens = tables.shape[0], scale, lens
         self.index = tables[:, :nblk].reshape(-1)
         self.width = nblk * block_size
         self.single = longest if self.bsz == 1 else 0
-        self.mask = None
-        if not self.single:
-            pos = torch.arange(self.width, device=lens.device)
-            self.mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(self.bsz, 1, 1, self.width)
+        self.masks: dict[int, torch.Tensor | None] = {}
 
-    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    def mask(self, window: int) -> torch.Tensor | None:
+        """[bsz, 1, 1, width]: which pool slots each row attends to (None: a single row, sliced instead)."""
+        if window not in self.masks:
+            pos = torch.arange(self.width, device=self.lens.device).unsqueeze(0)
+            lens = self.lens.unsqueeze(1)
+            seen = pos < lens
+            if window:
+                seen &= pos >= lens - window
+            self.masks[window] = None if self.single else seen.view(self.bsz, 1, 1, self.width)
+        return self.masks[window]
+
+    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, window: int = 0) -> torch.Tensor:
         shape = (self.bsz, self.width, *kc.shape[2:])
         ks = kc.index_select(0, self.index).view(shape)  # index_select: 3-4x faster than kc[tables] here
         vs = vc.index_select(0, self.index).view(shape)
         if self.single:
-            ks, vs = ks[:, : self.single], vs[:, : self.single]
+            first = max(0, self.single - window) if window else 0
+            ks, vs = ks[:, first: self.single], vs[:, first: self.single]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
-            attn_mask=self.mask, enable_gqa=True,
+            attn_mask=self.mask(window), enable_gqa=True, scale=self.scale,
         )
         return o.squeeze(2)

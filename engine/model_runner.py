@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.model import ForwardBatch, LlamaModel, PrefillSpan
+from engine.model import DecoderModel, ForwardBatch, PrefillSpan
 from engine.quant import KERNELS
 from engine.sampling import Sampler, TokenLogprob
 from engine.sequence import Sequence
@@ -100,7 +100,7 @@ class StepBuffers:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, block_size: int):
+    def __init__(self, model: DecoderModel, pool: KVPool, block_size: int):
         self.model = model
         self.pool = pool
         self.block_size = block_size

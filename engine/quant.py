@@ -263,6 +263,20 @@ class Q8Weight:
         self.workspace = workspace
         self._fallback: Int8Weight | None = None
 
+    @classmethod
+    def quantize(cls, w: torch.Tensor, workspace: Workspace | None = None) -> Q8Weight:
+        """Float weights as Q8_0 blocks: per 32, a float16 scale amax / 127 and the codes nearest w / scale."""
+        n, k = w.shape
+        g = w.float().reshape(n, k // GROUP, GROUP)
+        scale = (g.abs().amax(-1) / 127).half()
+        inv = torch.where(scale == 0, 0.0, 1.0 / scale.float())
+        q = (g * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8).reshape(n, k)
+        return cls(q, scale.view(torch.int16), workspace)
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [n, k] int8, scales [n, k / 32] as int16 bits): what the constructor takes."""
+        return self.q, self.scales
+
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if native.available():
             return native.q8_matmul(x, self.q, self.scales)

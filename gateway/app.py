@@ -163,6 +163,8 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
             "created": gw.created,
             "owned_by": "tandem",
             "max_model_len": gw.text.max_position,
+            # max_tokens of a request that gives none (cut to what the context leaves); None: up to the context
+            "default_max_tokens": gw.config.default_max_tokens or None,
             "sampling_defaults": gw.sampling_defaults,
         }
 
@@ -189,7 +191,7 @@ def create_app(config: GatewayConfig, text: TextModel | None = None) -> FastAPI:
             prompt = render_chat(gw, chat_messages(chat), tool_set(chat), body.add_generation_prompt)
         else:
             prompt = body.prompt
-        ids = await asyncio.to_thread(gw.text.tokenizer.encode, prompt)
+        ids = await asyncio.to_thread(gw.text.tokenizer.encode_prompt, prompt)
         strs = [gw.token_bytes(t)[0] for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": gw.text.max_position, "tokens": ids, "token_strs": strs}
 

@@ -5,7 +5,8 @@ the model name, the features this server lacks, the messages, the context length
 (``response_format``, forced tool calls) and the sampling parameters, which are built as the one
 request schema (``engine.params.SamplingParams``) and checked by its own ``validate``. A field the
 request leaves out takes the model's default (its ``generation_config.json``, or what its card
-recommends for a built-in alias), overridden by the gateway's ``--default-*`` flags.
+recommends for a built-in alias), overridden by the gateway's ``--default-*`` flags; a request without
+``max_tokens`` (or ``max_completion_tokens``) gets ``--default-max-tokens``, at most what the context leaves.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def tool_set(body: ChatCompletionRequest) -> ToolSet | None:
     if not isinstance(choice, str) and choice is not None and name not in names:
         raise OpenAIError(400, f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})",
                           param="tool_choice", code="invalid_value")
-    tools = ToolSet(functions, name, body.parallel_tool_calls)
+    tools = ToolSet(functions, name, body.parallel_tool_calls is True)
     grammar = tools.grammar()
     if grammar is not None:
         _check(grammar, "tools")
@@ -200,7 +201,7 @@ async def prepare_chat(gw: Gateway, body: ChatCompletionRequest, target: str | N
 
     def encode() -> tuple[list[int], str]:
         text = render_chat(gw, messages, tools)
-        return gw.text.tokenizer.encode(text), text
+        return gw.text.tokenizer.encode_prompt(text), text
 
     ids, text = await _in_thread_if_long(gw, size, encode)
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -228,7 +229,7 @@ async def prepare_completion(gw: Gateway, body: CompletionRequest, target: str |
         raw = [raw]  # type: ignore[list-item]
     gw.check_job_count(len(raw), body.n)  # before tokenizing what would be refused anyway
     texts_in = [p for p in raw if isinstance(p, str)]
-    encoded = iter(await _in_thread_if_long(gw, sum(map(len, texts_in)), lambda: [tok.encode(p) for p in texts_in]))
+    encoded = iter(await _in_thread_if_long(gw, sum(map(len, texts_in)), lambda: [tok.encode_prompt(p) for p in texts_in]))
     prompts: list[list[int]] = []
     texts: list[str] = []
     for p in raw:
@@ -290,7 +291,10 @@ def _prepare(
     for pi, ids in enumerate(prompts):
         if not ids:
             raise OpenAIError(400, "prompt is empty", param=prompt_param)
-        want = max_tokens if max_tokens is not None else limit - len(ids)
+        # no max_tokens: the gateway's --default-max-tokens, cut to what the context leaves (0: all of it)
+        room = limit - len(ids)
+        cap = gw.config.default_max_tokens
+        want = max_tokens if max_tokens is not None else min(room, cap) if cap else room
         if len(ids) >= limit or want < 1 or len(ids) + want > limit:
             what = f" + {max_tokens_param} ({want})" if max_tokens is not None else ""
             raise OpenAIError(

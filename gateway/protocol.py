@@ -161,7 +161,8 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    #: true: tool_choice required may answer with several calls; otherwise one
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Common):

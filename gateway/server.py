@@ -71,7 +71,13 @@ SAMPLING_FLAGS = (("temperature", float), ("top_p", float), ("top_k", int), ("re
 
 
 def add_sampling_default_flags(p: argparse.ArgumentParser) -> None:
-    """``--default-temperature`` etc., shared by ``tandem gateway`` and ``tandem up``."""
+    """``--default-max-tokens``, ``--default-temperature`` etc., shared by ``tandem gateway`` and ``tandem up``."""
+    from runtime.settings import DEFAULT_MAX_TOKENS
+
+    p.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="max_tokens of a request that gives neither max_tokens nor max_completion_tokens, still cut "
+                        "to what the context leaves; 0: up to the end of the context "
+                        f"(TANDEM_GATEWAY_DEFAULT_MAX_TOKENS; default {DEFAULT_MAX_TOKENS})")
     for name, kind in SAMPLING_FLAGS:
         p.add_argument(f"--default-{name.replace('_', '-')}", type=kind, default=None,
                        help=f"{name} of a request that leaves it out (default: the model's own, from its "
@@ -81,11 +87,17 @@ def add_sampling_default_flags(p: argparse.ArgumentParser) -> None:
 def sampling_default_args(args: argparse.Namespace) -> list[str]:
     """The ``--default-*`` flags given, as command-line words (``tandem up`` passes them to the gateway)."""
     out: list[str] = []
-    for name, _ in SAMPLING_FLAGS:
+    for name in ("max_tokens", *(name for name, _ in SAMPLING_FLAGS)):
         value = getattr(args, f"default_{name}", None)
         if value is not None:
             out += [f"--default-{name.replace('_', '-')}", str(value)]
     return out
+
+
+def describe_defaults(max_tokens: int, sampling: dict[str, Any]) -> str:
+    """What a request that leaves these fields out gets, in words (the gateway's and ``tandem up``'s banners)."""
+    cap = f"max_tokens {max_tokens}" if max_tokens else "max_tokens up to the context"
+    return ", ".join([cap, *(f"{k} {v:g}" for k, v in sampling.items())])
 
 
 def gateway_server(app: Any, config: Any, **uvicorn_kw: Any) -> Any:
@@ -164,6 +176,7 @@ def main(args: argparse.Namespace) -> int:
             migration_limit=args.migration_limit,
             worker_wait=args.worker_wait,
             bus_lost_after=args.bus_lost_after,
+            default_max_tokens=args.default_max_tokens,
             **{f"default_{name}": getattr(args, f"default_{name}") for name, _ in SAMPLING_FLAGS},
         )
         text = load_text_model(config.model)
@@ -177,10 +190,9 @@ def main(args: argparse.Namespace) -> int:
         log_level=level if level in ("critical", "error", "warning", "info", "debug") else "warning",
         timeout_graceful_shutdown=5, access_log=False,
     )
-    defaults = {**text.sampling_defaults, **config.sampling_overrides()}
-    said = ", ".join(f"{k} {v:g}" for k, v in defaults.items()) or "none"
+    said = describe_defaults(config.default_max_tokens, {**text.sampling_defaults, **config.sampling_overrides()})
     print(f"tandem gateway {config.gateway_id}: http://{args.host}:{args.port}/v1 (model {text.name}, "
-          f"NATS {config.nats_url}; sampling defaults: {said})", file=sys.stderr, flush=True)
+          f"NATS {config.nats_url}; defaults: {said})", file=sys.stderr, flush=True)
     server.run()
     if not server.started:
         print("error: the gateway failed to start (see the log above)", file=sys.stderr)

@@ -15,9 +15,10 @@ text, and each tool result becomes a user message holding ``<tool_response>{"nam
 
 ``tool_choice``: ``none`` leaves the tools out of the prompt (no call can come); ``auto`` lets the model
 choose, and blocks in its answer become ``tool_calls``; ``required`` and a named function constrain the
-answer with a grammar (``engine.grammar``) to one or more blocks (``parallel_tool_calls``: up to
-:data:`MAX_PARALLEL_CALLS`) whose JSON matches a function's parameters, so even a small model's call is
-well-formed.
+answer with a grammar (``engine.grammar``) to exactly one block (``required`` with ``parallel_tool_calls:
+true``: up to :data:`MAX_PARALLEL_CALLS`) whose arguments match the function's parameters schema, closed
+(:func:`closed_schema`: only the declared properties, unless the schema itself allows more), so even a small
+model's call is well-formed and carries no invented keys.
 """
 
 from __future__ import annotations
@@ -50,13 +51,43 @@ def template_takes_tools(template: ChatTemplate) -> bool:
     return "tools" in names
 
 
+#: schema keywords whose value is one subschema, a list of them, or a name -> subschema map
+_ONE = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames",
+        "unevaluatedItems")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_schema(schema: Any) -> Any:
+    """``schema`` with every object that declares ``properties`` closed to others (``additionalProperties:
+    false``), unless it says itself what else it allows; everything else as it is. Without it a grammar
+    lets a call carry keys the function does not take (a small model copies the schema's own ``type`` and
+    ``required`` into its arguments)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if key in out:
+            out[key] = closed_schema(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(s) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and not any(
+            k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    return out
+
+
 @dataclass
 class ToolSet:
     """The request's tools and choice, as the prompt, the grammar and the parser need them."""
 
     functions: list[dict[str, Any]]  # {"name", "description", "parameters"}
     choice: str  # none | auto | required | the name of the one function to call
-    parallel: bool = True
+    parallel: bool = False  # required: up to MAX_PARALLEL_CALLS calls (the request's parallel_tool_calls: true)
 
     @property
     def active(self) -> bool:
@@ -69,7 +100,7 @@ class ToolSet:
             return None
         chosen = [f for f in self.functions if self.choice in ("required", f["name"])]
         calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                   "arguments": f.get("parameters") or {"type": "object"}},
+                                                   "arguments": closed_schema(f.get("parameters") or {"type": "object"})},
                   "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
         schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
         schema = {**schema, "x-guidance": _COMPACT}
@@ -83,7 +114,8 @@ class ToolSet:
         defs = json.dumps([{k: f[k] for k in ("name", "description", "parameters") if f.get(k) is not None}
                            for f in self.functions], ensure_ascii=False)
         must = {"auto": "Call a function only when it helps to answer.",
-                "required": "You must call at least one function."}.get(self.choice, f"Call the function {self.choice}.")
+                "required": "You must call at least one function." if self.parallel else
+                "You must call one function."}.get(self.choice, f"Call the function {self.choice}.")
         return (f"You can call functions. Their definitions, as JSON:\n{defs}\n"
                 f"To call a function, answer with one block per call and nothing else:\n"
                 f'{OPEN}\n{{"name": "<function name>", "arguments": {{<the arguments as JSON>}}}}\n{CLOSE}\n'

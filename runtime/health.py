@@ -3,12 +3,15 @@
 ``/ready`` is 200 once the model is loaded, NATS is connected and the worker takes work, and 503 (with
 what is missing) before that, while NATS is away and once it drains — what a Kubernetes
 startup/readiness probe asks. The server starts before the model loads, so a busy port fails in a
-moment and ``/health`` answers during the load; it runs on its own threads, never the model's.
+moment (or, with ``--metrics-port-fallback``, as ``tandem up`` starts its workers, moves to a free one and
+says so) and ``/health`` answers during the load; it runs on its own threads, never the model's.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,8 +46,20 @@ class WorkerHealth:
         return ok, body
 
 
-def serve_worker_http(port: int, host: str, health: WorkerHealth) -> ThreadingHTTPServer | None:
-    """Serve /metrics, /health and /ready on ``host:port`` from a daemon thread (0: no server)."""
+#: what a worker with ``--metrics-port-fallback`` says at each start: where its metrics are (``tandem up`` reads it)
+METRICS_AT = re.compile(r"^tandem serve \S+: metrics on port (\d+)")
+
+
+def metrics_at_line(worker_id: str, asked: int, got: int) -> str:
+    """The line :data:`METRICS_AT` matches: the port serving, and whether the one asked for was busy."""
+    moved = f" (port {asked} is busy)" if got != asked else ""
+    return f"tandem serve {worker_id}: metrics on port {got}{moved}"
+
+
+def serve_worker_http(port: int, host: str, health: WorkerHealth,
+                      any_port_if_busy: bool = False) -> ThreadingHTTPServer | None:
+    """Serve /metrics, /health and /ready on ``host:port`` from a daemon thread (0: no server). A busy port
+    raises OSError, or with ``any_port_if_busy`` takes a free one (``server.server_address[1]`` says which)."""
     if not port:
         return None
 
@@ -74,7 +89,12 @@ def serve_worker_http(port: int, host: str, health: WorkerHealth) -> ThreadingHT
         def log_message(self, format: str, *args: object) -> None:  # probes every few seconds: not logged
             return
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as e:
+        if not (any_port_if_busy and e.errno == errno.EADDRINUSE):
+            raise
+        server = ThreadingHTTPServer((host, 0), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="worker-http", daemon=True).start()
     return server

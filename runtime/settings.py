@@ -14,6 +14,8 @@ from runtime.placement import check_device, format_cpus, parse_cpus
 
 ROLES = ("prefill_and_decode", "prefill_only", "decode_only")
 STEP_TOKENS, PREFILL_STEP_TOKENS = 512, 256  # default --max-step-tokens of decoding and prefill_only workers
+#: the most tokens a request that gives neither max_tokens nor max_completion_tokens gets (--default-max-tokens)
+DEFAULT_MAX_TOKENS = 2048
 
 
 @dataclass
@@ -25,6 +27,8 @@ class Settings:
     nats_url: str = "nats://127.0.0.1:4222"
     metrics_port: int = 0  # 0: no metrics server (/metrics, /health, /ready)
     metrics_host: str = "0.0.0.0"  # where it listens (tandem up: the gateway's host, 127.0.0.1 by default)
+    # a busy metrics_port: serve on any free port instead and say which (tandem up's own picks); off: an error
+    metrics_port_fallback: bool = False
     # this worker's address as peers see it (metrics URL, KV over TCP); "" = the TCP bind host,
     # or this machine's hostname when that is 0.0.0.0 (containers: the name peers resolve)
     advertise_host: str = ""
@@ -167,6 +171,11 @@ def _env_value(name: str, default: Any) -> Any:
     return _convert(name, raw, default) if raw else default
 
 
+def default_max_tokens_from_env() -> int:
+    """``TANDEM_GATEWAY_DEFAULT_MAX_TOKENS``, or :data:`DEFAULT_MAX_TOKENS` when it is unset."""
+    return _env_value("TANDEM_GATEWAY_DEFAULT_MAX_TOKENS", DEFAULT_MAX_TOKENS)
+
+
 def api_keys_from_env() -> tuple[str, ...]:
     """``TANDEM_API_KEYS``: comma-separated bearer keys; empty means no authentication."""
     raw = os.environ.get("TANDEM_API_KEYS", "")
@@ -232,6 +241,9 @@ class GatewayConfig:
     default_top_p: float | None = None
     default_top_k: int | None = None
     default_repetition_penalty: float | None = None
+    #: max_tokens of a request that gives neither max_tokens nor max_completion_tokens (still cut to what the
+    #: context leaves); 0: no cap, up to the end of the context
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
 
     def sampling_overrides(self) -> dict[str, float]:
         """The ``--default-*`` flags given, by SamplingParams field."""
@@ -245,7 +257,8 @@ class GatewayConfig:
             raise ValueError("request timeout must be positive and at most max_request_timeout")
         if not 0 <= self.route_load_weight < float("inf"):
             raise ValueError(f"TANDEM_GATEWAY_ROUTE_LOAD_WEIGHT must be a number ≥ 0, got {self.route_load_weight}")
-        for name in ("drain_timeout", "max_queue_wait", "migration_limit", "worker_wait", "bus_lost_after"):
+        for name in ("drain_timeout", "max_queue_wait", "migration_limit", "worker_wait", "bus_lost_after",
+                     "default_max_tokens"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
 
@@ -270,6 +283,7 @@ class GatewayConfig:
             migration_limit=_env_value("TANDEM_GATEWAY_MIGRATION_LIMIT", 1),
             worker_wait=_env_value("TANDEM_GATEWAY_WORKER_WAIT", 15.0),
             bus_lost_after=_env_value("TANDEM_GATEWAY_BUS_LOST_AFTER", 20.0),
+            default_max_tokens=default_max_tokens_from_env(),
         )
         if os.environ.get("TANDEM_GATEWAY_ID"):
             cfg = replace(cfg, gateway_id=os.environ["TANDEM_GATEWAY_ID"])

@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--worker-id", "this worker's id on the bus", shown="<role>-<random>")
     opt("--metrics-port", "port of /metrics, /health and /ready", type=int, shown="0: none")
     opt("--metrics-host", "address that port listens on (tandem up: the gateway's --host)")
+    sv.add_argument("--metrics-port-fallback", action="store_true", default=None,
+                    help="when --metrics-port is busy, serve metrics on any free port and print which (what tandem "
+                         "up asks of its workers; TANDEM_METRICS_PORT_FALLBACK; default off: a busy port is an error)")
     opt("--advertise-host", "this worker's address as peers see it", shown="the --kv-tcp-host, or the hostname")
     opt("--kv-tcp-host", "TCP KV engine listen address")
     opt("--max-batch", "most sequences decoding at once", type=int)
@@ -213,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _SERVE_FIELDS = ("role", "model", "dtype", "quantization", "device", "cpus", "threads", "nats_url", "namespace", "worker_id",
-                 "metrics_port", "metrics_host", "advertise_host", "kv_tcp_host",
+                 "metrics_port", "metrics_host", "metrics_port_fallback", "advertise_host", "kv_tcp_host",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
                  "local_prefill_max_tokens", "prefill_stall_budget_ms", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",
                  "layerwise_transfer", "drain_timeout")

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import shlex
@@ -39,7 +40,12 @@ from typing import Any, TextIO
 
 from bus.connection import BusOptions, connect
 from bus.subjects import Subjects
-from gateway.server import add_sampling_default_flags, sampling_default_args
+from gateway.server import (
+    SAMPLING_FLAGS,
+    add_sampling_default_flags,
+    describe_defaults,
+    sampling_default_args,
+)
 from runtime.placement import WorkerPlacement, available_cpus, format_cpus, plan_layout
 from runtime.processes import (
     ChildError,
@@ -85,8 +91,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="embedded NATS: serve its monitoring (/varz, /jsz: what KEDA's JetStream scaler reads) "
                         "on this port (default: off)")
     p.add_argument("--namespace", default=None, help="subject namespace (TANDEM_NAMESPACE, default tandem)")
-    p.add_argument("--metrics-port-base", type=int, default=DEFAULT_METRICS_BASE,
-                   help="workers get the first free metrics ports from here (default 9400; 0 = any free)")
+    p.add_argument("--metrics-port-base", type=int, default=None,
+                   help=f"workers' metrics ports, one each from here up (default {DEFAULT_METRICS_BASE}, any free "
+                        "port in place of a busy one; 0 = any free; a busy port given here is an error)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="activations and KV cache of the workers (TANDEM_DTYPE; default float32)")
     p.add_argument("--quantization", default=None, choices=["none", "fp16", "int8", "int4", "auto"],
@@ -179,6 +186,41 @@ def pick_ports(base: int, count: int, taken: set[int]) -> list[int]:
     return out
 
 
+def _bind_host(host: str) -> str:
+    """The address to test a port on for a server that binds ``host`` (the IPv4 wildcard for any wildcard)."""
+    return "0.0.0.0" if host in ("0.0.0.0", "::", "") else host
+
+
+def metrics_ports(base: int | None, count: int, taken: set[int], host: str,
+                  warn: Callable[[str], None]) -> list[int]:
+    """``count`` metrics ports for servers on ``host``. ``base`` None: the default ones (from
+    :data:`DEFAULT_METRICS_BASE` up), each one that is busy replaced by any free port, said in one warning;
+    0: any free ports; else ``base`` and the ports after it, which must be free (UpError names a busy one)."""
+    bind = _bind_host(host)
+    if base == 0:
+        return pick_ports(0, count, taken)
+    start = DEFAULT_METRICS_BASE if base is None else base
+    out: list[int] = []
+    moved: list[tuple[int, int]] = []
+    for port in range(start, start + count):
+        if port not in taken and port_free(port, bind):
+            out.append(port)
+            continue
+        if base is not None:
+            raise UpError(f"metrics port {port} (--metrics-port-base {base}, {count} port{'s' if count > 1 else ''}) "
+                          "is busy; pass --metrics-port-base 0 for any free ports, or stop what listens there")
+        free = free_port(bind)
+        while free in taken or free in out or start <= free < start + count:
+            free = free_port(bind)
+        out.append(free)
+        moved.append((port, free))
+    if moved:
+        busy, instead = (", ".join(str(p[i]) for p in moved) for i in (0, 1))
+        warn(f"tandem up: metrics port {busy} is busy; the workers take {instead} instead" if len(moved) == 1 else
+             f"tandem up: metrics ports {busy} are busy; the workers take {instead} instead")
+    return out
+
+
 # ---- the cluster -------------------------------------------------------------------------
 
 
@@ -201,6 +243,10 @@ class Plan:
     slots: list[tuple[str, str, int]] = field(default_factory=list)  # every worker --autoscale may run, in order
     autoscale_metrics_port: int | None = None
     gateway_id: str = ""
+    #: the metrics ports were ours to choose (not an explicit --metrics-port-base): one taken in the meantime
+    #: moves to a free one (a worker's --metrics-port-fallback; the scaler's too)
+    metrics_fallback: bool = True
+    defaults: str = ""  # what a request that leaves max_tokens or sampling fields out gets, in words
 
 
 def _tandem(*args: str) -> list[str]:
@@ -245,6 +291,17 @@ class Member:
     child: ChildProcess
     role: str  # a pipeline role, or "gateway"
     metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics_port:  # a worker says at each start where its metrics are (moved if the port was taken)
+            self.child.on_line = self._line
+
+    def _line(self, line: str) -> None:
+        from runtime.health import METRICS_AT
+
+        at = METRICS_AT.match(line)
+        if at:
+            self.metrics_port = int(at.group(1))
 
     @property
     def name(self) -> str:
@@ -377,6 +434,8 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
     if args.nats_monitor_port and args.nats_url:
         raise UpError("--nats-monitor-port is for the embedded NATS; with --nats-url, use that server's monitoring")
     _check_port("--metrics-port-base", args.metrics_port_base, decode + prefill + (scaling is not None))
+    if args.default_max_tokens is not None and args.default_max_tokens < 0:
+        raise UpError(f"--default-max-tokens must not be negative, got {args.default_max_tokens}")
     _check_port("--autoscale-metrics-port", args.autoscale_metrics_port)
     for flag, value in (("--drain-timeout", args.drain_timeout), ("--stop-timeout", args.stop_timeout)):
         if not value >= 0:
@@ -399,7 +458,7 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
                          gpu=bool(args.device and args.device.startswith("cuda")), pin=args.pin)
     placements = dict(zip([wid for wid, _ in specs], layout.prefill + layout.decode))
     port = _gateway_port(args, warn)
-    ports = pick_ports(args.metrics_port_base, len(specs) + (scaling is not None), {port})
+    ports = metrics_ports(args.metrics_port_base, len(specs) + (scaling is not None), {port}, args.host, warn)
     slots = [(wid, role, p) for (wid, role), p in zip(specs, ports)]
     workers = slots
     if scaling is not None:  # start at each role's minimum; the other slots wait for demand
@@ -441,6 +500,7 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         slots=slots,
         autoscale_metrics_port=(args.autoscale_metrics_port or ports[-1]) if scaling is not None else None,
         gateway_id=gateway_id,
+        metrics_fallback=not args.metrics_port_base,
     )
 
 
@@ -485,7 +545,8 @@ def worker_child(plan: Plan, worker_id: str, role: str, metrics_port: int, nats_
     """The one place a worker process is described: its command line and environment."""
     placement = plan.placements[worker_id].serve_args() if worker_id in plan.placements else []
     cmd = _tandem(*logging_args, "serve", "--pipeline-role", role, "--worker-id", worker_id,
-                  "--nats-url", nats_url, "--metrics-port", str(metrics_port), *placement, *plan.serve_args)
+                  "--nats-url", nats_url, "--metrics-port", str(metrics_port),
+                  *(["--metrics-port-fallback"] if plan.metrics_fallback else []), *placement, *plan.serve_args)
     return ChildProcess(worker_id, cmd, env=dict(env), echo=echo, ready_marker=f" {worker_id} ready")
 
 
@@ -522,6 +583,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
         text = load_text(plan.model)
         cluster.say(f"tandem up: model {plan.model_name} ({text.path}): {text.config.num_layers} layers, context "
                     f"{text.config.max_position}, vocabulary {text.config.vocab_size}")
+        plan.defaults = _defaults(args, plan, text.sampling_defaults)
         # 1. NATS: our own admits only this run's processes, each with its own NKey and subjects
         if own_nats:
             for key in _NATS_LOGIN_ENV:  # they describe some other server
@@ -597,14 +659,14 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
         if ready_file is not None:
             _write_ready_file(ready_file, cluster, plan, url, nats_url)
         # 6. supervise (and scale)
-        pids = _pids(cluster)
+        seen = _snapshot(cluster)
         while not cluster.stop_reason:
             if not cluster.check():
                 return 1
             if scaling is not None:
                 scaling.step(time.monotonic())
-            if ready_file is not None and _pids(cluster) != pids:
-                pids = _pids(cluster)
+            if ready_file is not None and _snapshot(cluster) != seen:
+                seen = _snapshot(cluster)
                 _write_ready_file(ready_file, cluster, plan, url, nats_url)
             time.sleep(0.2)
         cluster.say(f"tandem up: {cluster.stop_reason}; stopping")
@@ -665,7 +727,13 @@ class Autoscaling:
             raise UpError(str(e)) from e
         port = self.plan.autoscale_metrics_port
         try:
-            self._server, _ = start_http_server(port or 0, addr=self.plan.host, registry=self.metrics.registry)
+            try:
+                self._server, _ = start_http_server(port or 0, addr=self.plan.host, registry=self.metrics.registry)
+            except OSError as e:  # a port we picked, taken since: any free one
+                if not (self.plan.metrics_fallback and e.errno == errno.EADDRINUSE):
+                    raise
+                self._server, _ = start_http_server(0, addr=self.plan.host, registry=self.metrics.registry)
+                self.plan.autoscale_metrics_port = int(self._server.server_address[1])
         except OSError as e:
             self.feed.stop()
             raise UpError(f"--autoscale-metrics-port {port}: {e}") from e
@@ -780,8 +848,28 @@ class Autoscaling:
                 del self.draining[name]
 
 
-def _pids(cluster: Cluster) -> list[int | None]:
-    return [m.child.pid for m in cluster.members] + [cluster.nats.pid if cluster.nats is not None else None]
+def _snapshot(cluster: Cluster) -> list[tuple[int | None, int | None]]:
+    """Every child's pid and metrics port (what the ready file says, rewritten when it changes)."""
+    return [(m.child.pid, m.metrics_port) for m in cluster.members] + [
+        (cluster.nats.pid if cluster.nats is not None else None, None)]
+
+
+def _defaults(args: argparse.Namespace, plan: Plan, model_defaults: dict[str, Any]) -> str:
+    """What the gateway gives a request that leaves max_tokens or a sampling field out, in words: the flags
+    (``--gateway-args`` last, as the gateway reads them), then its environment, then the model's own."""
+    from runtime.settings import default_max_tokens_from_env
+
+    given = {name: getattr(args, f"default_{name}", None) for name in ("max_tokens", *(n for n, _ in SAMPLING_FLAGS))}
+    for name in given:
+        value = _flag_value(plan.gateway_args, f"--default-{name.replace('_', '-')}")
+        if value is not None:
+            given[name] = value
+    try:
+        cap = int(given.pop("max_tokens")) if given.get("max_tokens") is not None else default_max_tokens_from_env()
+        sampling = {**model_defaults, **{k: float(v) for k, v in given.items() if v is not None}}
+    except ValueError:
+        return "(see the gateway's line)"  # the gateway will refuse it with a better message
+    return describe_defaults(cap, sampling)
 
 
 async def _unless_stopped(cluster: Cluster, work: Coroutine[Any, Any, Any], timeout: float) -> bool:
@@ -825,12 +913,15 @@ def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
     for m in cluster.members:
         where = f"metrics :{m.metrics_port}" if m.metrics_port else f"metrics {url}/metrics"
         place = plan.placements[m.name].describe() if m.name in plan.placements else "any core"
-        cluster.say(f"  {m.name:<14} {m.role:<19} pid {m.child.pid:<8} {where:<14} {place}")
+        cluster.say(f"  {m.name:<14} {m.role:<19} pid {m.child.pid:<8} {where:<15} {place}")
     if plan.autoscale is not None:
         cluster.say(f"  autoscale   {_describe_scaling(plan)}; metrics "
                     f"{url.rsplit(':', 1)[0]}:{plan.autoscale_metrics_port}/metrics")
     cluster.say(f"  placement   {plan.placement_note}; NATS and the gateway are light and run on any core "
                 f"({format_cpus(available_cpus())})")
+    if plan.defaults:
+        cluster.say(f"  defaults    {plan.defaults}   (a request's own values win; --default-max-tokens, "
+                    "--default-temperature, ...)")
     cluster.say("Try:")
     auth = " -H \"Authorization: Bearer $TANDEM_API_KEY\"" if os.environ.get("TANDEM_API_KEYS") else ""
     cluster.say(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")

@@ -1,8 +1,8 @@
 """What vLLM and llama.cpp users expect, against a real `tandem up` (embedded NATS, one prefill_only and
 one decode_only worker with the real model, the gateway) through the real `openai` client: structured
 output that parses against its schema (greedy and sampled; every prompt is prefilled remotely, so the
-prefill worker's first token is masked too), tool calls (forced, named, streamed, and a round trip with
-the tool's result), /tokenize and /detokenize, X-Request-Id, continuous usage stats and the model's
+prefill worker's first token is masked too), tool calls (forced, named, one unless parallel_tool_calls,
+arguments closed to the declared properties, streamed, and a round trip with the tool's result), /tokenize and /detokenize, X-Request-Id, continuous usage stats and the model's
 sampling defaults.
 """
 
@@ -100,6 +100,29 @@ def test_forced_and_named_tool_calls_are_valid_calls(client: openai.OpenAI) -> N
                 assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
                 spec = WEATHER if call.function.name == "get_weather" else TIME
                 jsonschema.validate(json.loads(call.function.arguments), spec["function"]["parameters"])
+
+
+def test_the_readmes_forced_weather_call_is_one_call_with_the_declared_arguments(client: openai.OpenAI) -> None:
+    """The README's example (a schema that does not say additionalProperties, no max_tokens) once answered four
+    identical calls with {"city": "Paris", "type": "string", "required": "city"}: now exactly one call whose
+    arguments are the declared properties, the required ones present; parallel_tool_calls true allows more."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    closed = {**weather["function"]["parameters"], "additionalProperties": False}
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model=MODEL, tools=[weather], tool_choice=choice, messages=question)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls or []) == 1, c.message
+        call = c.message.tool_calls[0]
+        assert call.function.name == "get_weather" and not c.message.content
+        jsonschema.validate(json.loads(call.function.arguments), closed)
+    r = client.chat.completions.create(model=MODEL, tools=[weather], tool_choice="required", messages=question,
+                                       parallel_tool_calls=True, max_tokens=200)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and 1 <= len(c.message.tool_calls or []) <= 4, c.message
+    for call in c.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), closed)
 
 
 def test_tool_call_round_trip(up: TandemUp, client: openai.OpenAI) -> None:

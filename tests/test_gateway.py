@@ -1634,6 +1634,51 @@ def test_sampling_defaults_fill_what_a_request_leaves_out(nats_srv: EmbeddedNats
         tuned.stop()
 
 
+def test_default_max_tokens_and_the_models_own_repetition_penalty(nats_srv: EmbeddedNats, worker: FakeWorker,
+                                                                  text_model: TextModel) -> None:
+    """A request without max_tokens (nor max_completion_tokens) gets --default-max-tokens (2048 unless set), cut
+    to what the context leaves; 0 lifts the cap. A model that declares a repetition_penalty (its
+    generation_config.json, a GGUF's general.sampling.penalty_repeat) has it applied to requests that leave it
+    out, shown in /v1/models beside the cap."""
+    import dataclasses
+
+    def sent(url: str, content: str = "x", **kw: Any) -> m.SamplingParams:
+        before = len(worker.requests)
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(content, **kw), timeout=30)
+        assert r.status_code == 200, r.text
+        return worker.requests[before][1].sampling
+
+    def prompt_tokens(content: str) -> int:
+        return httpx.post(f"{plain.url}/tokenize", json={"messages": [{"role": "user", "content": content}]},
+                          timeout=30).json()["count"]
+
+    declaring = dataclasses.replace(text_model, sampling_defaults={**text_model.sampling_defaults,
+                                                                   "repetition_penalty": 1.15})
+    plain = ServerThread(create_app(make_config(nats_srv.url), text_model)).start()
+    capped = ServerThread(create_app(make_config(nats_srv.url, default_max_tokens=6), declaring)).start()
+    open_ended = ServerThread(create_app(make_config(nats_srv.url, default_max_tokens=0), text_model)).start()
+    try:
+        for srv in (plain, capped, open_ended):
+            wait_for(lambda s=srv: httpx.get(f"{s.url}/ready").status_code == 200, 10, "/ready")
+        assert sent(plain.url).max_tokens == 2048 and sent(capped.url).max_tokens == 6
+        assert sent(capped.url, max_tokens=9).max_tokens == 9 and sent(capped.url, max_completion_tokens=4).max_tokens == 4
+        assert sent(open_ended.url).max_tokens == 8192 - prompt_tokens("x")
+        long_prompt = "hello " * 7000  # leaves fewer than 2048 tokens of the context: the cap is cut to those
+        assert sent(plain.url, long_prompt).max_tokens == 8192 - prompt_tokens(long_prompt) < 2048
+        got = sent(capped.url)
+        assert (got.temperature, got.top_p, got.repetition_penalty) == (0.2, 0.9, 1.15)
+        assert sent(capped.url, repetition_penalty=1.0).repetition_penalty == 1.0  # the request's own wins
+        assert sent(plain.url).repetition_penalty == 1.0  # the default model declares none
+        cards = [httpx.get(f"{s.url}/v1/models").json()["data"][0] for s in (plain, capped, open_ended)]
+        assert [c["default_max_tokens"] for c in cards] == [2048, 6, None]
+        assert cards[1]["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.15}
+        with pytest.raises(ValueError, match="--default-max-tokens must not be negative"):
+            make_config(nats_srv.url, default_max_tokens=-1)
+    finally:
+        for srv in (plain, capped, open_ended):
+            srv.stop()
+
+
 def test_a_reused_client_request_id_never_shares_jobs(gw: ServerThread, worker: FakeWorker) -> None:
     """Two requests with one X-Request-Id are two requests (the workers' duplicate check is by job id); the
     header comes back as sent, and `tandem tail --request <id>` still finds their jobs by prefix."""

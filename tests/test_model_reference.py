@@ -12,54 +12,12 @@ from safetensors.torch import load_file, save_file
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
-from engine.model import ForwardBatch, PrefillSpan
 from engine.model_files import ModelLoadError, load_text
-from tests.reference_models import write_gguf_from_hf, write_hf_llama
+from tests.reference_models import decode_logits, engine_logits, write_gguf_from_hf, write_hf_llama
 
 transformers = pytest.importorskip("transformers")
 
 PROMPT = "The quick brown fox jumps over the lazy dog. 1 2 3 4 5 6 7 8 9 10 and then some more words, enough to span several KV blocks."
-
-
-def engine_logits(engine: LLMEngine, ids: list[int], split: int | None = None) -> torch.Tensor:
-    """Logits at every position: whole prefill, or prefill[:split] then the rest attending via the pool."""
-    bs = engine.cfg.block_size
-    blocks = engine.blocks.allocate((len(ids) + bs - 1) // bs)
-    table = torch.tensor(blocks)
-    outs = []
-    try:
-        cuts = [0, split, len(ids)] if split else [0, len(ids)]
-        for a, b in zip(cuts, cuts[1:]):
-            pos = torch.arange(a, b)
-            batch = ForwardBatch(
-                tokens=torch.tensor(ids[a:b]), positions=pos, slot_blocks=table[pos // bs], slot_offsets=pos % bs,
-                prefills=[PrefillSpan(0, b - a, b, table)], decode_start=b - a, decode_tables=None,
-                decode_lens=None, logit_rows=torch.arange(b - a),
-            )
-            outs.append(engine.model.forward(batch, engine.pool))
-    finally:
-        engine.blocks.release(blocks)
-    return torch.cat(outs)
-
-
-def decode_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    """Logits of the last token computed through the batched decode path."""
-    bs = engine.cfg.block_size
-    blocks = engine.blocks.allocate((len(ids) + bs - 1) // bs)
-    table = torch.tensor(blocks)
-    try:
-        engine_prefix = ids[:-1]
-        n = len(engine_prefix)
-        pos = torch.arange(n)
-        engine.model.forward(ForwardBatch(
-            torch.tensor(engine_prefix), pos, table[pos // bs], pos % bs, [PrefillSpan(0, n, n, table)], n,
-            None, None, torch.tensor([n - 1])), engine.pool)
-        p = torch.tensor([n])
-        return engine.model.forward(ForwardBatch(
-            torch.tensor(ids[-1:]), p, table[p // bs], p % bs, [], 0, table.view(1, -1), torch.tensor([n + 1]),
-            torch.tensor([0])), engine.pool)[0]
-    finally:
-        engine.blocks.release(blocks)
 
 
 @pytest.fixture(scope="module")
@@ -163,16 +121,15 @@ def test_unsupported_quant_type_named(tiny_dirs, smollm, tmp_path):
     fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
     path = write_gguf_from_hf(tiny_dirs["tied"], tmp_path / "iq.gguf", fields, "Q4_0")
     # Q4_0 is supported; a type outside the list must be refused by name.
-    from engine import loader
+    from engine import model_files
 
-    monkey = {"Q4_0"}
-    orig = loader._SUPPORTED_QUANTS
-    loader._SUPPORTED_QUANTS = orig - monkey
-    try:
-        with pytest.raises(ModelLoadError, match="Q4_0"):
-            load_model(str(path))
+    orig = model_files.GGUF_TYPES
+    model_files.GGUF_TYPES = tuple(t for t in orig if t != "Q4_0")
+    try:  # before any weight is read (tandem up checks the model this way before NATS starts)
+        with pytest.raises(ModelLoadError, match=r"iq\.gguf: tensor \S+ has quant type Q4_0 \(supported: F32, "):
+            load_text(str(path))
     finally:
-        loader._SUPPORTED_QUANTS = orig
+        model_files.GGUF_TYPES = orig
     assert load_model(str(path)).config.num_layers == 2
 
 
@@ -229,9 +186,9 @@ def test_unsupported_gguf_tokenizer_refused(tiny_dirs, gguf_tokenizer_fields, tm
     path = write_gguf_from_hf(tiny_dirs["tied"], tmp_path / "pre.gguf", fields)
     with pytest.raises(ModelLoadError, match=r"pre\.gguf: unsupported GGUF tokenizer pre-split 'qwen2'"):
         load_model(str(path))
-    path = write_gguf_from_hf(tiny_dirs["tied"], tmp_path / "spm.gguf", gguf_tokenizer_fields,
-                              tokenizer_model="llama")
-    with pytest.raises(ModelLoadError, match=r"spm\.gguf: unsupported GGUF tokenizer model 'llama'"):
+    path = write_gguf_from_hf(tiny_dirs["tied"], tmp_path / "t5.gguf", gguf_tokenizer_fields, tokenizer_model="t5")
+    with pytest.raises(ModelLoadError, match=r"t5\.gguf: unsupported GGUF tokenizer model 't5' \(tokenizer\.ggml\.model\): "
+                                             r"supported are 'gpt2'.*'llama'"):
         load_text(str(path))
 
 

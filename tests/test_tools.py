@@ -1,5 +1,5 @@
-"""gateway/tools.py: the generic tool format, the forced-call grammar and the call parser (unit tests;
-the real model's calls are tested in tests/test_api_cluster.py)."""
+"""gateway/tools.py: the generic tool format, the forced-call grammar and the call parser (unit tests, the
+grammars against the real tokenizer; the real model's calls are tested in tests/test_api_cluster.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import pytest
 
 from engine.chat_template import CHATML, ChatTemplate
 from engine.grammar import GrammarCompiler, check_grammar
-from gateway.tools import CallStream, ToolSet, parse_calls, render_generic, template_takes_tools
+from gateway.tools import (
+    CallStream,
+    ToolSet,
+    closed_schema,
+    parse_calls,
+    render_generic,
+    template_takes_tools,
+)
 
 WEATHER = {"name": "get_weather", "description": "weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -55,6 +62,58 @@ def test_forced_grammars_compile_and_accept_only_calls(smollm) -> None:
         state = compiler.compile(grammar)
         assert state.accept_all(tok.encode(text)) is ok, (choice, text)
     assert ToolSet([WEATHER], "auto").grammar() is None and ToolSet([WEATHER], "none").grammar() is None
+
+
+def test_forced_calls_are_one_call_with_only_the_declared_arguments(smollm) -> None:
+    """The README's weather tool under tool_choice required once gave four identical calls whose arguments held
+    the schema's own keys ({"city": "Paris", "type": "string", "required": "city"}): a forced answer is one call
+    (several only with parallel_tool_calls true), and its arguments have the declared properties only, the
+    required ones present."""
+    tok = smollm.tokenizer
+    compiler = GrammarCompiler(tok.tok.to_str(), smollm.config.vocab_size, sorted(tok.eog_ids))
+
+    def block(args: str) -> str:
+        return f'<tool_call>\n{{"name":"get_weather","arguments":{args}}}\n</tool_call>'
+
+    def accepts(tools: ToolSet, text: str) -> tuple[bool, bool]:
+        """(the grammar accepts ``text``, and nothing but the end may follow it)."""
+        state = compiler.compile(tools.grammar())
+        ok = state.accept_all(tok.encode(text))
+        return ok, ok and state.finished
+
+    one = block('{"city":"Paris"}')
+    for choice in ("required", "get_weather"):
+        for parallel in (False, True):
+            tools = ToolSet([WEATHER, TIME], choice, parallel)
+            assert accepts(tools, block('{"city":"Paris","type":"string"}'))[0] is False  # an invented key
+            assert accepts(tools, block('{"city":"Paris","required":"city"}'))[0] is False
+            assert accepts(tools, block("{}"))[0] is False  # the required city is missing
+        assert accepts(ToolSet([WEATHER], choice), one) == (True, True)  # one call, and that is the end
+        assert accepts(ToolSet([WEATHER], choice), f"{one}\n{one}")[0] is False
+    assert accepts(ToolSet([WEATHER], "required", parallel=True), f"{one}\n{one}")[0] is True
+    assert accepts(ToolSet([WEATHER], "get_weather", parallel=True), f"{one}\n{one}")[0] is False  # named: one
+    # a schema that allows more keeps allowing them
+    open_weather = {**WEATHER, "parameters": {**WEATHER["parameters"], "additionalProperties": True}}
+    assert accepts(ToolSet([open_weather], "required"), block('{"city":"Paris","unit":"C"}'))[0] is True
+
+
+def test_closed_schema_closes_declared_objects_only() -> None:
+    schema = {"type": "object", "properties": {
+        "where": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "extra": {"type": "object"},
+        "loose": {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+        "either": {"anyOf": [{"type": "object", "properties": {"x": {"type": "number"}}}, {"type": "string"}]}},
+        "required": ["where"]}
+    closed = closed_schema(schema)
+    assert closed["additionalProperties"] is False and closed["required"] == ["where"]
+    props = closed["properties"]
+    assert props["where"]["additionalProperties"] is False and props["tags"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["extra"]  # a free-form object stays free
+    assert props["loose"]["additionalProperties"] is True
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False and props["either"]["anyOf"][1] == {
+        "type": "string"}
+    assert "additionalProperties" not in schema  # the request's own schema is left as it was
 
 
 def test_generic_rendering_of_tools_calls_and_results() -> None:

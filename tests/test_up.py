@@ -7,6 +7,9 @@ worker restarted after SIGKILL in tests/test_gateway_aggregated.py; the fault su
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
 import select
 import signal
 import socket
@@ -26,7 +29,7 @@ from runtime.processes import (
     describe_exit,
     stop_all,
 )
-from tandem.up import UpError, pick_ports, port_free
+from tandem.up import DEFAULT_METRICS_BASE, Member, UpError, metrics_ports, pick_ports, port_free
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,6 +67,105 @@ def test_gateway_port_default_moves_aside_an_explicit_one_does_not(monkeypatch: 
         with pytest.raises(UpError, match=f"port {busy} is busy; pass --port 0"):
             tandem.up._gateway_port(argparse.Namespace(port=busy, host="127.0.0.1"), warnings.append)
     assert tandem.up._gateway_port(argparse.Namespace(port=None, host="127.0.0.1"), warnings.append) == busy
+
+
+def test_metrics_ports_default_moves_aside_an_explicit_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        monkeypatch.setattr(tandem.up, "DEFAULT_METRICS_BASE", busy)
+        warnings: list[str] = []
+        ports = metrics_ports(None, 1, {8000}, "127.0.0.1", warnings.append)
+        assert ports[0] != busy and port_free(ports[0])
+        assert warnings == [f"tandem up: metrics port {busy} is busy; the workers take {ports[0]} instead"]
+        with pytest.raises(UpError, match=f"metrics port {busy} .* is busy; pass --metrics-port-base 0"):
+            metrics_ports(busy, 1, set(), "127.0.0.1", warnings.append)
+        assert len(set(metrics_ports(0, 3, {busy}, "127.0.0.1", warnings.append)) - {busy}) == 3
+    warnings.clear()
+    assert metrics_ports(None, 1, set(), "127.0.0.1", warnings.append) == [busy] and not warnings
+
+
+def test_a_worker_whose_metrics_port_was_taken_serves_on_another_and_says_where() -> None:
+    """The race `tandem up` cannot see: a port free when planned and taken when the worker binds it. With
+    --metrics-port-fallback the worker takes a free port, says so in a line, and tandem up's member follows."""
+    import httpx
+
+    from runtime.health import WorkerHealth, metrics_at_line, serve_worker_http
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        with pytest.raises(OSError):
+            serve_worker_http(busy, "127.0.0.1", WorkerHealth())
+        server = serve_worker_http(busy, "127.0.0.1", WorkerHealth(), any_port_if_busy=True)
+        try:
+            got = server.server_address[1]
+            assert got != busy and "# TYPE" in httpx.get(f"http://127.0.0.1:{got}/metrics", timeout=10).text
+        finally:
+            server.shutdown()
+            server.server_close()
+    member = Member(ChildProcess("decode-1", ["true"]), "decode_only", busy)
+    member.child.on_line("tandem decode_only decode-1 ready")
+    assert member.metrics_port == busy
+    member.child.on_line(metrics_at_line("decode-1", busy, got))
+    assert member.metrics_port == got
+    member.child.on_line(metrics_at_line("decode-1", busy, busy))  # restarted, and its own port was free again
+    assert member.metrics_port == busy
+
+
+@pytest.mark.timeout(300)
+def test_up_with_the_default_metrics_port_taken_and_a_default_max_tokens(tmp_path) -> None:
+    """A second `tandem up` on a host where the default metrics port is taken (here by a socket of the test)
+    starts, says which port its worker took instead, and serves Prometheus text there; a chat request without
+    max_tokens stops at --default-max-tokens with finish_reason "length" (the README's haiku ran 8,154 tokens)."""
+    import httpx
+    import openai
+
+    held = socket.socket()
+    try:
+        held.bind(("127.0.0.1", DEFAULT_METRICS_BASE))
+        held.listen()
+    except OSError:
+        pass  # busy already: just as good
+    ready = tmp_path / "ready.json"
+    up = ChildProcess("up", [sys.executable, "-m", "tandem.cli", "up", "--aggregated", "--port", "0", "--nats-port",
+                             "0", "--default-max-tokens", "5", "--worker-args", "--num-blocks 64", "--quiet",
+                             "--stop-timeout", "5", "--ready-file", str(ready)],
+                      env={**os.environ, "OMP_NUM_THREADS": "1"}, log_path=tmp_path / "up.log", tail_lines=400)
+    try:
+        up.start()
+        up.wait_for("A child that dies is restarted", 240)  # the banner's last line; the ready file comes next
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < deadline and up.running, up.last_lines(40)
+            time.sleep(0.1)
+        info = json.loads(ready.read_text())
+        port = next(c["metrics_port"] for c in info["children"] if c["name"] == "worker-1")
+        out = up.last_lines(400)
+        assert port != DEFAULT_METRICS_BASE and port_free(DEFAULT_METRICS_BASE) is False
+        assert f"tandem up: metrics port {DEFAULT_METRICS_BASE} is busy; the workers take {port} instead" in out, out
+        assert re.search(rf"worker-1 +prefill_and_decode +pid \d+ +metrics :{port} ", out), out
+        assert "defaults    max_tokens 5, temperature 0.2, top_p 0.9" in out, out
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        assert "# TYPE tandem_worker_running_sequences gauge" in r.text
+        card = httpx.get(f"{info['url']}/v1/models", timeout=10).json()["data"][0]
+        assert card["default_max_tokens"] == 5
+        client = openai.OpenAI(base_url=info["base_url"], api_key="x", max_retries=0, timeout=120)
+        answer = client.chat.completions.create(model=info["model"], temperature=0, messages=[
+            {"role": "user", "content": "Write a haiku about the sea."}])
+        assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("length", 5)
+        answer = client.chat.completions.create(model=info["model"], temperature=0, max_tokens=7, messages=[
+            {"role": "user", "content": "Write a haiku about the sea."}])  # a request's own max_tokens wins
+        assert answer.usage.completion_tokens == 7
+    finally:
+        held.close()
+        up.signal(signal.SIGINT)
+        if up.wait(60) is None:
+            up.kill()
+    assert up.poll() == 0, up.last_lines(40)
 
 
 def test_stop_all_terminates_then_kills() -> None:

@@ -37,7 +37,7 @@ SIGNATURES = {
     "tq_silu_mul": [_P, _I, _I, _P, _C],
     "tq_argmax": [_P, _I, _I, _P, _C],
     "tq_rope_store": [_P, _I, _I, _P, _P, _P, _C, _C, _C, _P, _P, _I, _P, _P, _C],
-    "tq_paged_attention": [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _C, _C, _C, _C, _F, _P, _C],
+    "tq_paged_attention": [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _C, _C, _C, _C, _F, _I, _P, _C],
     "tq_q8_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
     "tq_q4_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
     "tq_int4_dequant": [_P, _P, _I, _I, _I, _P, _C],
@@ -105,6 +105,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """RMSNorm of the rows of a contiguous float32 [m, n] tensor (a new tensor); with `residual`, x += residual
     first, in place."""
     m, n = x.shape
+    if not x.is_contiguous() or x.dtype != torch.float32 or (residual is not None and not residual.is_contiguous()):
+        raise ValueError(f"rms_norm takes contiguous float32 rows, got {x.dtype} strides {x.stride()}")
     out = torch.empty_like(x)
     library().tq_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), m, n,
                           eps, out.data_ptr(), _threads())
@@ -141,16 +143,18 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
 
 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
-                    row_table: torch.Tensor, lens: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+                    row_table: torch.Tensor, lens: torch.Tensor, heads: int, scale: float,
+                    window: int = 0) -> torch.Tensor:
     """Causal attention of each query row (`q` [rows, heads * d], rows may be strided) over the first lens[r]
     tokens of the sequence with block table tables[row_table[r]] in the pool's `keys`/`values`
-    [blocks, block_size, kv_heads, d]; returns [rows, heads * d]."""
+    [blocks, block_size, kv_heads, d] (only the last `window` of them when window > 0); returns
+    [rows, heads * d]."""
     rows = q.shape[0]
     _, block_size, kv_heads, d = keys.shape
     out = torch.empty(rows, heads * d, dtype=torch.float32)
     library().tq_paged_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(0),
                                  tables.data_ptr(), tables.stride(0), row_table.data_ptr(), lens.data_ptr(), rows,
-                                 heads, kv_heads, d, block_size, scale, out.data_ptr(), _threads())
+                                 heads, kv_heads, d, block_size, scale, window, out.data_ptr(), _threads())
     return out
 
 

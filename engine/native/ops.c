@@ -113,15 +113,15 @@ static inline __m256 dot8_tokens(const float *q, const float *k, int64_t k_strid
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* o[0:width] = sum_t sc[t] inv v_t[col:col + width] over the first len tokens of a block table (`width`
+/* o[0:width] = sum_t sc[t] inv v_t[col:col + width] over tokens [b0 * block_size, len) of a block table (`width`
  * a constant <= 64 after inlining: its sums stay in registers; each one runs over t in order). */
 static inline __attribute__((always_inline)) void weigh_values(const int width, const float *sc, float inv,
                                                                const float *values, const int64_t *table,
                                                                int64_t block_stride, int64_t col, int64_t kv,
-                                                               int64_t len, int block_size, float *o) {
+                                                               int64_t len, int block_size, int64_t b0, float *o) {
     __m256 acc[8];
     for (int j = 0; j < width / 8; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
+    for (int64_t start = b0 * block_size, b = b0; start < len; start += block_size, b++) {
         const float *vb = values + table[b] * block_stride + col;
         int64_t count = len - start < block_size ? len - start : block_size;
         for (int64_t i = 0; i < count; i++) {
@@ -148,11 +148,12 @@ static inline float hmax8(__m256 v) {
  * tables[row_table[r] * table_stride ...] (token t in block table[t / block_size]); softmax(q . k * scale)
  * weights the v. A prefill chunk's rows and a decode row run the same code, so a token's result is the same
  * whether it was computed in a prompt or one at a time, in any batch. q and out: [rows, heads * d], q's rows
- * q_stride apart. The K/V of every row must already be in the pool (tq_rope_store). */
+ * q_stride apart. The K/V of every row must already be in the pool (tq_rope_store). With window > 0 a row sees
+ * only its last `window` tokens (a sliding-window layer): blocks before them are not read. */
 void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, const float *values,
                         int64_t block_stride, const int64_t *tables, int64_t table_stride, const int64_t *row_table,
                         const int64_t *lens, int64_t rows, int heads, int kv_heads, int d, int block_size,
-                        float scale, float *out, int threads) {
+                        float scale, int64_t window, float *out, int threads) {
     int group = heads / kv_heads;
     int64_t kv = (int64_t)kv_heads * d, total = 0;
     for (int64_t r = 0; r < rows; r++) total += lens[r];
@@ -168,6 +169,7 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
         #pragma omp for schedule(dynamic, chunk)
         for (int64_t w = 0; w < rows * kv_heads; w++) {
             int64_t r = w / kv_heads, g = w % kv_heads, len = lens[r];
+            int64_t first = window > 0 && len > window ? len - window : 0, b0 = first / block_size;
             if (len > cap) {
                 free(scores);
                 cap = len;
@@ -178,7 +180,7 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
             float *og = out + r * heads * d + g * group * d;
             float mx[64], inv[64]; /* group <= 64 query heads per KV head */
             for (int hh = 0; hh < group; hh++) mx[hh] = -INFINITY;
-            for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
+            for (int64_t start = b0 * block_size, b = b0; start < len; start += block_size, b++) {
                 const float *kb = keys + table[b] * block_stride + g * d;
                 int64_t count = len - start < block_size ? len - start : block_size, i = 0;
 #ifdef __AVX2__
@@ -186,6 +188,12 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
                     for (; i + 8 <= count; i += 8)
                         for (int hh = 0; hh < group; hh++) {
                             __m256 sv = _mm256_mul_ps(dot8_tokens(qg + hh * d, kb + i * kv, kv, d), _mm256_set1_ps(scale));
+                            if (start + i < first) { /* the run starts before the window: its early tokens count not */
+                                __m256 at = _mm256_add_ps(_mm256_set1_ps((float)(start + i)),
+                                                          _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
+                                sv = _mm256_blendv_ps(sv, _mm256_set1_ps(-INFINITY),
+                                                      _mm256_cmp_ps(at, _mm256_set1_ps((float)first), _CMP_LT_OQ));
+                            }
                             _mm256_storeu_ps(scores + hh * len + start + i, sv);
                             float m8 = hmax8(sv);
                             mx[hh] = m8 > mx[hh] ? m8 : mx[hh];
@@ -205,7 +213,7 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
                             #pragma omp simd reduction(+ : s)
                             for (int j = 0; j < d; j++) s += qh[j] * k[j];
                         }
-                        s *= scale;
+                        s = start + i < first ? -INFINITY : s * scale;
                         scores[hh * len + start + i] = s;
                         mx[hh] = s > mx[hh] ? s : mx[hh];
                     }
@@ -213,7 +221,7 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
             }
             for (int hh = 0; hh < group; hh++) {
                 float *sc = scores + hh * len, sum = 0.f;
-                int64_t t = 0;
+                int64_t t = b0 * block_size;
 #ifdef __AVX2__
                 __m256 m8 = _mm256_set1_ps(mx[hh]), s8 = _mm256_setzero_ps();
                 for (; t + 8 <= len; t += 8) {
@@ -239,24 +247,24 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
                     int64_t col = g * d;
                     int j = 0;
                     for (; j + 64 <= d; j += 64)
-                        weigh_values(64, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
+                        weigh_values(64, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, b0, oh + j);
                     if (j + 32 <= d) {
-                        weigh_values(32, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
+                        weigh_values(32, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, b0, oh + j);
                         j += 32;
                     }
                     if (j + 16 <= d) {
-                        weigh_values(16, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
+                        weigh_values(16, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, b0, oh + j);
                         j += 16;
                     }
                     if (j < d) /* d is a multiple of 8 (ATTN_VECTOR) */
-                        weigh_values(8, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, oh + j);
+                        weigh_values(8, sc, inv[hh], values, table, block_stride, col + j, kv, len, block_size, b0, oh + j);
                 }
                 continue;
             }
 #endif
             for (int hh = 0; hh < group; hh++)
                 for (int j = 0; j < d; j++) og[hh * d + j] = 0.f;
-            for (int64_t start = 0, b = 0; start < len; start += block_size, b++) {
+            for (int64_t start = b0 * block_size, b = b0; start < len; start += block_size, b++) {
                 const float *vb = values + table[b] * block_stride + g * d;
                 int64_t count = len - start < block_size ? len - start : block_size;
                 for (int64_t i = 0; i < count; i++) {
@@ -865,7 +873,7 @@ int tq_decoder_layer(const Layer *l, LayerStep *s, float *keys, float *values) {
     tq_rope_store(s->qkv, m, s->width, s->positions, s->cos_t, s->sin_t, (int)s->heads, (int)s->kv_heads, (int)s->d,
                   keys, values, s->block_stride, s->blocks, s->offsets, t);
     tq_paged_attention(s->qkv, s->width, keys, values, s->block_stride, s->tables, s->table_stride, s->row_table,
-                       s->lens, m, (int)s->heads, (int)s->kv_heads, (int)s->d, (int)s->block_size, s->scale, s->attn, t);
+                       s->lens, m, (int)s->heads, (int)s->kv_heads, (int)s->d, (int)s->block_size, s->scale, 0, s->attn, t);
     if (linear(&l->wo, s->attn, m, s->res, t)) return -1;
     tq_rms_norm(s->h, s->res, l->ffn_norm, m, s->hidden, s->eps, s->x, t);
     if (linear(&l->gate_up, s->x, m, s->gu, t)) return -1;
