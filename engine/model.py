@@ -136,7 +136,7 @@ class DecoderModel:
         self.lm_head = weight("lm_head") if _has(weights, "lm_head") else self.embed
         self.norm = norm("norm")
         self.ropes = [self._rope_table(cfg)]
-        if cfg.local_layers and cfg.rope_local_theta and cfg.rope_local_theta != cfg.rope_theta:
+        if cfg.local_layers and cfg.rope_local_theta and (cfg.rope_local_theta != cfg.rope_theta or cfg.rope_scaling):
             self.ropes.append(self._rope_table(dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta,
                                                                    rope_scaling=None)))
         self.cos, self.sin = self.ropes[0]

@@ -41,7 +41,7 @@ _ALIAS_SAMPLING = {DEFAULT_MODEL: {"temperature": 0.2, "top_p": 0.9},
                    "gemma3-270m": {"temperature": 1.0, "top_k": 64, "top_p": 0.95}}
 #: how the weights may be held (``engine.quant``): none, fp16, int8, int4, or auto (the file's own)
 QUANTIZATIONS = ("none", "fp16", "int8", "int4", "auto")
-CACHE_FORMAT = 4  # of the weight cache: 2 = quantized weights, 3 = Q8_0 kept, 4 = int4 in GGUF's (d, m) per group
+CACHE_FORMAT = 5  # of the weight cache: 3 = Q8_0 kept, 4 = int4 in GGUF's (d, m) per group, 5 = Q4_K/Q5_0/Q6_K kept
 _META_FORMAT = 5  # of the cached GGUF metadata: 3 = with sampling defaults, 5 = the family's graph and add_bos
 #: GGUF tensor types the loader reads (engine.loader says what each becomes); others are refused by name
 GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -377,6 +377,7 @@ def _hf_config(path: Path) -> ModelConfig:
     # transformers >= 5 writes `rope_parameters` (theta inside); older configs use rope_theta/rope_scaling.
     rope = c.get("rope_parameters") or {}
     theta = graph.pop("rope_theta", None) or rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    head_dim = graph.pop("head_dim", None) or c.get("head_dim") or c["hidden_size"] // heads
     scaling = graph.pop("rope_scaling", None) or c.get("rope_scaling") \
         or (rope if rope.get("rope_type", "default") != "default" else None)
     _check_rope_scaling(path, scaling)
@@ -388,11 +389,11 @@ def _hf_config(path: Path) -> ModelConfig:
         num_layers=c["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        head_dim=head_dim,
         max_position=c.get("max_position_embeddings", 4096),
         rope_theta=float(theta),
         rms_eps=float(c.get("rms_norm_eps", 1e-5)),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", family.hf_tied_default)),
         rope_scaling=scaling,
         family=family.name,
         **graph,

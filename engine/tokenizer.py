@@ -107,6 +107,9 @@ class TextTokenizer:
         self.tok = tok
         self.bos_id = bos_id
         self.add_bos = add_bos and bos_id is not None
+        # byte-level BPE spells bytes as characters (GPT-2's map); SentencePiece-style pieces are text with U+2581
+        # for a space and <0xXX> byte tokens (gateway.textmodel.TokenBytes reads a token's bytes either way)
+        self.byte_level = tok.decoder is not None and b'"ByteLevel"' in tok.decoder.__getstate__()
         self.declared_eos_ids = set(eos_ids)
         vocab = tok.get_vocab(with_added_tokens=True)
         self.eog_ids = set(eos_ids) | {vocab[n] for n in _EOG_NAMES if n in vocab}

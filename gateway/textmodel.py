@@ -9,6 +9,7 @@ as JSON after the first parse.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,7 @@ def _byte_decoder() -> dict[str, int]:
 
 
 _BYTE_DECODER = _byte_decoder()
+_SPM_BYTE = re.compile(r"<0x[0-9A-F]{2}>")
 
 
 class TokenBytes:
@@ -81,15 +83,24 @@ class TokenBytes:
         self._memo: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, tid: int) -> tuple[str, list[int]]:
-        """(display text, utf-8 bytes) of one token; a byte-level piece maps to its exact bytes."""
+        """(display text, utf-8 bytes) of one token; a byte-level piece, or a <0xXX> byte-fallback token, maps to
+        its exact bytes."""
         hit = self._memo.get(tid)
         if hit is not None:
             return hit
         piece = self.tokenizer.id_to_token(tid) or ""
-        if piece and all(ch in _BYTE_DECODER for ch in piece):
+        raw = None
+        if not self.tokenizer.byte_level:
+            if _SPM_BYTE.fullmatch(piece):  # a byte-fallback token
+                raw = bytes([int(piece[3:5], 16)])
+        elif piece and all(ch in _BYTE_DECODER for ch in piece):
             raw = bytes(_BYTE_DECODER[ch] for ch in piece)
+        if raw is not None:
             text = raw.decode("utf-8", errors="replace")
             out = (text if "\ufffd" not in text else self.tokenizer.token_text(tid), list(raw))
+        elif not self.tokenizer.byte_level:  # SentencePiece-style: the piece is its text, U+2581 a space
+            text = piece.replace("\u2581", " ")
+            out = (text, list(text.encode("utf-8")))
         else:
             text = self.tokenizer.token_text(tid)
             out = (text, list(text.encode("utf-8")))

@@ -51,18 +51,22 @@ def template_takes_tools(template: ChatTemplate) -> bool:
     return "tools" in names
 
 
-#: schema keywords whose value is one subschema, a list of them, or a name -> subschema map
-_ONE = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames",
-        "unevaluatedItems")
-_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
-_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+#: keywords whose subschemas describe other values than the object itself (items, property values, definitions)
+_ONE = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames", "unevaluatedItems")
+_LIST = ("prefixItems",)
+_MAP = ("properties", "patternProperties", "$defs", "definitions")
+#: keywords that test the same object with other subschemas: beside them an object's own properties are not
+#: all it may have (allOf's parts add properties; if/then/else, not, $ref test them)
+_SAME_OBJECT = ("allOf", "not", "if", "then", "else", "$ref", "dependentSchemas")
+_EITHER = ("anyOf", "oneOf")  # alternatives: each a whole schema of the object, unless properties sit beside them
 
 
 def closed_schema(schema: Any) -> Any:
     """``schema`` with every object that declares ``properties`` closed to others (``additionalProperties:
-    false``), unless it says itself what else it allows; everything else as it is. Without it a grammar
-    lets a call carry keys the function does not take (a small model copies the schema's own ``type`` and
-    ``required`` into its arguments)."""
+    false``), where those properties are all the object may have: not where it says itself what else it allows,
+    nor where allOf, if/then/else, not, $ref or alternatives beside its properties describe the same object (that
+    would forbid what they add). Without it a grammar lets a call carry keys the function does not take (a small
+    model copies the schema's own ``type`` and ``required`` into its arguments)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -75,7 +79,12 @@ def closed_schema(schema: Any) -> Any:
     for key in _MAP:
         if isinstance(out.get(key), dict):
             out[key] = {name: closed_schema(s) for name, s in out[key].items()}
-    if isinstance(out.get("properties"), dict) and not any(
+    own = isinstance(out.get("properties"), dict)
+    for key in _EITHER:
+        if isinstance(out.get(key), list) and not own:
+            out[key] = [closed_schema(s) for s in out[key]]
+    composed = any(k in out for k in (*_SAME_OBJECT, *_EITHER))
+    if own and not composed and not any(
             k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
         out["additionalProperties"] = False
     return out

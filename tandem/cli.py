@@ -48,10 +48,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     tok = loaded.tokenizer
     if args.raw:
-        prompt_ids = tok.encode(args.message)
+        prompt_ids = tok.encode_prompt(args.message)
     else:
         text = loaded.chat_template.render([{"role": "user", "content": args.message}])
-        prompt_ids = tok.encode(text)
+        prompt_ids = tok.encode_prompt(text)
     engine = LLMEngine(loaded, EngineConfig(dtype=args.dtype, device=args.device, num_blocks=args.num_blocks))
     try:
         engine.check_request(prompt_ids, params)

@@ -246,6 +246,7 @@ class Plan:
     #: the metrics ports were ours to choose (not an explicit --metrics-port-base): one taken in the meantime
     #: moves to a free one (a worker's --metrics-port-fallback; the scaler's too)
     metrics_fallback: bool = True
+    autoscale_port_picked: bool = True  # neither --autoscale-metrics-port nor --metrics-port-base chose it
     defaults: str = ""  # what a request that leaves max_tokens or sampling fields out gets, in words
 
 
@@ -501,6 +502,7 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         autoscale_metrics_port=(args.autoscale_metrics_port or ports[-1]) if scaling is not None else None,
         gateway_id=gateway_id,
         metrics_fallback=not args.metrics_port_base,
+        autoscale_port_picked=not (args.autoscale_metrics_port or args.metrics_port_base),
     )
 
 
@@ -730,7 +732,7 @@ class Autoscaling:
             try:
                 self._server, _ = start_http_server(port or 0, addr=self.plan.host, registry=self.metrics.registry)
             except OSError as e:  # a port we picked, taken since: any free one
-                if not (self.plan.metrics_fallback and e.errno == errno.EADDRINUSE):
+                if not (self.plan.autoscale_port_picked and e.errno == errno.EADDRINUSE):
                     raise
                 self._server, _ = start_http_server(0, addr=self.plan.host, registry=self.metrics.registry)
                 self.plan.autoscale_metrics_port = int(self._server.server_address[1])

@@ -162,6 +162,24 @@ def test_q6_k_requantized_to_q8_0_within_a_quarter_of_its_step():
     assert (err <= step * 0.5 + 1e-6).all()
 
 
+def test_gemma3_config_json_as_transformers_4_writes_it(tiny, tmp_path):
+    """No rope_parameters, no head_dim or tie_word_embeddings (their defaults were left out): the local layers
+    still get rope_local_base_freq, the head is tied, head_dim is Gemma 3's 256."""
+    import json
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny["gemma3"], old)
+    cfg = json.loads((old / "config.json").read_text())
+    for key in ("rope_parameters", "head_dim", "tie_word_embeddings", "layer_types"):
+        cfg.pop(key, None)
+    (old / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                                 "sliding_window_pattern": 6, "num_hidden_layers": 8}))
+    got = load_text(str(old)).config
+    assert (got.rope_theta, got.rope_local_theta, got.head_dim, got.tie_embeddings) == (1e6, 1e4, 256, True)
+    assert got.local_layers == (0, 1, 2, 3, 4, 6, 7) and got.attn_scale == pytest.approx(24 ** -0.5)
+
+
 def test_unsupported_family_and_settings_named(tiny, tmp_path):
     import json
     import shutil

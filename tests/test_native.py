@@ -72,6 +72,26 @@ def test_paged_attention_matches_sdpa_over_each_sequences_own_blocks(d):
     assert torch.equal(alone[0], got[1])
 
 
+@pytest.mark.parametrize("d", [64, 12])  # the vector path and the portable one (d not a multiple of 8)
+def test_windowed_paged_attention_sees_only_the_last_window_tokens(d):
+    """A sliding-window layer's rows (window 20, not a multiple of the 16-token block) over contexts of 1 to 100
+    tokens, some starting mid-block: each row equals SDPA over its own last 20 tokens, gathered from the pool."""
+    torch.manual_seed(3)
+    heads, kv_heads, bs, window = 4, 2, 16, 20
+    lens = torch.tensor([1, 19, 20, 21, 37, 64, 100])
+    blocks = 8
+    kc, vc = torch.randn(2 * blocks + 4, bs, kv_heads, d), torch.randn(2 * blocks + 4, bs, kv_heads, d)
+    tables = torch.stack([torch.randperm(2 * blocks + 4)[:blocks] for _ in lens])
+    q = torch.randn(len(lens), heads * d)
+    got = native.paged_attention(q, kc, vc, tables, torch.arange(len(lens)), lens, heads, 0.3, window)
+    for r, n in enumerate(lens.tolist()):
+        ks = kc[tables[r]].flatten(0, 1)[max(0, n - window):n]
+        vs = vc[tables[r]].flatten(0, 1)[max(0, n - window):n]
+        want = F.scaled_dot_product_attention(q[r].view(1, heads, 1, d), ks.transpose(0, 1).unsqueeze(0),
+                                              vs.transpose(0, 1).unsqueeze(0), scale=0.3, enable_gqa=True)
+        assert torch.allclose(got[r], want.reshape(-1), atol=1e-5), (d, n)
+
+
 def test_argmax_is_torchs_with_ties_infinities_and_nans():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 49152 + 5, generator=g)  # a tail past the last 8

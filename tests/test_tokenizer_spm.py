@@ -190,6 +190,19 @@ def test_synthetic_space_prefix():
     assert _pieces(tok, "ab<start_of_turn>a") == [SP + "ab", "<start_of_turn>", SP + "a"]
 
 
+def test_logprob_bytes_of_sentencepiece_tokens():
+    """TokenBytes (logprobs, /tokenize's token_strs): a <0xXX> token is its byte, a piece its text with U+2581 as a
+    space -- not GPT-2's byte alphabet, whose letters (é, ł, Ġ) are ordinary characters here."""
+    from gateway.textmodel import TokenBytes
+
+    tok = TextTokenizer.from_gguf_fields(_synthetic())
+    assert not tok.byte_level
+    token_bytes = TokenBytes(tok)
+    vocab = tok.tok.get_vocab()
+    assert token_bytes(vocab["<0x0A>"]) == ("\n", [10])
+    assert token_bytes(vocab[SP + "ab"]) == (" ab", [32, 97, 98])
+
+
 def test_add_bos_flag():
     assert not TextTokenizer.from_gguf_fields(_synthetic(**{"tokenizer.ggml.add_bos_token": False})).add_bos
     tok = TextTokenizer.from_gguf_fields(_synthetic(**{"tokenizer.ggml.add_bos_token": False}))

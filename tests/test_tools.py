@@ -116,6 +116,21 @@ def test_closed_schema_closes_declared_objects_only() -> None:
     assert "additionalProperties" not in schema  # the request's own schema is left as it was
 
 
+def test_closed_schema_leaves_composed_objects_open() -> None:
+    """Where allOf, alternatives or if/not beside `properties` describe the same object, closing it would forbid
+    what they add: such a schema keeps every object an instance could satisfy before."""
+    import jsonschema
+
+    mixed = {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}},
+             "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                       {"properties": {"y": {"type": "string"}}, "required": ["y"]}]}
+    parts = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                       {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    for schema, instance in ((mixed, {"kind": "a", "x": 1}), (parts, {"a": 1, "b": 2})):
+        jsonschema.validate(instance, closed_schema(schema))
+    assert closed_schema(mixed) == mixed and closed_schema(parts) == parts
+
+
 def test_generic_rendering_of_tools_calls_and_results() -> None:
     tools = ToolSet([WEATHER], "auto")
     messages = [{"role": "user", "content": "Weather in Paris?"},

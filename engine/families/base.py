@@ -36,6 +36,7 @@ class Family:
     hf_layer_names: dict[str, str] = field(default_factory=lambda: dict(LLAMA_LAYER_NAMES))
     gguf_permuted_qk: bool = False  # llama.cpp stores Q/K rows permuted for interleaved RoPE (arch "llama" only)
     hf_norm_offset: float = 0.0  # added to every norm weight of a Hugging Face checkpoint (Gemma: 1 + w)
+    hf_tied_default: bool = False  # tie_word_embeddings where config.json leaves it out (its config class's default)
     chat_template: str | None = None  # when the files carry none (None: ChatML)
 
 

@@ -7,6 +7,7 @@ from engine.families.base import Family, FamilyConfigError, local_layers_of, rop
 
 PATTERN = 6  # every sixth layer is global (llama.cpp's set_swa_pattern(6), transformers' sliding_window_pattern)
 LOCAL_ROPE_THETA = 10000.0  # llama.cpp: rope_freq_base_train_swa; transformers: rope_local_base_freq
+HEAD_DIM = 256  # Gemma3TextConfig's default, which a config.json written by transformers 4.x leaves out
 
 _GRAPH = {"qk_norm": True, "sandwich_norms": True, "activation": "gelu_tanh"}
 
@@ -39,11 +40,14 @@ def _hf(c: dict) -> dict:
         raise FamilyConfigError(f"hidden_activation {c['hidden_activation']!r}: only gelu_pytorch_tanh is implemented")
     layers = c["num_hidden_layers"]
     local = local_layers_of(c, layers, PATTERN) if c.get("sliding_window") else ()
-    out = {**_GRAPH, "embed_scale": c["hidden_size"] ** 0.5,
-           "attn_scale": float(c.get("query_pre_attn_scalar") or c["head_dim"]) ** -0.5,
+    head_dim = c.get("head_dim") or HEAD_DIM
+    # transformers 5 writes rope_parameters per layer kind; 4.x configs say rope_theta and rope_local_base_freq
+    sliding = (c.get("rope_parameters") or {}).get("sliding_attention") or {}
+    out = {**_GRAPH, "embed_scale": c["hidden_size"] ** 0.5, "head_dim": head_dim,
+           "attn_scale": float(c.get("query_pre_attn_scalar") or head_dim) ** -0.5,
            "sliding_window": int(c.get("sliding_window") or 0), "local_layers": local,
            "rope_theta": rope_theta_of(c, "full_attention", 1e6),
-           "rope_local_theta": rope_theta_of(c, "sliding_attention", c.get("rope_local_base_freq", LOCAL_ROPE_THETA))}
+           "rope_local_theta": float(sliding.get("rope_theta") or c.get("rope_local_base_freq") or LOCAL_ROPE_THETA)}
     full = (c.get("rope_parameters") or {}).get("full_attention")
     if isinstance(full, dict) and full.get("rope_type", "default") != "default":
         out["rope_scaling"] = full
@@ -87,5 +91,6 @@ GEMMA3 = Family(
         "mlp.down_proj.weight": "w_down",
     },
     hf_norm_offset=1.0,
+    hf_tied_default=True,
     chat_template=CHAT_TEMPLATE,
 )

@@ -7,7 +7,10 @@ def _windows(c: dict) -> dict:
     """Qwen's sliding window applies only with use_sliding_window (no released model turns it on)."""
     if not c.get("use_sliding_window"):
         return {}
-    local = local_layers_of(c, c["num_hidden_layers"])
+    layers = c["num_hidden_layers"]
+    # without layer_types (configs before transformers 5): the layers from max_window_layers on
+    local = local_layers_of(c, layers) if c.get("layer_types") \
+        else tuple(range(c.get("max_window_layers", layers), layers))
     if local and not c.get("sliding_window"):
         raise FamilyConfigError("use_sliding_window without a sliding_window size")
     return {"sliding_window": int(c["sliding_window"]), "local_layers": local} if local else {}
