@@ -324,17 +324,20 @@ def _span_attention(q, k, v, kc, vc, span: PrefillSpan, out: torch.Tensor, scale
     sl = slice(span.start, span.start + span.length)
     qs = q[sl].transpose(0, 1).unsqueeze(0)
     past = span.context - span.length
+    lo = 0  # the first token any row of the chunk sees: past the window of its first row, from its block on
     if span.context == span.length:  # nothing cached: attend to the chunk itself
         ks, vs = k[sl], v[sl]
     else:
         bs = kc.shape[1]
-        blk = span.blocks[: (span.context + bs - 1) // bs]
-        ks = kc[blk].flatten(0, 1)[: span.context].to(q.dtype)
-        vs = vc[blk].flatten(0, 1)[: span.context].to(q.dtype)
+        first = max(0, past + 1 - window) // bs if window else 0
+        blk = span.blocks[first: (span.context + bs - 1) // bs]
+        lo = first * bs
+        ks = kc[blk].flatten(0, 1)[: span.context - lo].to(q.dtype)
+        vs = vc[blk].flatten(0, 1)[: span.context - lo].to(q.dtype)
     mask, causal = None, True
     if past or (window and span.context > window):
         qi = torch.arange(span.length, device=q.device).unsqueeze(1) + past
-        kj = torch.arange(span.context, device=q.device).unsqueeze(0)
+        kj = torch.arange(lo, span.context, device=q.device).unsqueeze(0)
         mask, causal = kj <= qi, False
         if window:
             mask &= kj > qi - window

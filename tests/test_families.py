@@ -61,7 +61,8 @@ def check_engine(loaded, expected: torch.Tensor, ids: list[int], atol: float) ->
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < atol
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.95
-    torch.testing.assert_close(engine_logits(engine, ids, split=21), got, atol=1e-3, rtol=1e-3)
+    for split in (21, 40):  # at 40 the tiny Gemma's local layers skip the first block (window 16)
+        torch.testing.assert_close(engine_logits(engine, ids, split=split), got, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(decode_logits(engine, ids), got[-1], atol=1e-3, rtol=1e-3)
     engine.blocks.check_idle()
 
