@@ -340,8 +340,7 @@ def gguf_text(path: Path, digest: str):
     bos = fields.get("tokenizer.ggml.bos_token_id")
     eos = fields.get("tokenizer.ggml.eos_token_id")
     template = ChatTemplate(
-        fields.get("tokenizer.chat_template") or families.by_gguf_arch(fields["general.architecture"]).chat_template
-        or CHATML,
+        fields.get("tokenizer.chat_template") or families.by_name(cfg.family).chat_template or CHATML,
         bos_token=tokens[bos] if bos is not None else "",
         eos_token=tokens[eos] if eos is not None else "",
     )
@@ -483,9 +482,8 @@ def hf_text(path: Path) -> ModelText:
         v = tc.get(key) or ""
         return v.get("content", "") if isinstance(v, dict) else v
 
-    family = families.by_hf_config(json.loads((path / "config.json").read_text()))
-    template = ChatTemplate(template_src or family.chat_template or CHATML, bos_token=tok_str("bos_token"),
-                            eos_token=tok_str("eos_token"))
+    template = ChatTemplate(template_src or families.by_name(cfg.family).chat_template or CHATML,
+                            bos_token=tok_str("bos_token"), eos_token=tok_str("eos_token"))
     return ModelText(cfg, tok, template, f"{path.name}-{digest.hexdigest()[:12]}", path, False, sampling)
 
 

@@ -168,21 +168,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def pick_ports(base: int, count: int, taken: set[int]) -> list[int]:
-    """``count`` free ports: the first free ones from ``base`` up, or any free ones when ``base`` is 0."""
+def free_ports(count: int, avoid: set[int], host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports the OS says are free on ``host``, none of them in ``avoid``."""
     out: list[int] = []
-    port = base
     while len(out) < count:
-        if base == 0:
-            p = free_port()
-            if p not in taken and p not in out:
-                out.append(p)
-            continue
-        if port > 65535:
-            raise UpError(f"no free metrics ports from {base} up")
-        if port not in taken and port_free(port):
-            out.append(port)
-        port += 1
+        p = free_port(host)
+        if p not in avoid and p not in out:
+            out.append(p)
     return out
 
 
@@ -198,20 +190,19 @@ def metrics_ports(base: int | None, count: int, taken: set[int], host: str,
     0: any free ports; else ``base`` and the ports after it, which must be free (UpError names a busy one)."""
     bind = _bind_host(host)
     if base == 0:
-        return pick_ports(0, count, taken)
+        return free_ports(count, taken)
     start = DEFAULT_METRICS_BASE if base is None else base
+    wanted = range(start, start + count)
     out: list[int] = []
     moved: list[tuple[int, int]] = []
-    for port in range(start, start + count):
+    for port in wanted:
         if port not in taken and port_free(port, bind):
             out.append(port)
             continue
         if base is not None:
             raise UpError(f"metrics port {port} (--metrics-port-base {base}, {count} port{'s' if count > 1 else ''}) "
                           "is busy; pass --metrics-port-base 0 for any free ports, or stop what listens there")
-        free = free_port(bind)
-        while free in taken or free in out or start <= free < start + count:
-            free = free_port(bind)
+        free = free_ports(1, taken | set(out) | set(wanted), bind)[0]
         out.append(free)
         moved.append((port, free))
     if moved:

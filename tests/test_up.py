@@ -7,6 +7,7 @@ worker restarted after SIGKILL in tests/test_gateway_aggregated.py; the fault su
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -29,7 +31,7 @@ from runtime.processes import (
     describe_exit,
     stop_all,
 )
-from tandem.up import DEFAULT_METRICS_BASE, Member, UpError, metrics_ports, pick_ports, port_free
+from tandem.up import DEFAULT_METRICS_BASE, Member, UpError, free_ports, metrics_ports, port_free
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,24 +43,24 @@ def test_describe_exit() -> None:
     assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
 
 
-def test_pick_ports_skips_busy_and_taken() -> None:
+@contextlib.contextmanager
+def held_port() -> Iterator[int]:
+    """A port something listens on, for as long as the block runs."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        busy = s.getsockname()[1]
+        yield s.getsockname()[1]
+
+
+def test_free_ports_are_distinct_free_and_avoid_the_taken() -> None:
+    with held_port() as busy:
         assert not port_free(busy)
-        ports = pick_ports(busy, 2, {busy + 1})
-        assert busy not in ports and busy + 1 not in ports and len(set(ports)) == 2
-        assert all(p > busy for p in ports)
-    anyp = pick_ports(0, 3, set())
-    assert len(set(anyp)) == 3
+        ports = free_ports(3, {busy})
+        assert busy not in ports and len(set(ports)) == 3 and all(port_free(p) for p in ports)
 
 
 def test_gateway_port_default_moves_aside_an_explicit_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        busy = s.getsockname()[1]
+    with held_port() as busy:
         monkeypatch.setattr(tandem.up, "DEFAULT_PORT", busy)
         warnings: list[str] = []
         port = tandem.up._gateway_port(argparse.Namespace(port=None, host="127.0.0.1"), warnings.append)
@@ -70,10 +72,7 @@ def test_gateway_port_default_moves_aside_an_explicit_one_does_not(monkeypatch: 
 
 
 def test_metrics_ports_default_moves_aside_an_explicit_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        busy = s.getsockname()[1]
+    with held_port() as busy:
         monkeypatch.setattr(tandem.up, "DEFAULT_METRICS_BASE", busy)
         warnings: list[str] = []
         ports = metrics_ports(None, 1, {8000}, "127.0.0.1", warnings.append)
@@ -93,10 +92,7 @@ def test_a_worker_whose_metrics_port_was_taken_serves_on_another_and_says_where(
 
     from runtime.health import WorkerHealth, metrics_at_line, serve_worker_http
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        busy = s.getsockname()[1]
+    with held_port() as busy:
         with pytest.raises(OSError):
             serve_worker_http(busy, "127.0.0.1", WorkerHealth())
         server = serve_worker_http(busy, "127.0.0.1", WorkerHealth(), any_port_if_busy=True)

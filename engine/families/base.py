@@ -17,6 +17,9 @@ LLAMA_LAYER_NAMES = {
     "mlp.up_proj.weight": "w_up",
     "mlp.down_proj.weight": "w_down",
 }
+#: the same for the per-head q/k norms (Qwen3, Gemma 3) and the Q/K/V biases (Qwen2, Qwen3 with attention_bias)
+QK_NORM_NAMES = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
+QKV_BIAS_NAMES = {"self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv"}
 
 
 class FamilyConfigError(ValueError):
@@ -55,5 +58,10 @@ def local_layers_of(c: dict, layers: int, pattern: int = 0) -> tuple[int, ...]:
     if types:
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     pattern = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or pattern
-    return tuple(i for i in range(layers) if (i + 1) % pattern) if pattern else ()
+    return all_but_every(pattern, layers) if pattern else ()
+
+
+def all_but_every(pattern: int, layers: int) -> tuple[int, ...]:
+    """Every layer but each `pattern`-th: the sliding-window ones of an interleaved model."""
+    return tuple(i for i in range(layers) if (i + 1) % pattern)
 

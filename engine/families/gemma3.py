@@ -3,7 +3,15 @@ attention and MLP; RMSNorm of each query and key head; a GELU(tanh)-gated MLP; f
 (RoPE base 10k) to each global one (1M); a tied head. Checked against llama.cpp's gemma3 graph and
 transformers' modeling_gemma3."""
 
-from engine.families.base import Family, FamilyConfigError, local_layers_of, rope_theta_of
+from engine.families.base import (
+    LLAMA_LAYER_NAMES,
+    QK_NORM_NAMES,
+    Family,
+    FamilyConfigError,
+    all_but_every,
+    local_layers_of,
+    rope_theta_of,
+)
 
 PATTERN = 6  # every sixth layer is global (llama.cpp's set_swa_pattern(6), transformers' sliding_window_pattern)
 LOCAL_ROPE_THETA = 10000.0  # llama.cpp: rope_freq_base_train_swa; transformers: rope_local_base_freq
@@ -21,7 +29,7 @@ def _gguf(fields: dict, arch: str) -> dict:
     head_dim = fields.get(f"{arch}.attention.key_length", hidden // heads)
     pattern = fields.get(f"{arch}.attention.sliding_window_pattern", PATTERN)
     local = tuple(i for i, swa in enumerate(pattern) if swa) if isinstance(pattern, list) \
-        else tuple(i for i in range(layers) if (i + 1) % pattern)
+        else all_but_every(pattern, layers)
     # llama.cpp: the 27B model (62 layers) scales by its query_pre_attn_scalar = hidden / heads, the others by head_dim
     scale = (hidden / heads) ** -0.5 if layers == 62 else head_dim ** -0.5
     return {**_GRAPH, "embed_scale": hidden ** 0.5, "attn_scale": scale,
@@ -75,21 +83,9 @@ GEMMA3 = Family(
     hf_model_types=("gemma3_text",),
     gguf_config=_gguf,
     hf_config=_hf,
-    hf_layer_names={
-        "input_layernorm.weight": "attn_norm",
-        "post_attention_layernorm.weight": "post_attn_norm",
-        "pre_feedforward_layernorm.weight": "ffn_norm",
-        "post_feedforward_layernorm.weight": "post_ffn_norm",
-        "self_attn.q_proj.weight": "wq",
-        "self_attn.k_proj.weight": "wk",
-        "self_attn.v_proj.weight": "wv",
-        "self_attn.o_proj.weight": "wo",
-        "self_attn.q_norm.weight": "q_norm",
-        "self_attn.k_norm.weight": "k_norm",
-        "mlp.gate_proj.weight": "w_gate",
-        "mlp.up_proj.weight": "w_up",
-        "mlp.down_proj.weight": "w_down",
-    },
+    # Gemma's post_attention_layernorm norms the attention output; its MLP has norms of its own before and after
+    hf_layer_names={**LLAMA_LAYER_NAMES, **QK_NORM_NAMES, "post_attention_layernorm.weight": "post_attn_norm",
+                    "pre_feedforward_layernorm.weight": "ffn_norm", "post_feedforward_layernorm.weight": "post_ffn_norm"},
     hf_norm_offset=1.0,
     hf_tied_default=True,
     chat_template=CHAT_TEMPLATE,

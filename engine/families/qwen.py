@@ -1,6 +1,13 @@
 """Qwen2 (biases on Q/K/V) and Qwen3 (RMSNorm of each query and key head): Llama's graph otherwise."""
 
-from engine.families.base import LLAMA_LAYER_NAMES, Family, FamilyConfigError, local_layers_of
+from engine.families.base import (
+    LLAMA_LAYER_NAMES,
+    QK_NORM_NAMES,
+    QKV_BIAS_NAMES,
+    Family,
+    FamilyConfigError,
+    local_layers_of,
+)
 
 
 def _windows(c: dict) -> dict:
@@ -23,8 +30,7 @@ QWEN2 = Family(
     hf_model_types=("qwen2",),
     gguf_config=lambda fields, arch: {"qkv_bias": True},
     hf_config=lambda c: {"qkv_bias": True, **_windows(c)},
-    hf_layer_names={**LLAMA_LAYER_NAMES, "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk",
-                    "self_attn.v_proj.bias": "bv"},
+    hf_layer_names={**LLAMA_LAYER_NAMES, **QKV_BIAS_NAMES},
 )
 
 QWEN3 = Family(
@@ -34,6 +40,5 @@ QWEN3 = Family(
     hf_model_types=("qwen3",),
     gguf_config=lambda fields, arch: {"qk_norm": True},
     hf_config=lambda c: {"qk_norm": True, "qkv_bias": bool(c.get("attention_bias")), **_windows(c)},
-    hf_layer_names={**LLAMA_LAYER_NAMES, "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
-                    "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv"},
+    hf_layer_names={**LLAMA_LAYER_NAMES, **QK_NORM_NAMES, **QKV_BIAS_NAMES},
 )
