@@ -44,7 +44,9 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
-    cluster = TandemUp(tmp_path_factory.mktemp("page"), "--stop-timeout", "10",
+    # a killed worker comes back after 8 s, not 1: long enough past the gateway's 3 s of silence for the page to
+    # show it dead (with the default 1 s and a warm start it could be back before the page's next look)
+    cluster = TandemUp(tmp_path_factory.mktemp("page"), "--stop-timeout", "10", "--restart-delay", "8",
                        "--worker-args", "--num-blocks 512 --local-prefill-max-tokens 16",
                        env={"TANDEM_API_KEYS": KEY})
     cluster.start(300)
