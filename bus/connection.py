@@ -450,8 +450,7 @@ async def connect(
         try:
             connect_task.result()
         except (nats.errors.Error, OSError, asyncio.TimeoutError) as e:
-            with contextlib.suppress(nats.errors.Error, OSError):
-                await nc.close()
+            await _abandon(nc, name)
             raise BusConnectError(f"cannot connect {name!r} to NATS at {opts.display_servers}: {e!r}") from e
         connected.set()
         state["url"], state["netloc"] = _url_of(nc), _netloc_of(nc)
@@ -461,8 +460,7 @@ async def connect(
     connect_task.cancel()
     with contextlib.suppress(asyncio.CancelledError, nats.errors.Error, OSError):
         await connect_task
-    with contextlib.suppress(nats.errors.Error, OSError):
-        await nc.close()
+    await _abandon(nc, name)
     if first_error in done:
         err = first_error.result()
         raise BusConnectError(f"NATS at {opts.display_servers} refused {name!r}: {err}") from err
@@ -471,6 +469,20 @@ async def connect(
     raise BusConnectError(
         f"no NATS server reachable at {opts.display_servers} within {opts.connect_timeout:.1f}s{why}"
     )
+
+
+async def _abandon(nc: Client, name: str, deadline: float = 2.0) -> None:
+    """Close a connection that never came up, within a deadline.
+
+    A TLS server that drops a handshake it refused (no client certificate) can leave the SSL transport's
+    close waiter unresolved, so an unbounded close would turn a refusal into a hang.
+    """
+    try:
+        await asyncio.wait_for(nc.close(), deadline)
+    except asyncio.TimeoutError:
+        log.debug("nats %s: closing the failed connection took over %.1fs; left to the loop", name, deadline)
+    except (nats.errors.Error, OSError) as e:
+        log.debug("nats %s: closing the failed connection: %r", name, e)
 
 
 def _url_of(nc: Client) -> str:
