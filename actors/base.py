@@ -43,6 +43,7 @@ from bus.publish import publish, publish_kept, request, respond
 from bus.replay import SentLog
 from bus.streams import claim, ensure_streams, fetch_one, pull_subscription
 from bus.subjects import Subjects, check_subject
+from engine import native
 from engine.engine import EngineConfig, LLMEngine, StepOutput
 from engine.loader import LoadedModel
 from engine.model_files import model_name
@@ -423,7 +424,7 @@ class WorkerActor:
             queued=e.num_waiting, free_blocks=e.blocks.num_free, total_blocks=e.blocks.num_blocks,
             prefix_hit_rate=e.blocks.hit_rate(), uptime=time.time() - self.started,
             incarnation=self.incarnation, max_batch=self.s.max_batch, draining=self.draining,
-            prefix_cache=self.s.enable_prefix_cache,
+            prefix_cache=self.s.enable_prefix_cache, kernels=native.kernel_path(),
         )
 
     # ---------------------------------------------------------------- plumbing
@@ -482,6 +483,7 @@ class WorkerActor:
             "layout": self.layout.describe(), "metrics_url": self.metrics_url,
             "kv_transfer": self.transfer.name, "started": str(self.started), "restarts": str(self.s.restarts),
             "device": self.s.device, "cpus": format_cpus(available_cpus()), "threads": str(self.s.threads),
+            "kernels": native.kernel_path(),
         }
 
     async def _register_service(self):

@@ -1,7 +1,8 @@
 """Engine micro-benchmark: weight formats side by side, and llama.cpp's server on the same GGUF.
 
     python -m bench.engine [--quantization none,auto] [--batches 1,8,32,64] [--prefill 128,512,2048]
-                           [--threads N] [--rounds 3] [--torch-ops] [--baseline REV] [--write]
+                           [--threads N] [--rounds 3] [--kernels avx512_bf16,avx2] [--torch-ops]
+                           [--baseline REV] [--write]
 
 For each measure, every engine (one per `--quantization`; with `--torch-ops` a second one per format that runs
 torch's operations in place of `engine.native`'s) and `llama-server` (when it can be started,
@@ -11,7 +12,10 @@ so drift on a shared machine hits every column alike. Prefill tok/s is a whole p
 the engines taking turns a prompt each. Decode tok/s is timed over pure decode steps of a batch of 64-token
 prompts, the engines taking turns a step each (every engine holds its own batch), so that even a drift of
 seconds falls on all of them. llama-server reports its own `timings` (decode: the rates of concurrent
-requests added up) and takes its turn once a round.
+requests added up) and takes its turn once a round. Beside the figures: this CPU's peaks, measured in the
+same run (`engine.native.peaks`), and what each engine would do at them: a prompt token's matmul FLOPs at
+the peak of the precision its kernel path multiplies in, and a batch-1 step reading every weight once at the
+measured read bandwidth.
 """
 
 from __future__ import annotations
@@ -25,26 +29,15 @@ from collections.abc import Callable
 
 import torch
 
+from engine import native
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.model_files import DEFAULT_MODEL, model_name, resolve_model_path
+from engine.native import peaks
 from engine.params import SamplingParams
 
 DECODE_PROMPT = 64
 DECODE_STEPS = 16
-
-
-def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes per second of a warm single-process memcpy (torch copy_), median of `repeats`."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times)
 
 
 def _prompt(n: int, offset: int) -> list[int]:
@@ -59,11 +52,23 @@ def engine_prefill(engine: LLMEngine, n: int, seed: int) -> float:
     return n / (time.perf_counter() - t)
 
 
-class DecodeRun:
-    """`batch` 64-token prompts prefilled on `engine`, then decoded one timed step at a time."""
+def on_path(path: str | None, fn: Callable[[int], float]) -> Callable[[int], float]:
+    """`fn` run on kernel path `path` (engine.native.use_kernel_path; None: as it is)."""
+    def run(r: int) -> float:
+        if path:
+            native.use_kernel_path(path)
+        return fn(r)
+    return run
 
-    def __init__(self, engine: LLMEngine, batch: int, seed: int):
-        self.engine = engine
+
+class DecodeRun:
+    """`batch` 64-token prompts prefilled on `engine` (its matmuls on kernel path `path`, when given), then
+    decoded one timed step at a time."""
+
+    def __init__(self, engine: LLMEngine, batch: int, seed: int, path: str | None = None):
+        self.engine, self.path = engine, path
+        if path:
+            native.use_kernel_path(path)
         params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0.0, ignore_eos=True)
         self.seqs = [engine.add_request(f"d{batch}-{seed}-{i}", _prompt(DECODE_PROMPT, seed * 1000 + i), params)
                      for i in range(batch)]
@@ -75,6 +80,8 @@ class DecodeRun:
 
     def step(self) -> float:
         """Seconds of one decode step of the whole batch."""
+        if self.path:
+            native.use_kernel_path(self.path)
         t = time.perf_counter()
         out = self.engine.step()
         elapsed = time.perf_counter() - t
@@ -163,23 +170,37 @@ def _interleaved_decode(starts: dict[str, Callable[[int], DecodeRun]], whole: di
             **{name: statistics.median(v) for name, v in got.items()}}
 
 
+def linear_flops(engine: LLMEngine) -> int:
+    """Floating-point operations of a prompt token's matmuls (2 per weight; the LM head left out: a prompt
+    takes its logits at one token)."""
+    m = engine.model
+    layer_weights = (w for layer in m.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+    return sum(2 * w.out_features * w.in_features for w in layer_weights)
+
+
 def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: list[int], rounds: int,
-        peer: bool, plot: bool = False, torch_ops: bool = False, baseline: str | None = None) -> str:
+        peer: bool, plot: bool = False, torch_ops: bool = False, baseline: str | None = None,
+        kernel_paths: list[str] | None = None) -> str:
     engines: dict[str, LLMEngine] = {}
+    paths: dict[str, str | None] = {}  # column -> the kernel path its engine runs on (None: the process's)
+    on_kernels: dict[str, bool] = {}  # column -> its matmuls run on engine.native's int4/Q8_0 kernels
     budget = decode_step_budget(batches, prefills)
     facts: dict[str, dict[str, str]] = {}
     for mode in modes:
         cold, warm = start_times(model, dtype, mode)
         loaded = load_model(model, dtype, mode)
         name = f"{mode} ({loaded.quantization})" if loaded.quantization != mode else mode
-        for native_ops in (True, False) if torch_ops else (True,):
-            e = LLMEngine(loaded, EngineConfig(dtype=dtype, num_blocks=64 * 8 + 160, max_batch=max(batches),
-                                               max_step_tokens=budget, enable_prefix_cache=False))
-            e.model.native = e.model.native and native_ops
-            column = name if native_ops else f"{name}, torch ops"
-            engines[column] = e
-            facts[column] = {"weights (MB)": f"{weight_bytes(e) / 1e6:,.1f}",
-                             "load cold / warm (s)": f"{cold:.1f} / {warm:.2f}"}
+        quantized = loaded.quantization not in ("none", "fp16")
+        for path in (kernel_paths or [None]) if quantized else [None]:
+            for native_ops in (True, False) if torch_ops else (True,):
+                e = LLMEngine(loaded, EngineConfig(dtype=dtype, num_blocks=64 * 8 + 160, max_batch=max(batches),
+                                                   max_step_tokens=budget, enable_prefix_cache=False))
+                e.model.native = e.model.native and native_ops
+                column = name + (f" {path}" if path else "") + ("" if native_ops else ", torch ops")
+                engines[column], paths[column] = e, path
+                on_kernels[column] = quantized and e.model.native
+                facts[column] = {"weights (MB)": f"{weight_bytes(e) / 1e6:,.1f}",
+                                 "load cold / warm (s)": f"{cold:.1f} / {warm:.2f}"}
     old = None
     if baseline:
         from bench.baseline import Baseline
@@ -192,7 +213,8 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         llama = _start_llama(model, peer)
         columns = list(engines) + ([old_column] if old else []) + (["llama-server"] if llama else [])
         for n in prefills:
-            runners = {name: (lambda r, e=e, n=n: engine_prefill(e, n, 10 + r)) for name, e in engines.items()}
+            runners = {name: on_path(paths[name], lambda r, e=e, n=n: engine_prefill(e, n, 10 + r))
+                       for name, e in engines.items()}
             if old:
                 runners[old_column] = lambda r, n=n: old.prefill(n, 10 + r)
             if llama:
@@ -200,7 +222,7 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
             rows.append((f"prefill {n} tokens (prompt tok/s)", _interleaved(runners, rounds)))
         for b in batches:
             starts: dict[str, Callable[[int], DecodeRun]] = {
-                name: (lambda r, e=e, b=b: DecodeRun(e, b, 20 + r)) for name, e in engines.items()}
+                name: (lambda r, e=e, b=b, p=paths[name]: DecodeRun(e, b, 20 + r, p)) for name, e in engines.items()}
             if old:
                 starts[old_column] = lambda r, b=b: old.start_decode(b, 20 + r)
             whole = {}
@@ -218,7 +240,18 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
             old.stop()
     for e in engines.values():
         e.blocks.check_idle()
-    bw = copy_bandwidth()
+    if kernel_paths:
+        native.use_kernel_path(kernel_paths[0])
+    threads = torch.get_num_threads()
+    peak = peaks.measure(threads)
+    peak_one = peaks.measure(1) if threads > 1 else peak
+    for column, e in engines.items():  # what each engine could do at this machine's peaks
+        path = paths[column] or native.kernel_path()
+        bf16 = on_kernels[column] and path == "avx512_bf16"
+        flops = peak.bf16_flops if bf16 else peak.fp32_flops
+        facts[column]["prefill at the matmul peak (tok/s)"] = \
+            f"{flops / linear_flops(e):,.0f} ({'bfloat16' if bf16 else 'float32'})"
+        facts[column]["decode batch 1 at read bandwidth (tok/s)"] = f"{peak.read_bytes / weight_bytes(e):,.1f}"
     own = "" if model == DEFAULT_MODEL else f" --model {model}"
     lines = [
         "## Engine: weight formats" + (f" ({model})" if own else ""),
@@ -226,8 +259,10 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         f"`python -m bench.engine{own} --quantization {','.join(modes)}{' --torch-ops' if torch_ops else ''}"
         f"{' --baseline ' + baseline if baseline else ''}` on "
         f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {dtype}; copy bandwidth "
-        f"{bw / 1e9:.1f} GB/s this run. Medians of {rounds} rounds after a warm-up, engines taking turns: "
+        f"torch {torch.__version__}, {threads} threads, dtype {dtype}, kernel path "
+        f"{', '.join(kernel_paths) if kernel_paths else native.kernel_path()}. This CPU's peaks (`engine.native.peaks`) "
+        f"this run, {peak.describe()}" + (f"; {peak_one.describe()}" if threads > 1 else "") + ". "
+        f"Medians of {rounds} rounds after a warm-up, engines taking turns: "
         f"prefill a prompt each, decode a step each (of {rounds} x {DECODE_STEPS} steps; llama-server a round each)."
         + (" `, torch ops`: the same weights and matmul kernels with torch's operations in place of "
            "`engine.native`'s RMSNorm, RoPE + K/V write, attention and SiLU gate (and of its one call per layer)."
@@ -238,7 +273,8 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
     ]
     for label, values in rows:
         lines.append(f"| {label} | " + " | ".join(f"{values[c]:,.1f}" for c in columns) + " |")
-    for key in ("weights (MB)", "load cold / warm (s)", "RSS (MB)"):
+    for key in ("prefill at the matmul peak (tok/s)", "decode batch 1 at read bandwidth (tok/s)", "weights (MB)",
+                "load cold / warm (s)", "RSS (MB)"):
         if any(key in facts.get(c, {}) for c in columns):
             lines.append(f"| {key} | " + " | ".join(facts.get(c, {}).get(key, "") for c in columns) + " |")
     if plot:
@@ -279,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-llama-server", dest="peer", action="store_false", help="do not start llama-server")
     p.add_argument("--torch-ops", action="store_true",
                    help="also run each format with torch's operations in place of engine.native's C ones")
+    p.add_argument("--kernels", default="",
+                   help="kernel paths to compare for quantized weights, e.g. avx512_bf16,avx2 (default: the best here)")
     p.add_argument("--baseline", metavar="REV", help="also run the engine of commit REV (float32), side by side")
     p.add_argument("--write", action="store_true", help="update the section in docs/benchmarks.md")
     args = p.parse_args(argv)
@@ -286,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     report = run(args.model, args.dtype, args.quantization.split(","), [int(b) for b in args.batches.split(",")],
                  [int(n) for n in args.prefill.split(",")], args.rounds, args.peer, plot=args.write,
-                 torch_ops=args.torch_ops, baseline=args.baseline)
+                 torch_ops=args.torch_ops, baseline=args.baseline,
+                 kernel_paths=[k for k in args.kernels.split(",") if k])
     print(report)
     if args.write:
         from bench.report import write_section

@@ -43,6 +43,7 @@ class WorkerStatus:
     device: str = ""
     cpus: str = ""
     threads: int | None = None
+    kernels: str = ""  # engine.native.kernel_path() of the worker
     started: float | None = None
     restarts: int = 0
     running: int | None = None
@@ -167,6 +168,7 @@ def _worker_from_info(info: dict[str, Any]) -> WorkerStatus:
         device=md.get("device", ""),
         cpus=md.get("cpus", ""),
         threads=int(md["threads"]) if str(md.get("threads", "")).isdigit() else None,
+        kernels=md.get("kernels", ""),
         started=started,
         restarts=int(md["restarts"]) if str(md.get("restarts", "")).isdigit() else 0,
         stats_subject=subjects.get("stats", ""),

@@ -378,6 +378,8 @@ class WorkerStats(_Msg, tag="worker_stats", kw_only=True):
     deferred_prefills: NonNegInt = 0
     #: it keeps served prompts' blocks for later requests: only then does a router send it the same prefix again
     prefix_cache: bool = True
+    #: the path that multiplies many rows of its weights (engine.native.kernel_path: avx512_bf16, avx2, ...)
+    kernels: str = ""
     ts: float = msgspec.field(default_factory=time.time)
 
 

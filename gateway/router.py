@@ -273,5 +273,6 @@ class WorkerRegistry:
                 "total_blocks": s.total_blocks,
                 "max_batch": s.max_batch,
                 "draining": s.draining,
+                "kernels": s.kernels,
             })
         return out

@@ -54,6 +54,8 @@ def _placement(w: WorkerStatus) -> str:
     parts = [w.device] if w.device and w.device != "cpu" else []
     if w.cpus:
         parts.append(f"cores {w.cpus}" + (f" ×{w.threads}" if w.threads else ""))
+    if w.kernels:
+        parts.append(w.kernels)
     return " ".join(parts)
 
 
@@ -76,7 +78,8 @@ def format_table(status: Status) -> str:
         for r in rows:
             lines.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(r[:-1])) + "  " + r[-1])
         lines.append("LOAD: running/max batch +queued; BLOCKS USED: KV blocks in use/total; "
-                     "RESTARTS: by its supervisor (tandem up); PLACEMENT: device, cores ×torch threads")
+                     "RESTARTS: by its supervisor (tandem up); PLACEMENT: device, cores ×torch threads, "
+                     "kernel path")
     else:
         lines.append("no tandem worker answered (is one running, on this NATS and namespace?)")
     for path in status.paths:

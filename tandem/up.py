@@ -257,23 +257,23 @@ async def _ensure_streams(bus: BusOptions, model_name: str, namespace: str, time
         await nc.close()
 
 
-def _ready(url: str, expected: set[str], client: Any) -> tuple[bool, str]:
-    """(every expected worker reported and /ready is 200, what is still missing)."""
+def _ready(url: str, expected: set[str], client: Any) -> tuple[bool, str, dict[str, dict[str, Any]]]:
+    """(every expected worker reported and /ready is 200, what is still missing, the workers /ready lists)."""
     import httpx
 
     try:
         r = client.get(f"{url}/ready", timeout=2.0)
     except httpx.HTTPError as e:
-        return False, f"gateway not answering yet ({type(e).__name__})"
+        return False, f"gateway not answering yet ({type(e).__name__})", {}
     try:
         body = r.json()
     except ValueError:
-        return False, f"/ready answered {r.status_code} without JSON"
-    seen = {w.get("worker_id") for w in body.get("workers", []) if w.get("age_s", 99) < 5}
-    missing = sorted(expected - seen)
+        return False, f"/ready answered {r.status_code} without JSON", {}
+    workers = {w.get("worker_id"): w for w in body.get("workers", []) if w.get("age_s", 99) < 5}
+    missing = sorted(expected - set(workers))
     if r.status_code == 200 and not missing:
-        return True, ""
-    return False, f"waiting for {', '.join(missing) or 'a decode worker'}"
+        return True, "", workers
+    return False, f"waiting for {', '.join(missing) or 'a decode worker'}", workers
 
 
 @dataclass
@@ -629,7 +629,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
                     return 0
                 if not cluster.check():
                     return 1
-                ok, why = _ready(url, expected, client)
+                ok, why, workers = _ready(url, expected, client)
                 if ok:
                     break
                 now = time.monotonic()
@@ -647,7 +647,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
                 plan, wid, role, mport, nats_url, logging_args, login(wid), echo), bus,
                 args.autoscale_cooldown, args.autoscale_interval)
             scaling.start()
-        _announce(cluster, plan, url, nats_url)
+        _announce(cluster, plan, url, nats_url, {w: str(info.get("kernels") or "") for w, info in workers.items()})
         ready_file = Path(args.ready_file) if args.ready_file else None
         if ready_file is not None:
             _write_ready_file(ready_file, cluster, plan, url, nats_url)
@@ -889,7 +889,8 @@ def _describe_scaling(plan: Plan) -> str:
                      for role, p in plan.autoscale.items())
 
 
-def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
+def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str, kernels: dict[str, str]) -> None:
+    """The ready table; `kernels`: each worker's matmul path (engine.native.kernel_path), as /ready lists it."""
     body = json.dumps({"model": plan.served_name,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     cluster.say(f"tandem is up: model {plan.served_name}")
@@ -906,6 +907,8 @@ def _announce(cluster: Cluster, plan: Plan, url: str, nats_url: str) -> None:
     for m in cluster.members:
         where = f"metrics :{m.metrics_port}" if m.metrics_port else f"metrics {url}/metrics"
         place = plan.placements[m.name].describe() if m.name in plan.placements else "any core"
+        if kernels.get(m.name):
+            place += f", kernels {kernels[m.name]}"
         cluster.say(f"  {m.name:<14} {m.role:<19} pid {m.child.pid:<8} {where:<15} {place}")
     if plan.autoscale is not None:
         cluster.say(f"  autoscale   {_describe_scaling(plan)}; metrics "

@@ -19,6 +19,44 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def kernel_paths() -> list[str]:
+    """The kernel paths this machine and build have (engine.native.KERNEL_PATHS, best first); ["torch"]
+    without the library."""
+    from engine import native
+
+    if not native.available():
+        return ["torch"]
+    here = native.kernel_path()
+    found = []
+    for path in native.KERNEL_PATHS:
+        try:
+            native.use_kernel_path(path)
+            found.append(path)
+        except ValueError:
+            continue
+    native.use_kernel_path(here)
+    return found
+
+
+PANEL_TOLERANCE = {"avx2": 1e-4, "portable": 1e-4, "avx512_bf16": 1e-2}  # of a long chunk's largest output
+
+
+@pytest.fixture(params=kernel_paths())
+def kernel_path(request):
+    """Each kernel path in turn (the process's own restored after); "torch" where there is no library."""
+    from engine import native
+
+    if request.param == "torch":
+        yield "torch"
+        return
+    here = native.kernel_path()
+    native.use_kernel_path(request.param)
+    try:
+        yield request.param
+    finally:
+        native.use_kernel_path(here)
+
+
 @pytest.fixture(scope="session")
 def smollm():
     from engine.loader import load_model

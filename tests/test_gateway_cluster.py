@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -76,8 +77,11 @@ def test_printed_url_and_models(up: TandemUp, client: openai.OpenAI) -> None:
     assert f"OpenAI API  {up.base_url}" in text and f"curl {up.url}/v1/chat/completions" in text
     assert 'Authorization: Bearer $TANDEM_API_KEY' in text  # keys are on: the printed curl line works
     assert [m.id for m in client.models.list().data] == [MODEL]
-    roles = {w["worker_id"]: w["role"] for w in httpx.get(f"{up.url}/ready").json()["workers"]}
-    assert roles == {"prefill-1": "prefill_only", "decode-1": "decode_only"}
+    workers = httpx.get(f"{up.url}/ready").json()["workers"]
+    assert {w["worker_id"]: w["role"] for w in workers} == {"prefill-1": "prefill_only", "decode-1": "decode_only"}
+    for w in workers:  # the ready table names each worker's kernel path, as /ready does
+        assert w["kernels"] in ("avx512_bf16", "avx2", "portable", "torch")
+        assert re.search(rf"{w['worker_id']} .*, kernels {w['kernels']}$", text, re.M), text
 
 
 def test_chat_sync(client: openai.OpenAI, greedy_answer: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 from engine import native
 from engine.model import apply_rope
-from tests.conftest import chat_ids
+from tests.conftest import chat_ids, kernel_paths
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the torch operations run instead")
 
@@ -153,6 +154,7 @@ def test_the_portable_c_computes_what_the_vector_c_does(monkeypatch, tmp_path):
         monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
         assert native.available()
         assert native.panel_min_rows("int4") > len(x4)
+        assert native.kernel_path() == "portable"
         plain = outputs()
     finally:
         monkeypatch.undo()
@@ -246,3 +248,36 @@ def test_a_short_chunks_token_computes_exactly_as_it_decodes(smollm):
     assert seq.output_ids == whole.output_ids
     after = len(whole.output_ids) - k  # the tokens computed after the resume
     assert [lp.logprob for lp in seq.logprobs[-after:]] == [lp.logprob for lp in whole.logprobs[k:]]
+
+
+def test_the_kernel_path_is_the_best_here_and_tandem_kernels_chooses_another():
+    """Start-up picks the best path the CPU has; TANDEM_KERNELS forces one it has and refuses, naming what
+    there is, one it lacks."""
+    import subprocess
+    import sys
+
+    paths = kernel_paths()
+    assert native.kernel_path() == paths[0]
+    assert [p for p in native.KERNEL_PATHS if p in paths] == paths
+    probe = [sys.executable, "-c", "from engine import native; print(native.kernel_path())"]
+    for path in paths:
+        env = {**os.environ, "TANDEM_KERNELS": path}
+        out = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == path, out.stderr
+    env = {**os.environ, "TANDEM_KERNELS": "avx9000"}
+    out = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "TANDEM_KERNELS='avx9000'" in out.stderr and "auto" in out.stderr
+    with pytest.raises(ValueError, match="not available here"):
+        native.use_kernel_path("avx9000")
+
+
+def test_the_peaks_probe_measures_what_the_cpu_has():
+    """Positive float32 and read rates; a bfloat16 rate exactly where the bfloat16 path exists."""
+    from engine.native import peaks
+
+    p = peaks.measure(1, iters=200_000)
+    assert p.threads == 1 and p.fp32_flops > 1e8 and p.read_bytes > 1e8
+    assert (p.bf16_flops > 0) == ("avx512_bf16" in kernel_paths())
+    if p.bf16_flops:
+        assert p.bf16_flops > p.fp32_flops  # twice the multiply-adds per instruction
+    assert "float32 FMA" in p.describe() and "read" in p.describe()

@@ -24,6 +24,7 @@ from engine.quant import (
     fp16_supported,
     weight_from_tensors,
 )
+from tests.conftest import PANEL_TOLERANCE
 
 ROWS, COLS = 96, 256
 BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}
@@ -148,8 +149,10 @@ def test_embedding_rows_are_the_dequantized_rows(cls):
 
 
 def test_dequantize_path_splits_large_outputs_into_chunks(monkeypatch):
-    from engine import quant
+    from engine import native, quant
 
+    if native.kernel_path() == "avx512_bf16":  # long rows go to bfloat16 panels there, not to dequantize + MKL
+        monkeypatch.setattr(native, "_chosen", ["avx2"])
     monkeypatch.setattr(quant, "_DEQUANT_ROWS", 64)  # 96 output rows: two chunks
     w = Int4Weight.quantize(torch.randn(96, 128) * 0.05, Workspace(torch.device("cpu")))
     x = torch.randn(7, 128)
@@ -203,3 +206,19 @@ def test_int4_kernel_is_the_codes_times_16_bit_activations():
             x = torch.randn(rows, k)
             want = x @ w.dequantize().T
             assert (w(x) - want).abs().max() <= 1e-4 * want.abs().max(), (n, k, rows)
+
+
+@pytest.mark.parametrize("cls", [Int4Weight, Q8Weight])
+def test_long_chunk_rows_on_each_kernel_path(cls, kernel_path):
+    """A long prompt chunk's rows (`dequant_rows`) are x @ W.T on every kernel path: float32 GEMM of the
+    dequantized weights, or (avx512_bf16) bfloat16 panels of the compact ones to their rounding, and there a
+    row computes the same bits in a chunk of any length (12-row tiles, a tail of one row and a partial panel)."""
+    w = cls.quantize(torch.randn(96, 576) * 0.05) if cls is Int4Weight else q8_weight(50, 576)  # Q8: a partial panel
+    x = torch.randn(150, 576)
+    got, want = w(x, dequant_rows=150), x @ w.dequantize().T
+    assert (got - want).abs().max() <= PANEL_TOLERANCE.get(kernel_path, 1e-2) * want.abs().max()
+    assert torch.allclose(w(x, dequant_rows=100)[100:], w(x[100:]))  # the rest on the kernel
+    if kernel_path == "avx512_bf16":
+        assert (got - want).abs().max() > 1e-6 * want.abs().max()  # it did run in bfloat16
+        for start, stop in ((0, 1), (7, 20), (137, 150)):
+            assert torch.equal(w(x[start:stop], dequant_rows=stop - start), got[start:stop])

@@ -122,6 +122,7 @@ def test_status_json_lists_the_worker(cluster: tuple[str, int]) -> None:
     assert w["metrics_url"].endswith(f":{metrics_port}/metrics")
     assert w["stats_error"] is None and w["incarnation"] and w["restarts"] == 0
     assert (w["cpus"], w["threads"], w["device"]) == (str(PIN), 1, "cpu")
+    assert w["kernels"] in ("avx512_bf16", "avx2", "portable", "torch")  # engine.native.kernel_path()
     s = Subjects(MODEL)
     pools = {p["pool"]: p for p in data["pools"]}
     assert pools["generate"]["stream"] == s.generate_stream and pools["generate"]["consumer"] == s.generate_consumer
@@ -137,7 +138,7 @@ def test_status_table_and_filters(cluster: tuple[str, int]) -> None:
     assert "1 worker" in res.stdout
     row = next(line for line in res.stdout.splitlines() if f" {WORKER} " in line)
     assert "prefill_and_decode" in row and MODEL in row and f"/{BLOCKS} (" in row and str(metrics_port) in row
-    assert f" cores {PIN} ×1 " in row
+    assert re.search(rf" cores {PIN} ×1 (avx512_bf16|avx2|portable|torch) ", row)
     other = json.loads(run_cli("status", "--json", "--nats-url", url, "--namespace", "elsewhere").stdout)
     assert other["workers"] == []
     none = json.loads(run_cli("status", "--json", "--nats-url", url, "--model", "another-model").stdout)
@@ -271,14 +272,14 @@ def test_status_formatting() -> None:
     assert w.restarts == 3
     w2 = WorkerStatus(role="prefill_only", model=MODEL, worker_id="p1", service="tandem-prefill-only", service_id="Y",
                       running=1, queued=2, max_batch=4, free_blocks=6, total_blocks=8, prefix_hit_rate=0.5, uptime=61,
-                      device="cuda:1", cpus="0-3", threads=4, host="host-a")
+                      device="cuda:1", cpus="0-3", threads=4, host="host-a", kernels="avx2")
     w.stats_error = "TimeoutError"
     text = format_table(Status("nats://x", "tandem", [w, w2], [
         PoolStatus(MODEL, "generate", "S", "C", pending=3, in_flight=1), PoolStatus(MODEL, "prefill", "S2", "C2",
                                                                                     error="no stream")],
         paths=[{"from": "p1", "to": "d1", "engine": "tcp"}]))
     assert re.search(r" p1 +host-a +1/4 \+2 ", text) and "KV path p1 -> d1: tcp" in text
-    assert "2 workers" in text and "(stats: TimeoutError)" in text and " cuda:1 cores 0-3 ×4 " in text
+    assert "2 workers" in text and "(stats: TimeoutError)" in text and " cuda:1 cores 0-3 ×4 avx2 " in text
     assert "1/4 +2" in text and "2/8 (25%)" in text and "50%" in text and "1m01s" in text
     assert "RESTARTS" in text.splitlines()[1] and re.search(r"1m01s +0 ", text)
     assert "generate: 3 pending, 1 in flight" in text and "prefill: unavailable (no stream)" in text

@@ -43,9 +43,18 @@ SIGNATURES = {
     "tq_int4_dequant": [_P, _P, _I, _I, _I, _P, _C],
     "tq_decoder_layer": [_P, _P, _P, _P],
     "tq_panel_min_rows": [_C],
+    "tq_has_bf16": [],
+    "tq_bf16_matmul": [_C, _P, _P, _I, _I, _P, _I, _P, _C],
+    "tq_probe_fma": [_I, _C],
+    "tq_probe_bf16": [_I, _C],
+    "tq_probe_vnni": [_I, _C],
+    "tq_probe_read": [_P, _I, _C],
 }
 RETURNS = {"tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int, "tq_decoder_layer": ctypes.c_int,
-           "tq_panel_min_rows": ctypes.c_int64}
+           "tq_panel_min_rows": ctypes.c_int64,
+           "tq_has_bf16": ctypes.c_int, "tq_bf16_matmul": ctypes.c_int,
+           "tq_probe_fma": ctypes.c_double, "tq_probe_bf16": ctypes.c_double, "tq_probe_vnni": ctypes.c_double,
+           "tq_probe_read": ctypes.c_float}
 
 
 def _cpu_key() -> str:
@@ -90,11 +99,42 @@ def library() -> ctypes.CDLL | None:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, RETURNS.get(name)
+    paths = _paths(lib)
+    wanted = os.environ.get("TANDEM_KERNELS", "auto")
+    if wanted not in ("auto", *paths):
+        raise ValueError(f"TANDEM_KERNELS={wanted!r}: this CPU and build have {', '.join(paths)} (or auto; "
+                         f"TANDEM_NATIVE=0 for torch's operations)")
+    _chosen[0] = paths[0] if wanted == "auto" else wanted
     return lib
 
 
 def available() -> bool:
     return library() is not None
+
+
+KERNEL_PATHS = ("avx512_bf16", "avx2", "portable")  # best first; see kernel_path
+_chosen = ["torch"]
+
+
+def _paths(lib: ctypes.CDLL) -> list[str]:
+    have = ["avx512_bf16"] if lib.tq_has_bf16() else []
+    return have + (["avx2"] if lib.tq_panel_min_rows(KINDS["int4"]) < 2**62 else ["portable"])
+
+
+def kernel_path() -> str:
+    """How this process multiplies int4/Q8_0 weights: ``avx512_bf16`` (long prompt chunks on bfloat16 panels,
+    everything else as ``avx2``), ``avx2`` (int16 activations and float32 panels; long chunks dequantized
+    for a float32 GEMM), ``portable`` (the C without SIMD) or ``torch`` (no native library). The best the CPU
+    has is chosen at start-up, or the one ``TANDEM_KERNELS`` names."""
+    return _chosen[0] if library() is not None else "torch"
+
+
+def use_kernel_path(path: str) -> None:
+    """Switch this process's path (tests and benchmarks compare them side by side)."""
+    lib = library()
+    if lib is None or path not in _paths(lib):
+        raise ValueError(f"kernel path {path!r} is not available here (this process runs {kernel_path()})")
+    _chosen[0] = path
 
 
 def _threads() -> int:
@@ -184,6 +224,21 @@ def _quantized_matmul(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, sc
     out = torch.empty(m, n, dtype=torch.float32)
     if getattr(library(), name)(w.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), _threads()):
         raise MemoryError(f"{kind} matmul of {m}x{k} by {n}x{k}: out of memory")
+    return out
+
+
+def bf16_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [m, k] @ W.T as float32 [m, n] on bfloat16 panels, for the weights of `q4_matmul` / `q8_matmul`
+    (`kind` "int4" or "q8_0"): operands rounded to bfloat16, sums in float32 (kernel path avx512_bf16)."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    rc = library().tq_bf16_matmul(KINDS[kind], w.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(), m,
+                                  out.data_ptr(), _threads())
+    if rc:
+        raise MemoryError(f"{kind} bfloat16 matmul of {m}x{k} by {n}x{k}: out of memory") if rc == -1 else \
+            RuntimeError("this build has no AVX-512 BF16")
     return out
 
 

@@ -778,6 +778,159 @@ static int panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t
 }
 #endif
 
+/* ---------------------------------------------------------------- many rows: bfloat16 panels
+ * Where the CPU has AVX-512 BF16, vdpbf16ps does 32 multiply-adds where a float32 FMA does 16 (measured on a
+ * 2-core AMD EPYC: torch's bf16 GEMM 2.3x its float32 one). The activations are rounded to bfloat16 once per
+ * matmul, each panel of BF_PANEL weight rows is dequantized to float32 as above and rounded to bfloat16 pairs
+ * bp[(i * BF_PANEL + c) * 2 + e] = w[j + c, 2 i + e], and BF_R x BF_PANEL tiles accumulate in float32. Both
+ * roundings are to nearest even (2^-9 relative); the sums run over k in one order in every tile, so a row's
+ * result does not depend on the other rows. Only long prompt chunks take it (engine/quant.py): there the
+ * perplexity moved x1.0005, where decode rows on it changed 2 of the quality bench's 20 greedy answers. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF_PANEL 32
+#define BF_R 12
+
+/* Two float32 panels of 16 columns [k][16] as one bfloat16 pair panel of 32 columns. */
+static void pack_bf16_panel(const float *p0, const float *p1, int64_t k, uint16_t *bp) {
+    /* cvtne2ps_pbh(odd, even) holds even k in lanes 0-15 and odd k in 16-31; interleave them per column */
+    __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                     21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t i = 0; i < k / 2; i++) {
+        for (int h = 0; h < 2; h++) {
+            const float *p = (h ? p1 : p0) + 2 * i * PANEL;
+            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + PANEL), _mm512_loadu_ps(p));
+            _mm512_storeu_si512(bp + (i * BF_PANEL + 16 * h) * 2, _mm512_permutexvar_epi16(order, (__m512i)v));
+        }
+    }
+}
+
+/* out[r * os + c] = sum_i x16[r, i] w[c, i] for BF_R rows (x16 bfloat16 [BF_R, k]) and 32 columns. */
+static inline void bf16_tile(const uint16_t *x16, int64_t k, const uint16_t *bp, float *out, int64_t os) {
+    __m512 lo[BF_R], hi[BF_R];
+    for (int r = 0; r < BF_R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k / 2; i++) {
+        __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + i * 2 * BF_PANEL);
+        __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + i * 2 * BF_PANEL + BF_PANEL);
+        for (int r = 0; r < BF_R; r++) {
+            int32_t pair;
+            memcpy(&pair, x16 + r * k + 2 * i, 4);
+            __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            lo[r] = _mm512_dpbf16_ps(lo[r], a, b0);
+            hi[r] = _mm512_dpbf16_ps(hi[r], a, b1);
+        }
+    }
+    for (int r = 0; r < BF_R; r++) {
+        _mm512_storeu_ps(out + r * os, lo[r]);
+        _mm512_storeu_ps(out + r * os + 16, hi[r]);
+    }
+}
+
+/* float32 rows [m, k] to bfloat16 (round to nearest even), rows past m zero up to a multiple of BF_R. */
+static void rows_to_bf16(const float *x, int64_t m, int64_t m_pad, int64_t k, uint16_t *x16, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (m * k > 65536)
+    for (int64_t r = 0; r < m_pad; r++) {
+        uint16_t *o = x16 + r * k;
+        if (r >= m) {
+            memset(o, 0, (size_t)k * sizeof(uint16_t));
+            continue;
+        }
+        for (int64_t i = 0; i < k; i += 32) {
+            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * k + i + 16), _mm512_loadu_ps(x + r * k + i));
+            _mm512_storeu_si512(o + i, (__m512i)v);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void share_bf16_panels(const int kind, const void *w,
+                                                                    const uint16_t *scales, int64_t n, int64_t k,
+                                                                    const uint16_t *x16, int64_t m, float *out,
+                                                                    float *f32, uint16_t *bp, float *spill) {
+    int64_t rblock = (131072 / k) / BF_R * BF_R; /* bfloat16 rows that stay in L2 beside the panel */
+    rblock = rblock < BF_R ? BF_R : rblock;
+    int64_t m_pad = (m + BF_R - 1) / BF_R * BF_R;
+    for (int64_t r0 = 0; r0 < m_pad; r0 += rblock) {
+        int64_t r1 = r0 + rblock < m_pad ? r0 + rblock : m_pad;
+        #pragma omp for schedule(static) nowait
+        for (int64_t j = 0; j < n; j += BF_PANEL) {
+            int cols = n - j < BF_PANEL ? (int)(n - j) : BF_PANEL;
+            dequant_panel(kind, w, scales, n, k, j, f32);
+            dequant_panel(kind, w, scales, n, k, j + PANEL, f32 + PANEL * k);
+            pack_bf16_panel(f32, f32 + PANEL * k, k, bp);
+            for (int64_t r = r0; r < r1; r += BF_R) {
+                int whole = r + BF_R <= m && cols == BF_PANEL;
+                bf16_tile(x16 + r * k, k, bp, whole ? out + r * n + j : spill, whole ? n : BF_PANEL);
+                if (!whole)
+                    for (int64_t t = r; t < r + BF_R && t < m; t++)
+                        memcpy(out + t * n + j, spill + (t - r) * BF_PANEL, (size_t)cols * sizeof(float));
+            }
+        }
+    }
+}
+
+static void share_bf16_panels_q4(const void *w, const uint16_t *s, int64_t n, int64_t k, const uint16_t *x16,
+                                 int64_t m, float *out, float *f32, uint16_t *bp, float *spill) {
+    share_bf16_panels(KIND_Q4, w, s, n, k, x16, m, out, f32, bp, spill);
+}
+static void share_bf16_panels_q8(const void *w, const uint16_t *s, int64_t n, int64_t k, const uint16_t *x16,
+                                 int64_t m, float *out, float *f32, uint16_t *bp, float *spill) {
+    share_bf16_panels(KIND_Q8, w, s, n, k, x16, m, out, f32, bp, spill);
+}
+
+static int bf16_panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
+                             int64_t m, float *out, int threads) {
+    int64_t m_pad = (m + BF_R - 1) / BF_R * BF_R;
+    /* per thread: two float32 panels, one bfloat16 pair panel, a spill tile (all multiples of 64 bytes) */
+    int64_t per_thread = 2 * PANEL * k * 4 + BF_PANEL * k * 2 + BF_R * BF_PANEL * 4;
+    uint16_t *x16 = (uint16_t *)aligned_alloc(64, (size_t)(m_pad * k) * sizeof(uint16_t));
+    char *scratch = (char *)aligned_alloc(64, (size_t)(threads * per_thread));
+    if (!x16 || !scratch) {
+        free(x16);
+        free(scratch);
+        return -1;
+    }
+    rows_to_bf16(x, m, m_pad, k, x16, threads);
+    #pragma omp parallel num_threads(threads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        char *mine = scratch + tid * per_thread;
+        float *f32 = (float *)mine;
+        uint16_t *bp = (uint16_t *)(mine + 2 * PANEL * k * 4);
+        float *spill = (float *)(mine + 2 * PANEL * k * 4 + BF_PANEL * k * 2);
+        if (kind == KIND_Q4)
+            share_bf16_panels_q4(w, scales, n, k, x16, m, out, f32, bp, spill);
+        else
+            share_bf16_panels_q8(w, scales, n, k, x16, m, out, f32, bp, spill);
+    }
+    free(scratch);
+    free(x16);
+    return 0;
+}
+#endif
+
+/* 1 where bf16_matmul is compiled (AVX-512 BF16), else 0. */
+int tq_has_bf16(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [m, n] = x [m, k] @ W.T on bfloat16 panels (kind KIND_Q4 or KIND_Q8): -1 without memory, -2 where the
+ * build has no AVX-512 BF16. For long prompt chunks, where it beats dequantize + float32 GEMM. */
+int tq_bf16_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
+                   int64_t m, float *out, int threads) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    return bf16_panel_matmul(kind, w, scales, n, k, x, m, out, threads);
+#else
+    (void)kind, (void)w, (void)scales, (void)n, (void)k, (void)x, (void)m, (void)out, (void)threads;
+    return -2;
+#endif
+}
+
 /* out [m, n] = x [m, k] @ W.T (k a multiple of 32; of 64 for int4). Returns nonzero without memory. */
 static int quantized_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
                             int64_t m, float *out, int threads) {
@@ -903,4 +1056,108 @@ void tq_int4_dequant(const uint8_t *qs, const uint16_t *dm, int64_t k, int64_t s
             }
         }
     }
+}
+
+/* ---------------------------------------------------------------- this CPU's peaks
+ * Loops of independent accumulators on the widest vectors the build has, for engine/native/peaks.py to time:
+ * each returns the operations it did (0 where the instruction is absent), and keeps its sums alive. */
+#define PROBE_ACC 12
+static volatile float probe_sink;
+
+double tq_probe_fma(int64_t iters, int threads) {
+    int width = 1;
+    #pragma omp parallel num_threads(threads)
+    {
+        float total = 0.f;
+#if defined(__AVX512F__)
+        __m512 acc[PROBE_ACC], a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+        for (int i = 0; i < PROBE_ACC; i++) acc[i] = _mm512_set1_ps((float)i);
+        for (int64_t t = 0; t < iters; t++)
+            for (int i = 0; i < PROBE_ACC; i++) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+        for (int i = 0; i < PROBE_ACC; i++) total += _mm512_reduce_add_ps(acc[i]);
+        width = 16;
+#elif defined(__AVX2__)
+        __m256 acc[PROBE_ACC], a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+        for (int i = 0; i < PROBE_ACC; i++) acc[i] = _mm256_set1_ps((float)i);
+        for (int64_t t = 0; t < iters; t++)
+            for (int i = 0; i < PROBE_ACC; i++) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+        for (int i = 0; i < PROBE_ACC; i++) total += hsum8(acc[i]);
+        width = 8;
+#else
+        float acc[PROBE_ACC];
+        for (int i = 0; i < PROBE_ACC; i++) acc[i] = (float)i;
+        for (int64_t t = 0; t < iters; t++)
+            for (int i = 0; i < PROBE_ACC; i++) acc[i] = acc[i] * 0.999f + 1e-3f;
+        for (int i = 0; i < PROBE_ACC; i++) total += acc[i];
+#endif
+        probe_sink = total;
+    }
+    return 2.0 * width * PROBE_ACC * (double)iters * threads;
+}
+
+double tq_probe_bf16(int64_t iters, int threads) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    #pragma omp parallel num_threads(threads)
+    {
+        __m512 acc[PROBE_ACC];
+        __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.5f), _mm512_set1_ps(0.25f));
+        __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(-1e-3f));
+        for (int i = 0; i < PROBE_ACC; i++) acc[i] = _mm512_set1_ps((float)i);
+        for (int64_t t = 0; t < iters; t++)
+            for (int i = 0; i < PROBE_ACC; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+        float total = 0.f;
+        for (int i = 0; i < PROBE_ACC; i++) total += _mm512_reduce_add_ps(acc[i]);
+        probe_sink = total;
+    }
+    return 2.0 * 32 * PROBE_ACC * (double)iters * threads;
+#else
+    (void)iters;
+    (void)threads;
+    return 0.0;
+#endif
+}
+
+double tq_probe_vnni(int64_t iters, int threads) {
+#if defined(__AVX512VNNI__)
+    #pragma omp parallel num_threads(threads)
+    {
+        __m512i acc[PROBE_ACC], a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+        for (int i = 0; i < PROBE_ACC; i++) acc[i] = _mm512_set1_epi32(i);
+        for (int64_t t = 0; t < iters; t++)
+            for (int i = 0; i < PROBE_ACC; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+        int64_t total = 0;
+        for (int i = 0; i < PROBE_ACC; i++) total += _mm512_reduce_add_epi32(acc[i]);
+        probe_sink = (float)total;
+    }
+    return 2.0 * 64 * PROBE_ACC * (double)iters * threads;
+#else
+    (void)iters;
+    (void)threads;
+    return 0.0;
+#endif
+}
+
+/* The sum of x [n] (n a multiple of 64), read once on `threads` threads: a read-bandwidth probe. */
+float tq_probe_read(const float *x, int64_t n, int threads) {
+    float total = 0.f;
+    #pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+#if defined(__AVX512F__)
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i += 64) {
+            s0 = _mm512_add_ps(s0, _mm512_loadu_ps(x + i));
+            s1 = _mm512_add_ps(s1, _mm512_loadu_ps(x + i + 16));
+            s2 = _mm512_add_ps(s2, _mm512_loadu_ps(x + i + 32));
+            s3 = _mm512_add_ps(s3, _mm512_loadu_ps(x + i + 48));
+        }
+        total += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+#else
+        float s = 0.f;
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) s += x[i];
+        total += s;
+#endif
+    }
+    return total;
 }

@@ -1,0 +1,62 @@
+"""What this CPU can do at most, measured: the rooflines benchmarks print beside their figures.
+
+A prefill figure means little without the machine's compute peak for the precision it ran in, nor a decode
+step without the bandwidth at which the weights can be read once (the bytes a step reads, not a copy rate,
+which counts half of the traffic). Each peak is the best of a few short runs of `ops.c`'s probe loops:
+independent accumulators of float32 FMAs, bfloat16 dot products (vdpbf16ps) and int8 ones (vpdpbusd), and a
+sum over a buffer far larger than the caches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine import native
+
+READ_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """Per second, on `threads` threads; 0 where the CPU or build lacks the instruction."""
+
+    threads: int
+    fp32_flops: float
+    bf16_flops: float
+    int8_ops: float
+    read_bytes: float
+
+    def describe(self) -> str:
+        parts = [f"float32 FMA {self.fp32_flops / 1e9:,.0f} GFLOP/s"]
+        if self.bf16_flops:
+            parts.append(f"bfloat16 dot {self.bf16_flops / 1e9:,.0f} GFLOP/s")
+        if self.int8_ops:
+            parts.append(f"int8 dot {self.int8_ops / 1e9:,.0f} GOP/s")
+        parts.append(f"read {self.read_bytes / 1e9:.1f} GB/s")
+        return f"{self.threads} thread{'s' * (self.threads > 1)}: " + ", ".join(parts)
+
+
+def _best_rate(run: callable, repeats: int = 5) -> float:
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        done = run()
+        best = max(best, done / (time.perf_counter() - t))
+    return best
+
+
+def measure(threads: int | None = None, iters: int = 2_000_000) -> Peaks:
+    """This CPU's peaks on `threads` threads (default: torch's); about a second."""
+    threads = threads or torch.get_num_threads()
+    lib = native.library()
+    buf = torch.ones(READ_BYTES // 4, dtype=torch.float32)
+    if lib is None:
+        return Peaks(threads, 0.0, 0.0, 0.0, _best_rate(lambda: buf.sum().item() and buf.numel() * 4))
+    rates = [_best_rate(lambda probe=probe: probe(iters, threads))
+             for probe in (lib.tq_probe_fma, lib.tq_probe_bf16, lib.tq_probe_vnni)]
+    lib.tq_probe_read(buf.data_ptr(), buf.numel(), threads)  # pages touched before timing
+    read = _best_rate(lambda: lib.tq_probe_read(buf.data_ptr(), buf.numel(), threads) and buf.numel() * 4)
+    return Peaks(threads, *rates, read)
