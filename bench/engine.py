@@ -198,7 +198,7 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
                 e.model.native = e.model.native and native_ops
                 column = name + (f" {path}" if path else "") + ("" if native_ops else ", torch ops")
                 engines[column], paths[column] = e, path
-                on_kernels[column] = quantized and e.model.native
+                on_kernels[column] = quantized and native.available()  # torch ops: the same matmul kernels
                 facts[column] = {"weights (MB)": f"{weight_bytes(e) / 1e6:,.1f}",
                                  "load cold / warm (s)": f"{cold:.1f} / {warm:.2f}"}
     old = None
@@ -249,9 +249,9 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         path = paths[column] or native.kernel_path()
         bf16 = on_kernels[column] and path == "avx512_bf16"
         flops = peak.bf16_flops if bf16 else peak.fp32_flops
-        facts[column]["prefill at the matmul peak (tok/s)"] = \
+        facts[column]["roofline: prefill at the matmul peak (tok/s)"] = \
             f"{flops / linear_flops(e):,.0f} ({'bfloat16' if bf16 else 'float32'})"
-        facts[column]["decode batch 1 at read bandwidth (tok/s)"] = f"{peak.read_bytes / weight_bytes(e):,.1f}"
+        facts[column]["roofline: decode batch 1 at read bandwidth (tok/s)"] = f"{peak.read_bytes / weight_bytes(e):,.1f}"
     own = "" if model == DEFAULT_MODEL else f" --model {model}"
     lines = [
         "## Engine: weight formats" + (f" ({model})" if own else ""),
@@ -273,7 +273,7 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
     ]
     for label, values in rows:
         lines.append(f"| {label} | " + " | ".join(f"{values[c]:,.1f}" for c in columns) + " |")
-    for key in ("prefill at the matmul peak (tok/s)", "decode batch 1 at read bandwidth (tok/s)", "weights (MB)",
+    for key in ("roofline: prefill at the matmul peak (tok/s)", "roofline: decode batch 1 at read bandwidth (tok/s)", "weights (MB)",
                 "load cold / warm (s)", "RSS (MB)"):
         if any(key in facts.get(c, {}) for c in columns):
             lines.append(f"| {key} | " + " | ".join(facts.get(c, {}).get(key, "") for c in columns) + " |")

@@ -3,7 +3,8 @@
     python -m bench.quality [--quantization fp16,int8,int4,auto] [--write]
 
 The text is tests/data/perplexity.txt (original prose shipped with the tests), scored in windows of
-1,024 tokens, twice: each window as one prompt (the prefill path: dequantized weights and MKL) and as
+1,024 tokens, twice: each window as one prompt (the prefill path: `native.kernel_path()`'s long-chunk
+matmul, bfloat16 panels on avx512_bf16, dequantized weights and MKL elsewhere; `--kernels` scores each) and as
 chunks of `small_rows()` tokens (every row on the quantized kernels with int16 activations, as decode
 batches below `native.panel_min_rows` are); greedy agreement is the share of a fixed set of chat prompts
 whose first 16 greedy tokens equal those of `--quantization none` (float32 of the dequantized weights),
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--quantization", default="fp16,int8,int4,auto", help="formats to compare with none")
+    p.add_argument("--kernels", default="",
+                   help="kernel paths to score each format on, e.g. avx512_bf16,avx2 (default: the best here)")
     p.add_argument("--write", action="store_true", help="update the section in docs/benchmarks.md")
     args = p.parse_args(argv)
     ref = score(load_model(args.model, "float32", "none"))
@@ -130,21 +133,27 @@ def main(argv: list[str] | None = None) -> int:
         "## Engine: quality of the weight formats" + ("" if args.model == DEFAULT_MODEL else f" ({args.model})"),
         "",
         f"`python -m bench.quality` on {args.model}: perplexity of tests/data/perplexity.txt "
-        f"(windows of {WINDOW} tokens, each as one prompt, then in chunks of {small_rows()} that run on the "
+        f"(windows of {WINDOW} tokens, each as one prompt, its rows on the kernel path's long-chunk matmul, "
+        f"then in chunks of {small_rows()} that run on the "
         f"quantized kernels with int16 activations, as small decode batches do) and how many of {len(PROMPTS)} "
         f"chat prompts give the same first {GREEDY_TOKENS} greedy tokens as `none` (float32 of the dequantized "
         f"weights), decoded in batches of {small_rows()} / all {len(PROMPTS)} in one batch (float32 panels).",
         "",
-        "| quantization | weights | perplexity | vs none | perplexity, kernels | vs none | greedy 16 tokens equal |",
+        "| quantization | weights, kernel path | perplexity | vs none | perplexity, kernels | vs none | greedy 16 tokens equal |",
         "|---|---|---:|---:|---:|---:|---:|",
         f"| none | none | {ref.perplexity:.3f} | 1.000 | {ref.kernel_perplexity:.3f} | 1.000 | "
         f"{len(PROMPTS)}/{len(PROMPTS)} |",
     ]
+    paths = [k for k in args.kernels.split(",") if k] or [native.kernel_path()]
     for mode in args.quantization.split(","):
-        q = score(load_model(args.model, "float32", mode))
-        lines.append(f"| {mode} | {q.label} | {q.perplexity:.3f} | {q.perplexity / ref.perplexity:.4f} | "
-                     f"{q.kernel_perplexity:.3f} | {q.kernel_perplexity / ref.kernel_perplexity:.4f} | "
-                     f"{agreement(q, ref, small=True)}/{len(PROMPTS)} / {agreement(q, ref)}/{len(PROMPTS)} |")
+        loaded = load_model(args.model, "float32", mode)
+        for path in paths:
+            if path in native.KERNEL_PATHS:
+                native.use_kernel_path(path)
+            q = score(loaded)
+            lines.append(f"| {mode} | {q.label}, {path} | {q.perplexity:.3f} | {q.perplexity / ref.perplexity:.4f} | "
+                         f"{q.kernel_perplexity:.3f} | {q.kernel_perplexity / ref.kernel_perplexity:.4f} | "
+                         f"{agreement(q, ref, small=True)}/{len(PROMPTS)} / {agreement(q, ref)}/{len(PROMPTS)} |")
     report = "\n".join(lines) + "\n"
     print(report)
     if args.write:

@@ -456,6 +456,13 @@ def test_engine_bench_sets_torch_operations_beside_the_native_ones(monkeypatch) 
     assert [e.model.native for e in built] == [native.available(), False]
     rows = [line for line in report.splitlines() if line.startswith(("| prefill", "| decode"))]
     assert len(rows) == 2 and all(float(c.replace(",", "")) > 0 for r in rows for c in r.strip("|").split("|")[1:])
+    # the CPU's peaks this run, and each engine's roofline at them (the same matmul kernels in both columns)
+    assert "This CPU's peaks" in report and "float32 FMA" in report and "GB/s" in report
+    [peak] = [line for line in report.splitlines() if line.startswith("| roofline: prefill")]
+    precision = "bfloat16" if native.kernel_path() == "avx512_bf16" else "float32"
+    assert peak.count(f"({precision})") == 2
+    [read] = [line for line in report.splitlines() if line.startswith("| roofline: decode batch 1")]
+    assert all(float(c.replace(",", "")) > 0 for c in read.strip("|").split("|")[1:])
 
 
 def test_baseline_engine_answers_bench_engines_measures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
