@@ -2,7 +2,7 @@
 
 A prefill figure means little without the machine's compute peak for the precision it ran in, nor a decode
 step without the bandwidth at which the weights can be read once (the bytes a step reads, not a copy rate,
-which counts half of the traffic). Each peak is the best of a few short runs of `ops.c`'s probe loops:
+which counts half of the traffic); ``python -m engine.native.peaks`` prints them alone. Each peak is the best of a few short runs of `ops.c`'s probe loops:
 independent accumulators of float32 FMAs, bfloat16 dot products (vdpbf16ps) and int8 ones (vpdpbusd), and a
 sum over a buffer far larger than the caches.
 """
@@ -10,6 +10,7 @@ sum over a buffer far larger than the caches.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ class Peaks:
         return f"{self.threads} thread{'s' * (self.threads > 1)}: " + ", ".join(parts)
 
 
-def _best_rate(run: callable, repeats: int = 5) -> float:
+def _best_rate(run: Callable[[], float], repeats: int = 5) -> float:
     best = 0.0
     for _ in range(repeats):
         t = time.perf_counter()
@@ -60,3 +61,15 @@ def measure(threads: int | None = None, iters: int = 2_000_000) -> Peaks:
     lib.tq_probe_read(buf.data_ptr(), buf.numel(), threads)  # pages touched before timing
     read = _best_rate(lambda: lib.tq_probe_read(buf.data_ptr(), buf.numel(), threads) and buf.numel() * 4)
     return Peaks(threads, *rates, read)
+
+
+def main() -> None:
+    """``python -m engine.native.peaks``: this CPU's peaks on one thread and on torch's threads."""
+    threads = torch.get_num_threads()
+    print(f"kernel path: {native.kernel_path()}")
+    for n in sorted({1, threads}):
+        print(measure(n).describe())
+
+
+if __name__ == "__main__":
+    main()
