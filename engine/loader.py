@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engine import families
+from engine import families, native
 from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig
 from engine.model_files import (
@@ -73,6 +73,10 @@ def load_model(spec: str, dtype: str = "float32", quantization: str = "auto",
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unsupported quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    try:
+        native.kernel_path()  # a TANDEM_KERNELS this CPU lacks fails here, not at the first step
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
     path = resolve_model_path(spec)
     t0 = time.perf_counter()
     if path.is_dir():

@@ -785,7 +785,8 @@ static int panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t
  * bp[(i * BF_PANEL + c) * 2 + e] = w[j + c, 2 i + e], and BF_R x BF_PANEL tiles accumulate in float32. Both
  * roundings are to nearest even (2^-9 relative); the sums run over k in one order in every tile, so a row's
  * result does not depend on the other rows. Only long prompt chunks take it (engine/quant.py): there the
- * perplexity moved x1.0005, where decode rows on it changed 2 of the quality bench's 20 greedy answers. */
+ * perplexity moved x1.0005, where every matmul of 16 rows or more on it (decode batches, short prompts)
+ * changed 2 of the quality bench's 20 greedy answers. */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BF_PANEL 32
 #define BF_R 12
