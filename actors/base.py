@@ -107,7 +107,8 @@ class WorkerActor:
         )
         layout = LLMEngine.layout_for(loaded, cfg)
         self.transfer = create_engine(
-            settings.kv_transfer, layout, settings.num_blocks, settings.device, self.worker_id,
+            settings.kv_transfer, layout, LLMEngine.pool_blocks(layout, settings.num_blocks), settings.device,
+            self.worker_id,
             incarnation=self.incarnation, nixl_backend=settings.nixl_backend, tcp_host=settings.kv_tcp_host,
             tcp_advertise_host=settings.advertise_host,
         )
@@ -408,10 +409,10 @@ class WorkerActor:
         e, role = self.engine, self.role
         metrics.RUNNING.labels(role).set(e.num_running)
         metrics.WAITING.labels(role).set(e.num_waiting)
-        quarantined = len(e.blocks.quarantined)
-        metrics.KV_BLOCKS.labels(role, "free").set(e.blocks.num_free)
-        metrics.KV_BLOCKS.labels(role, "quarantined").set(quarantined)
-        metrics.KV_BLOCKS.labels(role, "used").set(e.blocks.num_blocks - e.blocks.num_free - quarantined)
+        quarantined, groups = len(e.blocks.quarantined), e.layout.num_groups  # in blocks of every layer
+        metrics.KV_BLOCKS.labels(role, "free").set(e.blocks.num_free / groups)
+        metrics.KV_BLOCKS.labels(role, "quarantined").set(quarantined / groups)
+        metrics.KV_BLOCKS.labels(role, "used").set((e.blocks.num_blocks - e.blocks.num_free - quarantined) / groups)
         metrics.PREFIX_HIT_RATE.labels(role).set(e.blocks.hit_rate())
         preempted = e.scheduler.preemptions
         metrics.PREEMPTIONS.inc(preempted - self._preemptions_seen)
@@ -421,7 +422,8 @@ class WorkerActor:
         e = self.engine
         return WorkerStats(
             role=self.role, worker_id=self.worker_id, model=self.model, running=e.num_running,
-            queued=e.num_waiting, free_blocks=e.blocks.num_free, total_blocks=e.blocks.num_blocks,
+            queued=e.num_waiting, free_blocks=e.token_blocks(e.blocks.num_free),
+            total_blocks=e.token_blocks(e.blocks.num_blocks),
             prefix_hit_rate=e.blocks.hit_rate(), uptime=time.time() - self.started,
             incarnation=self.incarnation, max_batch=self.s.max_batch, draining=self.draining,
             prefix_cache=self.s.enable_prefix_cache, kernels=native.kernel_path(),

@@ -211,14 +211,18 @@ class PrefillActor(WorkerActor):
         mode = self.s.layerwise_transfer
         return mode == "on" or (mode == "auto" and self.transfer.mechanism(peer) != "shm")
 
-    @staticmethod
-    def _local_blocks(block_table: list[int], job: PrefillJob) -> list[int]:
-        bs = job.layout.get("block_size", 16) if job.layout else 16
-        local = block_table[job.dst.first_token_index // bs:]
-        if len(local) != len(job.dst.block_ids):
+    def _block_pairs(self, job: PrefillJob) -> tuple[list[list[int]], list[list[int]]]:
+        """Per KV group, our blocks holding the job's prompt and the destination's blocks they go to."""
+        local = self.engine.prompt_blocks(job_key(job), job.dst.first_token_index // self.layout.block_size)
+        need = sum(len(g) for g in local)
+        if need != len(job.dst.block_ids):
             raise _JobError(ErrorCode.BAD_REQUEST, f"destination has {len(job.dst.block_ids)} blocks, the prompt "
-                                                   f"needs {len(local)} from token {job.dst.first_token_index}")
-        return local
+                                                   f"needs {need} from token {job.dst.first_token_index}")
+        remote, at = [], 0
+        for group in local:
+            remote.append(list(job.dst.block_ids[at:at + len(group)]))
+            at += len(group)
+        return local, remote
 
     def _admit(self, engine, job: PrefillJob, params, stream: LayerStream) -> None:
         """On the model thread: queue the prompt, holding its blocks for the transfer. A layer-wise transfer
@@ -272,7 +276,7 @@ class LayerStream:
         self.last_layer = actor.layout.num_layers - 1
         self.handles: list = []
         self.error: Exception | None = None
-        self.local: list[int] | None = None
+        self.pairs: tuple[list[list[int]], list[list[int]]] | None = None  # per group: (ours, theirs)
         self.started = 0.0
         self.seconds = 0.0
         self.cancelled = False
@@ -285,12 +289,16 @@ class LayerStream:
             if self.error is not None or self.cancelled:
                 return
             try:
-                if self.local is None:
+                if self.pairs is None:
                     self.started = time.time()
-                    table = self.actor.engine.seqs[job_key(self.job)].block_table
-                    self.local = PrefillActor._local_blocks(table, self.job)
-                layers, notify = ((layer, layer + 1), "") if self.layerwise else (None, job_key(self.job))
-                self.handles.append(self._write(self.local, list(self.job.dst.block_ids), notify, layers))
+                    self.pairs = self.actor._block_pairs(self.job)
+                local, remote = self.pairs
+                if self.layerwise:  # this layer's slice of its group's blocks
+                    group, index = self.actor.layout.group_of[layer]
+                    self.handles.append(self._write(local[group], remote[group], "", (index, index + 1)))
+                else:
+                    self.handles.append(self._write([b for g in local for b in g], [b for g in remote for b in g],
+                                                    job_key(self.job), None))
             except Exception as e:  # reported by finish(); the model thread must keep running
                 self.error = e
 

@@ -23,7 +23,6 @@ import torch
 from engine import native
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel, load_model
-from engine.model import ForwardBatch, PrefillSpan
 from engine.model_files import DEFAULT_MODEL, model_name
 from engine.params import SamplingParams
 from engine.quant import KERNELS
@@ -94,20 +93,9 @@ def _windows(loaded: LoadedModel, text: str) -> list[list[int]]:
 def _perplexity(engine: LLMEngine, windows: list[list[int]], chunk: int) -> float:
     """Each window's tokens scored with a forward pass per `chunk` tokens (the window's earlier KV cached)."""
     nll, count = 0.0, 0
-    bs = engine.cfg.block_size
     for window in windows:
-        blocks = engine.blocks.allocate((len(window) + bs - 1) // bs)
-        table = torch.tensor(blocks)
-        logits = []
-        for start in range(0, len(window), chunk):
-            stop = min(len(window), start + chunk)
-            pos = torch.arange(start, stop)
-            batch = ForwardBatch(torch.tensor(window[start:stop]), pos, table[pos // bs], pos % bs,
-                                 [PrefillSpan(0, stop - start, stop, table)], stop - start, None, None,
-                                 torch.arange(stop - start), dequant_rows=stop - start if stop - start > KERNELS.kernel_max_chunk else 0)
-            logits.append(engine.model.forward(batch, engine.pool))
-        engine.blocks.release(blocks)
-        logp = torch.log_softmax(torch.cat(logits)[:-1], dim=-1)
+        logits = engine.prompt_logits(window, list(range(chunk, len(window), chunk)))
+        logp = torch.log_softmax(logits[:-1], dim=-1)
         nll -= logp.gather(1, torch.tensor(window[1:]).unsqueeze(1)).sum().item()
         count += len(window) - 1
     return math.exp(nll / count)

@@ -24,8 +24,8 @@ from engine.params import SamplingParams
 from engine.sampling import TokenLogprob
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
-from kv.blocks import BlockPool
-from kv.layout import DTYPES, KVLayout
+from kv.blocks import BlockPool, OutOfBlocks
+from kv.layout import DTYPES, KVLayout, plan_groups
 from kv.pool import KVPool
 
 log = logging.getLogger(__name__)
@@ -71,16 +71,17 @@ class LLMEngine:
         mc = loaded.config
         self.model = DecoderModel(mc, loaded.weights, self.cfg.device, DTYPES[self.cfg.dtype])
         self.layout = self.layout_for(loaded, self.cfg)
-        self.pool = pool or KVPool(self.layout, self.cfg.num_blocks, self.cfg.device)
+        self.pool = pool or KVPool(self.layout, self.pool_blocks(self.layout, self.cfg.num_blocks), self.cfg.device)
         if self.pool.layout != self.layout:
             raise ValueError(f"pool layout {self.pool.layout.describe()} differs from {self.layout.describe()}")
         self.blocks = BlockPool(self.pool.num_blocks, self.cfg.block_size, self.cfg.enable_prefix_cache)
-        self.scheduler = Scheduler(self.blocks, self.cfg.max_batch, self.cfg.max_step_tokens)
+        self.scheduler = Scheduler(self.blocks, self.cfg.max_batch, self.cfg.max_step_tokens, self.layout)
         self.runner = ModelRunner(self.model, self.pool, self.cfg.block_size)
         self.max_model_len = min(self.cfg.max_model_len or mc.max_position, mc.max_position)
         # The most tokens one sequence's KV can ever occupy: a sequence that reaches it ends with
-        # "length" (preempting itself could never be re-admitted, and would block the queue).
-        self.pool_tokens = self.blocks.num_blocks * self.cfg.block_size
+        # "length" (preempting itself could never be re-admitted, and would block the queue). A prompt holds
+        # a block of every group until its prefill ends, so that is the bound.
+        self.pool_tokens = self.token_blocks(self.blocks.num_blocks) * self.cfg.block_size
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
         # request id -> fn(layer): called per layer in the step that completes that request's prompt
@@ -92,8 +93,18 @@ class LLMEngine:
     @staticmethod
     def layout_for(loaded: LoadedModel, cfg: EngineConfig) -> KVLayout:
         mc = loaded.config
+        groups, windows = plan_groups([mc.window(li) for li in range(mc.num_layers)])
         return KVLayout(loaded.identity, cfg.dtype, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                        weights=loaded.quantization)
+                        weights=loaded.quantization, groups=groups, windows=windows)
+
+    @staticmethod
+    def pool_blocks(layout: KVLayout, num_blocks: int) -> int:
+        """The pool's blocks for `num_blocks` blocks of every layer (the memory `--num-blocks` names)."""
+        return num_blocks * layout.num_groups
+
+    def token_blocks(self, blocks: int) -> int:
+        """Pool blocks counted as blocks of every layer (block_size tokens each): what capacity reports use."""
+        return blocks // self.layout.num_groups
 
     # ------------------------------------------------------------ requests
 
@@ -108,8 +119,9 @@ class LLMEngine:
                 f"length of {self.max_model_len} tokens",
                 "max_tokens",
             )
-        if self.scheduler.blocks_needed(len(prompt_ids) + 1) > self.blocks.num_blocks:
-            raise ValueError(f"prompt needs more KV blocks than the pool has ({self.blocks.num_blocks})", "prompt")
+        if self.scheduler.blocks_needed(len(prompt_ids) + 1) > self.token_blocks(self.blocks.num_blocks):
+            raise ValueError(f"prompt needs more KV blocks than the pool has ({self.token_blocks(self.blocks.num_blocks)})",
+                             "prompt")
         bad = [t for t in prompt_ids if not 0 <= t < self.loaded.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary", "prompt")
@@ -159,8 +171,7 @@ class LLMEngine:
     def release_held(self, request_id: str) -> None:
         seq = self.held.pop(request_id, None)
         if seq is not None:
-            self.blocks.release(seq.block_table)
-            seq.block_table = []
+            self.scheduler.free(seq)
 
     # ------------------------------------------------------------ remote prefill (decode side)
 
@@ -168,19 +179,27 @@ class LLMEngine:
                        ) -> tuple[Sequence, list[int]] | None:
         """Blocks for a prompt another worker will prefill: prefix-cache hits plus fresh blocks.
 
-        Returns the sequence and the fresh blocks (to be written from token `seq.num_cached` on),
-        or None when the pool cannot hold the prompt now.
+        Returns the sequence and the fresh blocks (to be written from token `seq.num_cached` on, in
+        `Scheduler.prompt_blocks` order: windowed groups only from their window on), or None when the pool
+        cannot hold the prompt now.
         """
         if request_id in self.seqs:
             raise ValueError(f"request {request_id} is already in the engine")
         self.check_request(prompt_ids, params)
         seq = self._new_sequence(request_id, prompt_ids, params)
-        fresh = self.scheduler.place(seq)
-        if fresh is None:
+        if not self.scheduler.place(seq):
             return None
+        self.scheduler.let_go(seq, len(prompt_ids))  # nobody computes here what the first step does not read
         seq.status = SeqStatus.REMOTE
         self.seqs[request_id] = seq
-        return seq, fresh
+        return seq, [b for group in self.scheduler.prompt_blocks(seq, seq.num_cached // self.cfg.block_size)
+                     for b in group]
+
+    def prompt_blocks(self, request_id: str, first_block: int) -> list[list[int]]:
+        """Per group, a sequence's blocks that a remote prefill writes from block `first_block` on
+        (`Scheduler.prompt_blocks`)."""
+        seq = self.seqs.get(request_id) or self.held[request_id]
+        return self.scheduler.prompt_blocks(seq, first_block)
 
     def complete_remote(self, request_id: str, first_token: int, info: TokenLogprob | None) -> StepOutput:
         """The prompt's KV has landed: join the running batch with the first token."""
@@ -199,17 +218,10 @@ class LLMEngine:
         if seq is None or seq.status is not SeqStatus.REMOTE:
             return []
         del self.seqs[request_id]
-        split = seq.num_cached // self.cfg.block_size
-        shared, fresh = seq.block_table[:split], seq.block_table[split:]
-        self.blocks.release(shared)
-        if quarantine:
-            self.blocks.quarantine(fresh)
-        else:
-            self.blocks.release(fresh)
-        seq.block_table = []
+        held = self.scheduler.free(seq, seq.num_cached // self.cfg.block_size if quarantine else None)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = "abort"
-        return fresh if quarantine else []
+        return held
 
     def release_quarantine(self, blocks: list[int]) -> None:
         self.blocks.release_quarantine(blocks)
@@ -309,6 +321,25 @@ class LLMEngine:
         return seq.grammar.finished
 
     # ------------------------------------------------------------ convenience
+
+    def prompt_logits(self, ids: list[int], cuts: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
+        """Float32 logits at every position of `ids`, computed piece by piece between the `cuts` (each piece reads
+        the earlier ones' K/V from the pool; a one-token piece is a decode row): perplexity, reference checks."""
+        seq = Sequence(f"logits-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1))
+        if not self.scheduler.place(seq, cached=False):
+            raise OutOfBlocks(f"{len(ids)} tokens do not fit in the KV pool now")
+        try:
+            bounds = [0, *cuts, len(ids)]
+            out = []
+            for start, stop in zip(bounds, bounds[1:]):
+                seq.num_computed = start
+                batch, _ = self.runner.prepare([(seq, stop - start)], every_row=True)
+                out.append(self.model.forward(batch, self.pool))
+                self.scheduler.let_go(seq, stop)  # as serving does: later pieces must not need what left a window
+            return torch.cat(out)
+        finally:
+            self.runner.prepare([])  # its decode rows forget the sequence
+            self.scheduler.free(seq)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Run prompts to completion (offline use, tests, `tandem generate`)."""

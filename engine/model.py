@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,11 @@ class ForwardBatch:
     dequant_rows: int = 0  # leading rows (long prefill chunks) computed by dequantize + MKL (engine.quant)
     # decode rows grouped by context length: (rows of decode_tables, longest context); None: one group of all
     decode_groups: list[tuple[list[int] | None, int]] | None = None
+    # per KV group (kv.layout), this batch with that group's slot blocks, spans and block tables; []: one group
+    groups: list[ForwardBatch] = field(default_factory=list)
+
+    def group(self, g: int) -> ForwardBatch:
+        return self.groups[g] if self.groups else self
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -182,15 +187,16 @@ class DecoderModel:
         h = self.embed.rows(batch.tokens).to(self.dtype)
         if cfg.embed_scale != 1.0:
             h.mul_(cfg.embed_scale)
+        by_group = [batch.group(g) for g in range(pool.layout.num_groups)]
         if self.native and pool.tensor.dtype == torch.float32:
-            paged = _PagedAttention(batch, cfg.num_heads, cfg.softmax_scale)
-            if self.fused is not None and batch.dequant_rows == 0 and not paged.long_spans:
-                self._fused_forward(h, batch, paged, pool, layer_done)
+            paged = [_PagedAttention(b, cfg.num_heads, cfg.softmax_scale) for b in by_group]
+            if self.fused is not None and len(paged) == 1 and batch.dequant_rows == 0 and not paged[0].long_spans:
+                self._fused_forward(h, batch, paged[0], pool, layer_done)
             else:
                 self._layer_ops(h, batch, pool, layer_done, paged=paged)
         else:
-            decode = _DecodeAttention(batch, pool.layout.block_size, cfg.softmax_scale) \
-                if batch.decode_tables is not None else None
+            decode = [_DecodeAttention(b, pool.layout.block_size, cfg.softmax_scale)
+                      if b.decode_tables is not None else None for b in by_group]
             angles = [(cos.index_select(0, batch.positions).unsqueeze(1), sin.index_select(0, batch.positions).unsqueeze(1))
                       for cos, sin in self.ropes]
             self._layer_ops(h, batch, pool, layer_done, torch_attn=(decode, angles))
@@ -201,15 +207,14 @@ class DecoderModel:
         return self.lm_head(h, rows if rows > KERNELS.lm_head_kernel_max_rows else 0).float()
 
     def _layer_ops(self, h: torch.Tensor, batch: ForwardBatch, pool: KVPool,
-                   layer_done: Callable[[int], None] | None, paged: _PagedAttention | None = None,
+                   layer_done: Callable[[int], None] | None, paged: list[_PagedAttention] | None = None,
                    torch_attn: tuple | None = None) -> None:
-        """The layers one operation at a time (`paged`: engine.native's attention; else torch's, with
-        `torch_attn` = the decode attention and the RoPE angles of each table)."""
+        """The layers one operation at a time (`paged`: engine.native's attention, per KV group; else torch's,
+        with `torch_attn` = the decode attention per KV group and the RoPE angles of each table)."""
         cfg = self.cfg
         n, heads, kv_heads, hd = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk_size, dq = self.q_size + self.kv_size, batch.dequant_rows
-        slots = (batch.slot_blocks, batch.slot_offsets)
-        decode, angles = torch_attn or (None, None)
+        decodes, angles = torch_attn or (None, None)
         # int8 weights answer in bfloat16 (torch's kernel's dtype): the residual stream, RoPE and attention stay in
         # the model dtype (the adds promote). Each sublayer's output joins the residual stream in the next norm.
         out = None
@@ -220,11 +225,14 @@ class DecoderModel:
             if layer.q_norm is not None:
                 qkv = self._qk_norm(qkv, layer)
             kc, vc = pool.keys(li), pool.values(li)
+            group = pool.layout.group_of[li][0]
+            gb = batch.group(group)
+            slots = (gb.slot_blocks, batch.slot_offsets)
             if paged is not None:  # RoPE in place with the K/V write, then attention through the pool: two calls
                 qkv = qkv.float().contiguous()
                 cos, sin = self.ropes[layer.rope]
                 native.rope_store(qkv, batch.positions, cos, sin, heads, kv_heads, kc, vc, *slots)
-                attn = paged(qkv, self.q_size, kv_heads, kc, vc, layer.window)
+                attn = paged[group](qkv, self.q_size, kv_heads, kc, vc, layer.window)
             else:
                 cos, sin = angles[layer.rope]
                 qk = apply_rope(qkv[:, :qk_size].view(n, heads + kv_heads, hd), cos, sin)
@@ -232,7 +240,7 @@ class DecoderModel:
                 v = qkv[:, qk_size:].view(n, kv_heads, hd)
                 kc.index_put_(slots, k.to(kc.dtype))
                 vc.index_put_(slots, v.to(vc.dtype))
-                attn = self._attention(q, k, v.to(q.dtype), kc, vc, batch, decode, layer.window)
+                attn = self._attention(q, k, v.to(q.dtype), kc, vc, gb, decodes[group], layer.window)
             out = layer.wo(attn.reshape(n, self.q_size), dq)
             if layer.post_attn_norm is not None:
                 out = self._norm(out.to(h.dtype).contiguous(), layer.post_attn_norm)

@@ -8,6 +8,7 @@ or block lists. Host-side staging buffers are allocated once and grow when a ste
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -23,10 +24,12 @@ LayerHook = Callable[[int], None]
 
 
 class DecodeRows:
-    """Block tables of the decoding sequences, one persistent row each, kept compact (rows 0..B-1)."""
+    """Block tables (of KV group `group`) of the decoding sequences, one persistent row each, kept compact
+    (rows 0..B-1)."""
 
-    def __init__(self, device: torch.device, width: int = 64):
+    def __init__(self, device: torch.device, group: int = 0, width: int = 64):
         self.device = device
+        self.group = group
         self.table = torch.zeros(0, width, dtype=torch.long, device=device)
         self.row_of: dict[int, int] = {}  # id(sequence) -> row
         self.seqs: list[Sequence] = []  # row -> sequence
@@ -67,7 +70,7 @@ class DecodeRows:
         self.synced.pop()
 
     def _sync(self, row: int, seq: Sequence) -> None:
-        blocks = seq.block_table
+        blocks = seq.block_tables[self.group]
         written_list, written = self.synced[row]
         if written_list is not blocks or written > len(blocks):  # a new placement (admission, resume): rewrite
             written = 0
@@ -84,14 +87,14 @@ class DecodeRows:
 class StepBuffers:
     """Grow-only host staging for one step's per-token and per-row integers."""
 
-    FIELDS = ("tokens", "positions", "slot_blocks", "decode_lens")
-
     def __init__(self, device: torch.device):
         self.device = device
-        self.host: dict[str, np.ndarray] = {f: np.zeros(256, dtype=np.int64) for f in self.FIELDS}
+        self.host: dict[str, np.ndarray] = {}
 
     def put(self, name: str, values: list[int]) -> torch.Tensor:
-        buf = self.host[name]
+        buf = self.host.get(name)
+        if buf is None:
+            buf = self.host[name] = np.zeros(256, dtype=np.int64)
         if len(values) > len(buf):
             buf = self.host[name] = np.zeros(max(len(values), 2 * len(buf)), dtype=np.int64)
         buf[: len(values)] = values
@@ -105,7 +108,8 @@ class ModelRunner:
         self.pool = pool
         self.block_size = block_size
         self.device = model.device
-        self.rows = DecodeRows(self.device)
+        self.groups = pool.layout.num_groups  # a block table per KV group (kv.layout)
+        self.rows = [DecodeRows(self.device, g) for g in range(self.groups)]
         self.buffers = StepBuffers(self.device)
         self.sampler = Sampler()
 
@@ -128,26 +132,30 @@ class ModelRunner:
         )
         return sampled, tokens, infos
 
-    def prepare(self, plan: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
+    def prepare(self, plan: list[tuple[Sequence, int]], every_row: bool = False) -> tuple[ForwardBatch, list[Sequence]]:
         """The plan as one flat batch: prefill chunks first (the long ones, computed by dequantize + MKL,
-        leading), then one row per decoding sequence."""
-        bs, dev = self.block_size, self.device
+        leading), then one row per decoding sequence. With several KV groups, `ForwardBatch.groups` has the
+        batch as each group's block tables see it. `every_row`: logits of every row, not only the sampled ones."""
+        bs, dev, groups = self.block_size, self.device, range(self.groups)
         long_chunk = KERNELS.kernel_max_chunk
         chunks = sorted(((s, n) for s, n in plan if n > 1), key=lambda c: c[1] <= long_chunk)
-        decoding = self.rows.update([s for s, n in plan if n == 1])
+        decode_seqs = [s for s, n in plan if n == 1]
+        decoding = [rows.update(decode_seqs) for rows in self.rows][0]
         tokens: list[int] = []
         positions: list[int] = []
-        slot_blocks: list[int] = []
-        spans: list[PrefillSpan] = []
+        slot_blocks: list[list[int]] = [[] for _ in groups]
+        spans: list[list[PrefillSpan]] = [[] for _ in groups]
         logit_rows: list[int] = []
         sampled: list[Sequence] = []
         for seq, n in chunks:
             start = seq.num_computed
-            spans.append(PrefillSpan(len(tokens), n, start + n, torch.tensor(seq.block_table, device=dev)))
+            index = [p // bs for p in range(start, start + n)]
+            for g in groups:
+                table = seq.block_tables[g]
+                spans[g].append(PrefillSpan(len(tokens), n, start + n, torch.tensor(table, device=dev)))
+                slot_blocks[g] += [table[i] for i in index]
             tokens += seq.tokens(start, start + n)
             positions += range(start, start + n)
-            table = seq.block_table
-            slot_blocks += [table[p // bs] for p in range(start, start + n)]
             if start + n == seq.num_tokens:
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(seq)
@@ -157,7 +165,8 @@ class ModelRunner:
             p = seq.num_computed
             tokens.append(seq.token_at(p))
             positions.append(p)
-            slot_blocks.append(seq.block_table[p // bs])
+            for g in groups:
+                slot_blocks[g].append(seq.block_tables[g][p // bs])
             lens.append(p + 1)
             logit_rows.append(len(tokens) - 1)
             sampled.append(seq)
@@ -165,17 +174,24 @@ class ModelRunner:
         batch = ForwardBatch(
             tokens=self.buffers.put("tokens", tokens),
             positions=pos,
-            slot_blocks=self.buffers.put("slot_blocks", slot_blocks),
+            slot_blocks=self.buffers.put("slot_blocks0", slot_blocks[0]),
             slot_offsets=pos % bs,
-            prefills=spans,
+            prefills=spans[0],
             decode_start=decode_start,
-            decode_tables=self.rows.table[: len(decoding)] if decoding else None,
+            decode_tables=self.rows[0].table[: len(decoding)] if decoding else None,
             decode_lens=self.buffers.put("decode_lens", lens) if decoding else None,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            logit_rows=torch.arange(len(tokens), device=dev) if every_row else
+            torch.tensor(logit_rows, dtype=torch.long, device=dev),
             decode_max_len=max(lens, default=0),
             dequant_rows=sum(n for _, n in chunks if n > long_chunk),
             decode_groups=length_groups(lens, bs),
         )
+        if self.groups > 1:
+            batch.groups = [batch] + [
+                dataclasses.replace(batch, slot_blocks=self.buffers.put(f"slot_blocks{g}", slot_blocks[g]),
+                                    prefills=spans[g],
+                                    decode_tables=self.rows[g].table[: len(decoding)] if decoding else None)
+                for g in groups if g]
         return batch, sampled
 
 

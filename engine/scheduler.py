@@ -7,7 +7,8 @@ import logging
 from collections import deque
 
 from engine.sequence import SeqStatus, Sequence
-from kv.blocks import BlockPool, block_hash, prefix_hashes
+from kv.blocks import NULL_BLOCK, BlockPool, block_hash, group_key, prefix_hashes
+from kv.layout import KVLayout
 
 log = logging.getLogger(__name__)
 WHOLE_PREFILL_MAX_TOKENS = 8192  # a whole_prefill sequence's step, past the budget
@@ -15,9 +16,13 @@ MAX_PASSED_OVER = 3  # steps an unfinished prompt may be passed over for shorter
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockPool, max_batch: int, max_step_tokens: int):
+    def __init__(self, blocks: BlockPool, max_batch: int, max_step_tokens: int, layout: KVLayout | None = None):
         self.blocks = blocks
         self.block_size = blocks.block_size
+        # KV groups (kv.layout): a sequence holds a block of each per block_size tokens, the windowed ones only
+        # inside their window
+        self.layout = layout or KVLayout("", "float32", blocks.block_size, 1, 1, 1)
+        self.groups = self.layout.num_groups
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
         self.waiting: deque[Sequence] = deque()
@@ -42,9 +47,10 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.num_tokens - seq.num_computed != 1:
                 continue
-            while len(seq.block_table) * self.block_size <= seq.num_computed:
-                if self.blocks.num_free:
-                    seq.block_table += self.blocks.allocate(1)
+            while len(seq.block_tables[0]) * self.block_size <= seq.num_computed:
+                if self.blocks.num_free >= self.groups:
+                    for table, block in zip(seq.block_tables, self.blocks.allocate(self.groups)):
+                        table.append(block)
                     continue
                 victim = self._newest_running()
                 self.preempt(victim)
@@ -92,40 +98,90 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         """Reserve blocks for the whole prompt, reusing the prefix cache. False if they don't fit."""
-        placed = self.place(seq)
-        if placed is None:
+        if not self.place(seq):
             return False
         seq.status = SeqStatus.RUNNING
         return True
 
-    def place(self, seq: Sequence) -> list[int] | None:
-        """Match the prefix cache and allocate the rest; returns the fresh blocks, or None if short."""
+    def place(self, seq: Sequence, cached: bool = True) -> bool:
+        """Match the prefix cache (unless not `cached`) and allocate the rest (a block per group per block_size
+        tokens); False if short."""
         tokens = seq.all_ids
         hashes = prefix_hashes(tokens, self.block_size)
-        usable = min(self.blocks.peek_prefix(hashes), (len(tokens) - 1) // self.block_size)
-        fresh_needed = self.blocks_needed(len(tokens)) - usable
-        if fresh_needed > self.blocks.num_free - self._cached_in_lru(hashes[:usable]):
-            return None
-        matched = self.blocks.match_prefix(hashes[:usable])
-        fresh = self.blocks.allocate(fresh_needed)
-        seq.block_table = matched + fresh
+        usable = self._usable_prefix(hashes, (len(tokens) - 1) // self.block_size) if cached else 0
+        first = [self.layout.first_needed(g, usable * self.block_size) for g in range(self.groups)]
+        keys = [group_key(hashes[i], g) for g in range(self.groups) for i in range(first[g], usable)]
+        fresh_needed = self.groups * (self.blocks_needed(len(tokens)) - usable)
+        if fresh_needed > self.blocks.num_free - self._cached_in_lru(keys):
+            return False
+        seq.block_tables, seq.live_from = [], first
+        for g in range(self.groups):
+            matched = self.blocks.match_prefix([group_key(h, g) for h in hashes[first[g]:usable]], count=g == 0)
+            fresh = self.blocks.allocate(self.blocks_needed(len(tokens)) - usable)
+            seq.block_tables.append([NULL_BLOCK] * first[g] + matched + fresh)
         seq.block_hashes = hashes[:usable]
         seq.num_computed = seq.num_cached = usable * self.block_size
         if seq.cached_prompt_tokens is None:  # a resumed sequence re-matches its own blocks: not a hit
             seq.cached_prompt_tokens = min(seq.num_cached, len(seq.prompt_ids))
-        return fresh
+        return True
 
-    def _cached_in_lru(self, hashes: list[bytes]) -> int:
+    def _usable_prefix(self, hashes: list[bytes], limit: int) -> int:
+        """Leading blocks whose K/V every group has cached: all of them for a global group, those of the window
+        before the first uncached token for a windowed one."""
+        if not self.blocks.enable_prefix_cache:
+            return 0
+        n = limit
+        for g in range(self.groups):
+            if not self.layout.window(g):
+                n = min(n, self.blocks.peek_prefix([group_key(h, g) for h in hashes[:n]]))
+        while n > 0 and not all(
+            group_key(hashes[i], g) in self.blocks.cached
+            for g in range(self.groups) if self.layout.window(g)
+            for i in range(self.layout.first_needed(g, n * self.block_size), n)
+        ):
+            n -= 1
+        return n
+
+    def _cached_in_lru(self, keys: list[bytes]) -> int:
         """Matched blocks that currently count as free (they stop counting once referenced)."""
-        return sum(1 for h in hashes if self.blocks.ref[self.blocks.cached[h]] == 0)
+        return sum(1 for k in keys if self.blocks.ref[self.blocks.cached[k]] == 0)
+
+    def let_go(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the windowed groups' blocks that the token after `num_tokens` no longer attends to."""
+        for g, table in enumerate(seq.block_tables):
+            first = self.layout.first_needed(g, num_tokens)
+            if first > seq.live_from[g]:
+                self.blocks.release(table[seq.live_from[g]:first])
+                table[seq.live_from[g]:first] = [NULL_BLOCK] * (first - seq.live_from[g])
+                seq.live_from[g] = first
+
+    def prompt_blocks(self, seq: Sequence, first_block: int) -> list[list[int]]:
+        """Per group, the blocks that hold the prompt's K/V from block `first_block` on and that the first decode
+        step reads (a windowed group's from its window on). What a remote prefill writes; both sides compute the
+        same lists from the prompt's length."""
+        n = len(seq.prompt_ids)
+        return [table[max(first_block, self.layout.first_needed(g, n)):] for g, table in enumerate(seq.block_tables)]
+
+    def free(self, seq: Sequence, quarantine_from: int | None = None) -> list[int]:
+        """Release every block the sequence holds; with `quarantine_from`, its blocks from that index on are
+        quarantined instead (a remote writer may still touch them) and returned."""
+        held: list[int] = []
+        for g, table in enumerate(seq.block_tables):
+            live = seq.live_from[g]
+            cut = len(table) if quarantine_from is None else max(live, quarantine_from)
+            self.blocks.release(table[live:cut])
+            held += table[cut:]
+        if held:
+            self.blocks.quarantine(held)
+        seq.block_tables, seq.live_from = [], []
+        return held
 
     def _newest_running(self) -> Sequence:
         return max((s for s in self.running if s.status is SeqStatus.RUNNING), key=lambda s: s.arrival)
 
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it re-enters the queue front and recomputes its KV later."""
-        self.blocks.release(seq.block_table)
-        seq.block_table = []
+        self.free(seq)
         seq.block_hashes = []
         seq.num_computed = 0
         seq.preemptions += 1
@@ -136,7 +192,8 @@ class Scheduler:
         log.info("preempted %s (recompute %d tokens)", seq.request_id, seq.num_tokens)
 
     def commit(self, seq: Sequence, n: int) -> None:
-        """`n` more tokens of `seq` now have K/V in the pool: name newly full blocks for reuse."""
+        """`n` more tokens of `seq` now have K/V in the pool: name newly full blocks for reuse, let go of those that
+        left a window."""
         seq.num_computed += n
         full = seq.num_computed // self.block_size
         if len(seq.block_hashes) < full:
@@ -145,13 +202,16 @@ class Scheduler:
                 parent = seq.block_hashes[-1] if seq.block_hashes else None
                 h = block_hash(parent, chunk)
                 seq.block_hashes.append(h)
-                self.blocks.register(seq.block_table[i], h)
+                for g, table in enumerate(seq.block_tables):
+                    if i >= seq.live_from[g]:
+                        self.blocks.register(table[i], group_key(h, g))
+        if self.layout.windows:
+            self.let_go(seq, seq.num_computed)
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.release(seq.block_table)
-        seq.block_table = []
+        self.free(seq)
         seq.status = SeqStatus.FINISHED

@@ -29,7 +29,10 @@ class Sequence:
         self.output_ids: list[int] = []
         self.params = params
         self.status = SeqStatus.WAITING
-        self.block_table: list[int] = []
+        # one block table per KV group (kv.layout): entries before live_from[g] left a sliding window and were
+        # let go (they hold NULL_BLOCK); every table has a block for every block_size tokens placed
+        self.block_tables: list[list[int]] = []
+        self.live_from: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks registered so far
         self.num_computed = 0  # tokens whose K/V sit in the pool
         self.num_cached = 0  # tokens found in the prefix cache at the latest placement

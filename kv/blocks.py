@@ -31,6 +31,14 @@ def prefix_hashes(tokens: list[int], block_size: int) -> list[bytes]:
     return out
 
 
+def group_key(h: bytes, group: int) -> bytes:
+    """The prefix-cache name of a block of KV group `group` holding the tokens hashed to `h` (group 0's is `h`)."""
+    return h if group == 0 else h + bytes([group])
+
+
+NULL_BLOCK = 0  # what a block table holds where its block left the window: any valid id, never read
+
+
 class OutOfBlocks(RuntimeError):
     pass
 
@@ -61,8 +69,9 @@ class BlockPool:
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
-    def match_prefix(self, hashes: list[bytes]) -> list[int]:
-        """Blocks already holding the longest cached prefix; each is referenced for the caller."""
+    def match_prefix(self, hashes: list[bytes], count: bool = True) -> list[int]:
+        """Blocks already holding the longest cached prefix; each is referenced for the caller (`count`: in the
+        hit rate)."""
         blocks: list[int] = []
         if self.enable_prefix_cache:
             for h in hashes:
@@ -70,8 +79,9 @@ class BlockPool:
                 if b is None:
                     break
                 blocks.append(b)
-        self.queries += len(hashes)
-        self.hits += len(blocks)
+        if count:
+            self.queries += len(hashes)
+            self.hits += len(blocks)
         for b in blocks:
             self._take(b)
         return blocks

@@ -1,7 +1,8 @@
 """The paged KV pool: one tensor, block-major, allocated and pre-faulted once.
 
-Block b holds K and V of every layer for `block_size` token slots, contiguous in memory, so a
-run of adjacent blocks is one contiguous byte range — transfer engines send it as one descriptor.
+Block b holds K and V of one layer group (`KVLayout.groups`; every layer for a model without
+sliding-window layers) for `block_size` token slots, contiguous in memory, so a run of adjacent
+blocks is one contiguous byte range — transfer engines send it as one descriptor.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from kv.layout import KVLayout
 
 
 class KVPool:
-    """Storage for `num_blocks` KV blocks of `layout`, on CPU, CUDA or a caller-given buffer (shm)."""
+    """Storage for `num_blocks` KV blocks of `layout`, on CPU, CUDA or a caller-given buffer (shm).
+
+    Every group's blocks come from the same pool: a sequence of a model with G groups holds G blocks per
+    `block_size` tokens (fewer for the windowed groups, which let go of the blocks that left their window).
+    """
 
     def __init__(
         self,
@@ -32,8 +37,8 @@ class KVPool:
         # Pre-fault: the first touch of fresh pages is 20-40x slower than a warm copy (DESIGN §5).
         self.tensor.zero_()
         # per-layer views, made once: a forward pass asks for each twice per layer (a view costs ~10 µs)
-        self._keys = [self.tensor[:, layer, 0] for layer in range(layout.num_layers)]
-        self._values = [self.tensor[:, layer, 1] for layer in range(layout.num_layers)]
+        self._keys = [self.tensor[:, j, 0] for _, j in layout.group_of]
+        self._values = [self.tensor[:, j, 1] for _, j in layout.group_of]
 
     @staticmethod
     def bytes_needed(layout: KVLayout, num_blocks: int) -> int:
@@ -59,7 +64,7 @@ class KVPool:
         return self.tensor.view(-1).view(torch.uint8)
 
     def keys(self, layer: int) -> torch.Tensor:
-        """[num_blocks, block_size, kv_heads, head_dim] strided view of layer's K."""
+        """[num_blocks, block_size, kv_heads, head_dim] strided view of layer's K (indexed by its group's table)."""
         return self._keys[layer]
 
     def values(self, layer: int) -> torch.Tensor:

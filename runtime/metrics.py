@@ -73,7 +73,7 @@ class AutoscaleMetrics:
 RUNNING = Gauge("tandem_worker_running_sequences", "Sequences in the running batch", ["role"], registry=REGISTRY)
 WAITING = Gauge("tandem_worker_waiting_sequences", "Sequences waiting for blocks or a batch slot", ["role"],
                 registry=REGISTRY)
-KV_BLOCKS = Gauge("tandem_kv_blocks", "KV blocks by state (used, free, quarantined)", ["role", "state"],
+KV_BLOCKS = Gauge("tandem_kv_blocks", "KV blocks by state (used, free, quarantined), in blocks of every layer (block_size tokens each)", ["role", "state"],
                   registry=REGISTRY)
 PREFIX_HIT_RATE = Gauge("tandem_prefix_cache_hit_rate", "Share of looked-up full blocks found in the prefix cache",
                         ["role"], registry=REGISTRY)

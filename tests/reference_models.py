@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from engine.engine import LLMEngine
-from engine.model import ForwardBatch, PrefillSpan
 
 
 def write_hf_llama(dst: Path, tokenizer_json: str, *, rope_scaling: dict | None = None, tie: bool = True,
@@ -200,40 +199,9 @@ def write_gguf_gemma3_from_hf(hf_dir: Path, dst: Path, fields_from: dict, qtypes
 
 def engine_logits(engine: LLMEngine, ids: list[int], split: int | None = None) -> torch.Tensor:
     """Logits at every position: whole prefill, or prefill[:split] then the rest attending via the pool."""
-    bs = engine.cfg.block_size
-    blocks = engine.blocks.allocate((len(ids) + bs - 1) // bs)
-    table = torch.tensor(blocks)
-    outs = []
-    try:
-        cuts = [0, split, len(ids)] if split else [0, len(ids)]
-        for a, b in zip(cuts, cuts[1:]):
-            pos = torch.arange(a, b)
-            batch = ForwardBatch(
-                tokens=torch.tensor(ids[a:b]), positions=pos, slot_blocks=table[pos // bs], slot_offsets=pos % bs,
-                prefills=[PrefillSpan(0, b - a, b, table)], decode_start=b - a, decode_tables=None,
-                decode_lens=None, logit_rows=torch.arange(b - a),
-            )
-            outs.append(engine.model.forward(batch, engine.pool))
-    finally:
-        engine.blocks.release(blocks)
-    return torch.cat(outs)
+    return engine.prompt_logits(ids, [split] if split else [])
 
 
 def decode_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits of the last token computed through the batched decode path."""
-    bs = engine.cfg.block_size
-    blocks = engine.blocks.allocate((len(ids) + bs - 1) // bs)
-    table = torch.tensor(blocks)
-    try:
-        engine_prefix = ids[:-1]
-        n = len(engine_prefix)
-        pos = torch.arange(n)
-        engine.model.forward(ForwardBatch(
-            torch.tensor(engine_prefix), pos, table[pos // bs], pos % bs, [PrefillSpan(0, n, n, table)], n,
-            None, None, torch.tensor([n - 1])), engine.pool)
-        p = torch.tensor([n])
-        return engine.model.forward(ForwardBatch(
-            torch.tensor(ids[-1:]), p, table[p // bs], p % bs, [], 0, table.view(1, -1), torch.tensor([n + 1]),
-            torch.tensor([0])), engine.pool)[0]
-    finally:
-        engine.blocks.release(blocks)
+    return engine.prompt_logits(ids, [len(ids) - 1])[-1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kv.blocks import BlockPool, OutOfBlocks, prefix_hashes
-from kv.layout import KVLayout, LayoutMismatch
+from kv.layout import KVLayout, LayoutMismatch, plan_groups
 from kv.pool import KVPool, coalesce, paired_runs
 
 
@@ -79,3 +79,24 @@ def test_layout_fingerprint_and_mismatch():
     assert a.fingerprint() != b.fingerprint()
     err = str(LayoutMismatch(a, b))
     assert "block_size=16" in err and "block_size=32" in err
+
+
+def test_layers_grouped_by_window():
+    """Gemma 3 270M: 15 local layers (window 512) and 3 global ones make 6 groups of 3, the global one first."""
+    windows = [0 if i % 6 == 5 else 512 for i in range(18)]
+    groups, group_windows = plan_groups(windows)
+    assert groups[0] == (5, 11, 17) and groups[1] == (0, 1, 2) and groups[5] == (14, 15, 16)
+    assert group_windows == (0, 512, 512, 512, 512, 512)
+    assert sorted(li for g in groups for li in g) == list(range(18))
+    assert plan_groups([0] * 30) == ((), ())  # no windows: one group of every layer, as before groups existed
+    assert plan_groups([0] + [16] * 19) == ((), ())  # 20 groups of one layer would cost more than they save
+    layout = KVLayout("g", "float32", 16, 18, 1, 64, groups=groups, windows=group_windows)
+    flat = KVLayout("g", "float32", 16, 18, 1, 64)
+    assert layout.block_shape == (3, 2, 16, 1, 64) and layout.bytes_per_token == flat.bytes_per_token
+    assert layout.group_of[5] == (0, 0) and layout.group_of[4] == (2, 1)
+    assert KVLayout.from_dict(layout.to_dict()) == layout and layout.fingerprint() != flat.fingerprint()
+    # the token after 600 computed ones attends to positions 89..600: blocks from 5 on, in a local group only
+    assert [layout.first_needed(g, 600) for g in (0, 1)] == [0, 5]
+    assert layout.first_needed(1, 511) == 0 and layout.first_needed(1, 527) == 1
+    with pytest.raises(ValueError, match="evenly"):
+        KVLayout("g", "float32", 16, 3, 1, 64, groups=((0, 1), (2,)), windows=(0, 16))

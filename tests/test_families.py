@@ -76,6 +76,37 @@ def test_tiny_model_logits_match_transformers(tiny, smollm, family):
     check_engine(loaded, reference_logits(tiny[family], family, ids), ids, atol=1e-4)
 
 
+def test_windowed_kv_moves_between_engines_as_a_remote_prefill_does(tiny, smollm):
+    """A prefill engine's blocks, copied into the blocks a decode engine reserved (the local groups' from their
+    window on only), decode what one engine generates; the blocks the local groups let go are not sent."""
+    from engine.params import SamplingParams
+
+    loaded = load_model(str(tiny["gemma3"]))
+    ids = smollm.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    [whole] = LLMEngine(loaded, EngineConfig(num_blocks=16)).generate([ids], params)
+
+    prefill = LLMEngine(loaded, EngineConfig(num_blocks=16, max_step_tokens=16))  # chunks that pass the window
+    prefill.add_request("r", ids, SamplingParams(max_tokens=1, temperature=0.0), hold_blocks=True)
+    first = [t for _ in range(20) if prefill.has_work() for out in prefill.step() for t in out.token_ids]
+    decode = LLMEngine(loaded, EngineConfig(num_blocks=16))
+    seq, dst = decode.reserve_remote("r", ids, params)
+    src, dst_groups = prefill.prompt_blocks("r", 0), decode.prompt_blocks("r", 0)
+    n, local = -(-len(ids) // 16), decode.layout.first_needed(1, len(ids))
+    assert local > 0  # the prompt passed the window (16): its first blocks are not sent
+    assert [len(g) for g in src] == [len(g) for g in dst_groups] == [n, n - local, n - local]
+    assert dst == [b for g in dst_groups for b in g]
+    for s, d in zip(src, dst_groups):
+        decode.pool.tensor[d] = prefill.pool.tensor[s]
+    prefill.release_held("r")
+    prefill.blocks.check_idle()
+    decode.complete_remote("r", first[0], None)
+    while decode.has_work():
+        decode.step()
+    assert seq.output_ids == whole.output_ids
+    decode.blocks.check_idle()
+
+
 def test_the_torch_operations_compute_what_the_native_ones_do(tiny, smollm, monkeypatch):
     """Without engine.native (no compiler) the window, the q/k norms and the sandwich norms are torch's."""
     from engine import native

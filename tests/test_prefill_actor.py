@@ -57,7 +57,8 @@ def bare_prefill_actor() -> PrefillActor:
     actor.sent = SentLog()
     actor.tasks = set()
     actor.draining = False
-    actor.layout = SimpleNamespace(fingerprint=lambda: "fp", block_bytes=64, num_layers=2)
+    actor.layout = SimpleNamespace(fingerprint=lambda: "fp", block_bytes=64, num_layers=2, block_size=16,
+                                   group_of=((0, 0), (0, 1)))
     actor.s = SimpleNamespace(layerwise_transfer="off", prefill_timeout=60.0)
     actor.peer_incarnations = {}
     actor.writes = []
@@ -70,7 +71,7 @@ def bare_prefill_actor() -> PrefillActor:
         return SimpleNamespace(wait_async=landed, cancel=lambda: None)
 
     actor.transfer = SimpleNamespace(mechanism=lambda peer: "tcp", name="tcp", write=write)
-    actor.engine = SimpleNamespace(seqs={"r1:0": SimpleNamespace(block_table=[0, 1])})
+    actor.engine = SimpleNamespace(prompt_blocks=lambda key, first_block: [[0, 1]])
     actor.nc = None
     actor.runner = SlowStepRunner(actor)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from engine.params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from kv.blocks import BlockPool
+from kv.blocks import BlockPool, prefix_hashes
+from kv.layout import KVLayout
 
 
 def seq(rid: str, n: int) -> Sequence:
@@ -74,3 +75,61 @@ def test_a_whole_prefill_takes_its_prompt_in_one_step_past_the_budget():
     assert run(sched) == {"short": 20, "whole": 300}  # the short prompt, then the whole one past the budget
     sched.add(seq("next", 20))
     assert run(sched) == {"next": 20}
+
+
+# the tiny Gemma's shape: a global layer and two local ones with a window of one block
+WINDOWED = KVLayout("g", "float32", 16, 3, 1, 8, groups=((1,), (0,), (2,)), windows=(0, 16, 16))
+
+
+def live(s: Sequence) -> list[int]:
+    """Blocks each group holds for the sequence."""
+    return [len(t) - s.live_from[g] for g, t in enumerate(s.block_tables)]
+
+
+def test_windowed_groups_hold_only_their_window():
+    blocks = BlockPool(3 * 20, 16)
+    sched = Scheduler(blocks, max_batch=8, max_step_tokens=32, layout=WINDOWED)
+    sched.add(seq("a", 100))
+    a = sched.waiting[0]
+    for _ in range(4):  # the prompt's blocks are placed at admission; after each chunk the local groups give
+        run(sched)      # back those that left the window, the global group keeps every block
+        assert live(a) == [7] + [7 - (a.num_computed + 1 - 16) // 16] * 2
+    assert a.num_computed == 100 and live(a) == [7, 2, 2]  # positions 85..100: blocks 5 and 6
+    for tok in range(40):  # decoding: a block every 16 tokens for each group, the local ones give one back
+        a.output_ids.append(tok)
+        run(sched)
+        assert max(live(a)[1:]) <= 2
+    assert live(a)[0] == 9 and blocks.num_used == 9 + sum(live(a)[1:])
+    sched.finish(a)
+    blocks.check_idle()
+    # the same prompt again: the cache serves every full block, the local groups' from their window only
+    sched.add(seq("b", 100))
+    b = sched.waiting[0]
+    assert sched.place(b) and b.num_cached == 96 and live(b) == [7, 2, 2]
+    sched.free(b)
+    blocks.check_idle()
+
+
+def served_then_evicted(evict: int) -> tuple[Scheduler, Sequence]:
+    """A 100-token prompt served to the end, then `evict` cached blocks evicted (oldest first)."""
+    blocks = BlockPool(3 * 20, 16)
+    sched = Scheduler(blocks, max_batch=8, max_step_tokens=16, layout=WINDOWED)  # a block per chunk
+    sched.add(seq("a", 100))
+    a = sched.waiting[0]
+    while a.num_computed < 100:
+        run(sched)
+    sched.finish(a)
+    blocks.release(blocks.allocate(len(blocks.free) + evict))
+    # shares a's first 3 blocks (48 tokens), then differs
+    return sched, Sequence("c", list(range(1, 51)) + [999] * 30, SamplingParams(max_tokens=4))
+
+
+def test_a_windowed_prefix_is_reused_while_its_window_is_cached():
+    # the local groups' blocks that left the window reached the cache first (block 0 of each, then block 1...),
+    # so they are evicted first; the token after 48 cached ones attends to block 2 only, in a local group
+    sched, c = served_then_evicted(evict=4)
+    assert sched.place(c) and c.num_cached == 48 and live(c) == [5, 3, 3]
+    sched.free(c)
+    sched, c = served_then_evicted(evict=6)  # block 2 of the local groups is gone: no prefix has its window
+    assert sched.blocks.peek_prefix(prefix_hashes(c.prompt_ids, 16)[:3]) == 3
+    assert sched.place(c) and c.num_cached == 0 and live(c) == [5, 5, 5]

@@ -90,17 +90,17 @@ def byte_ranges(
     """(local_offset, remote_offset, nbytes) ranges for a block-to-block copy.
 
     Adjacent blocks on both sides are coalesced into one range; with a layer range
-    ``[first, last)`` that is not every layer, each block contributes one range (the layer
-    slices of one block are contiguous, those of two blocks are not).
+    ``[first, last)`` (indices inside a block: its group's layers) that is not every layer, each
+    block contributes one range (the layer slices of one block are contiguous, those of two blocks are not).
     """
-    block = layout.block_bytes
+    block, size = layout.block_bytes, layout.group_size
     runs = paired_runs(list(local_blocks), list(remote_blocks))
-    if layers is None or (layers[0] == 0 and layers[1] == layout.num_layers):
+    if layers is None or (layers[0] == 0 and layers[1] == size):
         return [(s * block, d * block, n * block) for s, d, n in runs]
     first, last = layers
-    if not 0 <= first < last <= layout.num_layers:
-        raise ValueError(f"layer range {layers} outside [0, {layout.num_layers})")
-    per_layer = block // layout.num_layers
+    if not 0 <= first < last <= size:
+        raise ValueError(f"layer range {layers} outside [0, {size})")
+    per_layer = block // size
     head, length = first * per_layer, (last - first) * per_layer
     ranges: list[tuple[int, int, int]] = []
     for s, d, n in runs:
