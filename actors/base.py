@@ -103,7 +103,7 @@ class WorkerActor:
         cfg = EngineConfig(
             dtype=settings.dtype, device=settings.device, block_size=settings.block_size,
             num_blocks=settings.num_blocks, max_batch=settings.max_batch, max_step_tokens=settings.max_step_tokens,
-            enable_prefix_cache=settings.enable_prefix_cache,
+            enable_prefix_cache=settings.enable_prefix_cache, speculative=settings.speculative,
         )
         layout = LLMEngine.layout_for(loaded, cfg)
         self.transfer = create_engine(
@@ -131,6 +131,7 @@ class WorkerActor:
         self.metrics_url = (f"http://{settings.advertise_host}:{settings.metrics_port}/metrics"
                             if settings.metrics_port else "")
         self._preemptions_seen = 0
+        self._drafted_seen = self._accepted_seen = 0
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -417,6 +418,10 @@ class WorkerActor:
         preempted = e.scheduler.preemptions
         metrics.PREEMPTIONS.inc(preempted - self._preemptions_seen)
         self._preemptions_seen = preempted
+        if e.drafter is not None:
+            metrics.SPEC_DRAFT_TOKENS.inc(e.drafter.drafted - self._drafted_seen)
+            metrics.SPEC_ACCEPTED_TOKENS.inc(e.drafter.accepted - self._accepted_seen)
+            self._drafted_seen, self._accepted_seen = e.drafter.drafted, e.drafter.accepted
 
     def stats(self) -> WorkerStats:
         e = self.engine

@@ -8,6 +8,7 @@ waits on a forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -21,9 +22,10 @@ from engine.loader import LoadedModel
 from engine.model import DecoderModel
 from engine.model_runner import ModelRunner
 from engine.params import SamplingParams
-from engine.sampling import TokenLogprob
+from engine.sampling import TokenLogprob, draw_seed
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
+from engine.speculation import PromptLookup, SpeculationConfig, kept
 from kv.blocks import BlockPool, OutOfBlocks
 from kv.layout import DTYPES, KVLayout, plan_groups
 from kv.pool import KVPool
@@ -41,6 +43,7 @@ class EngineConfig:
     max_step_tokens: int = 512
     enable_prefix_cache: bool = True
     max_model_len: int | None = None  # default: the model's context length
+    speculative: str = "ngram"  # engine/speculation.py: "ngram" (prompt lookup) or "off"
 
 
 
@@ -58,9 +61,10 @@ class StepOutput:
     completion_tokens: int = 0
     compute_s: float = 0.0  # wall seconds of the engine steps this sequence was in so far
 
-
-def draw_seed(seed: int, index: int) -> int:
-    return (seed * 1_000_003 + index * 7_919) % (1 << 62)
+    def then(self, later: StepOutput) -> StepOutput:
+        """This output followed by a later one of the same step (kept draft tokens)."""
+        return dataclasses.replace(later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
+                                   logprobs=self.logprobs + later.logprobs)
 
 
 class LLMEngine:
@@ -77,6 +81,8 @@ class LLMEngine:
         self.blocks = BlockPool(self.pool.num_blocks, self.cfg.block_size, self.cfg.enable_prefix_cache)
         self.scheduler = Scheduler(self.blocks, self.cfg.max_batch, self.cfg.max_step_tokens, self.layout)
         self.runner = ModelRunner(self.model, self.pool, self.cfg.block_size)
+        spec = SpeculationConfig(self.cfg.speculative)
+        self.drafter = PromptLookup(spec) if spec.mode != "off" else None
         self.max_model_len = min(self.cfg.max_model_len or mc.max_position, mc.max_position)
         # The most tokens one sequence's KV can ever occupy: a sequence that reaches it ends with
         # "length" (preempting itself could never be re-admitted, and would block the queue). A prompt holds
@@ -251,6 +257,7 @@ class LLMEngine:
     # ------------------------------------------------------------ stepping
 
     def step(self) -> list[StepOutput]:
+        self._draft()
         plan = self.scheduler.schedule()
         self.last_plan_size = len(plan)
         if not plan:
@@ -262,9 +269,45 @@ class LLMEngine:
         sampled, tokens, infos = self.runner.run(plan, self.layer_hooks)
         dt = time.perf_counter() - t0
         for seq, n in plan:
-            self.scheduler.commit(seq, n)
+            if not seq.draft:
+                self.scheduler.commit(seq, n)
             seq.compute_s += dt
-        return [self.append_token(seq, tok, info) for seq, tok, info in zip(sampled, tokens, infos)]
+        return [self._verify(seq, toks, infos) if seq.draft else self.append_token(seq, toks[0], infos[0])
+                for seq, toks, infos in zip(sampled, tokens, infos)]
+
+    def _draft(self) -> None:
+        """Drafts for the decoding sequences, while there are few enough that verifying them pays."""
+        if self.drafter is None:
+            return
+        decoding = [s for s in self.scheduler.running
+                    if s.status is SeqStatus.RUNNING and s.num_tokens - s.num_computed == 1]
+        if not decoding or len(decoding) > self.drafter.cfg.max_batch:
+            return
+        limit = min(self.max_model_len, self.pool_tokens)
+        row_cost = self.drafter.cfg.row_cost(len(decoding))
+        for seq in decoding:
+            room = min(seq.params.max_tokens - len(seq.output_ids) - 1, limit - seq.num_tokens,
+                       self.drafter.cfg.max_draft)
+            # grammar fast-forward: what the grammar forces is a draft verified like any other
+            forced = seq.grammar.forced()[:max(room, 0)] if seq.grammar is not None else []
+            seq.draft = forced or self.drafter.propose(seq, room, row_cost)
+
+    def _verify(self, seq: Sequence, tokens: list[int], infos: list[TokenLogprob | None]) -> StepOutput:
+        """Keep the draft up to its first token that differs from the one sampled at its row, then that sampled
+        token; only the kept tokens' K/V is committed (what lies past it is overwritten by later steps)."""
+        draft, seq.draft = seq.draft, []
+        n = kept(draft, tokens)
+        self.scheduler.commit(seq, 1)
+        out: StepOutput | None = None
+        for i in range(n + 1):
+            step = self.append_token(seq, tokens[i], infos[i])
+            out = step if out is None else out.then(step)
+            if seq.finish_reason is not None:
+                break
+            if i < n:
+                self.scheduler.commit(seq, 1)
+        self.drafter.verified(seq, len(draft), n)
+        return out
 
     def append_token(self, seq: Sequence, tok: int, info: TokenLogprob | None = None) -> StepOutput:
         """Add a sampled token, apply the finish rules and return the new safe text."""

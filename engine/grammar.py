@@ -91,6 +91,15 @@ class GrammarState:
         """Write the next token's allowed-token bitmask (``words`` int32) at ``address``."""
         self.matcher.unsafe_compute_mask_ptr(address, self.words * 4)
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows next and nothing else (a JSON key, a closing brace): a draft that is
+        all but certain to be kept (grammar fast-forward, engine/speculation.py)."""
+        return self.matcher.compute_ff_tokens()
+
+    def after(self, tokens: list[int]) -> GrammarAfter:
+        """This state as it would stand after ``tokens``, for the mask of a draft's row."""
+        return GrammarAfter(self, tokens)
+
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False when the grammar does not allow it (the matcher is then in error)."""
         return self.matcher.consume_token(token)
@@ -108,3 +117,22 @@ class GrammarState:
     def error(self) -> str:
         """Why the matcher stopped accepting, or ''."""
         return self.matcher.get_error() if self.matcher.is_error() else ""
+
+
+class GrammarAfter:
+    """A :class:`GrammarState` advanced by a draft's tokens, only for its mask: the state is advanced, the mask
+    written, and the state rolled back. Past a draft token the grammar refuses, the mask is that of the tokens
+    before it: that row is never kept (its row before drew something else)."""
+
+    def __init__(self, state: GrammarState, tokens: list[int]) -> None:
+        self.state = state
+        self.tokens = tokens
+        self.words = state.words
+
+    def fill_mask(self, address: int) -> None:
+        matcher = self.state.matcher
+        n = matcher.try_consume_tokens(self.tokens)
+        try:
+            self.state.fill_mask(address)
+        finally:
+            matcher.rollback(n)

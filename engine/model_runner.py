@@ -16,7 +16,7 @@ import torch
 
 from engine.model import DecoderModel, ForwardBatch, PrefillSpan
 from engine.quant import KERNELS
-from engine.sampling import Sampler, TokenLogprob
+from engine.sampling import Sampler, TokenLogprob, draw_seed
 from engine.sequence import Sequence
 from kv.pool import KVPool
 
@@ -114,11 +114,13 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def run(self, plan: list[tuple[Sequence, int]], hooks: dict[str, LayerHook]
-            ) -> tuple[list[Sequence], list[int], list[TokenLogprob | None]]:
+            ) -> tuple[list[Sequence], list[list[int]], list[list[TokenLogprob | None]]]:
         """Compute `plan` (sequence, new tokens) and sample the sequences whose prompt is complete.
 
         `hooks[request_id](layer)` runs after each layer of the step that completes that request's
-        prompt (layer-wise KV streaming). Returns the sampled sequences, their tokens and logprobs.
+        prompt (layer-wise KV streaming). Returns the sampled sequences and, per sequence, its tokens and
+        logprobs: one, or one per row of its draft (`seq.draft`) and the row before it, each drawn as plain
+        decoding would draw it at that position had the draft before it been kept.
         """
         batch, sampled = self.prepare(plan)
         calls = [hooks[s.request_id] for s in sampled if s.request_id in hooks]
@@ -126,11 +128,24 @@ class ModelRunner:
         logits = self.model.forward(batch, self.pool, layer_done)
         if not sampled:
             return [], [], []
-        tokens, infos = self.sampler(
-            logits, [s.params for s in sampled], [s.output_ids for s in sampled], [s.generator for s in sampled],
-            [s.grammar for s in sampled],
-        )
-        return sampled, tokens, infos
+        params, outputs, generators, grammars, counts = [], [], [], [], []
+        for s in sampled:
+            rows = 1 + len(s.draft)
+            counts.append(rows)
+            params += [s.params] * rows
+            grammars += [s.grammar] + [s.grammar and s.grammar.after(s.draft[:j]) for j in range(1, rows)]
+            outputs += [s.output_ids] + [s.output_ids + s.draft[:j] for j in range(1, rows)]
+            generators.append(s.generator)
+            for j in range(1, rows):  # a seeded draw depends on its position only
+                generators.append(None if s.generator is None else
+                                  torch.Generator().manual_seed(draw_seed(s.params.seed, len(s.output_ids) + j)))
+        tokens, infos = self.sampler(logits, params, outputs, generators, grammars)
+        split_tokens, split_infos, at = [], [], 0
+        for rows in counts:
+            split_tokens.append(tokens[at:at + rows])
+            split_infos.append(infos[at:at + rows])
+            at += rows
+        return sampled, split_tokens, split_infos
 
     def prepare(self, plan: list[tuple[Sequence, int]], every_row: bool = False) -> tuple[ForwardBatch, list[Sequence]]:
         """The plan as one flat batch: prefill chunks first (the long ones, computed by dequantize + MKL,
@@ -154,9 +169,12 @@ class ModelRunner:
                 table = seq.block_tables[g]
                 spans[g].append(PrefillSpan(len(tokens), n, start + n, torch.tensor(table, device=dev)))
                 slot_blocks[g] += [table[i] for i in index]
-            tokens += seq.tokens(start, start + n)
+            tokens += seq.tokens(start, start + n - len(seq.draft)) + seq.draft
             positions += range(start, start + n)
-            if start + n == seq.num_tokens:
+            if seq.draft:  # the last token and its draft: a row to sample at each
+                logit_rows += range(len(tokens) - n, len(tokens))
+                sampled.append(seq)
+            elif start + n == seq.num_tokens:
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(seq)
         decode_start = len(tokens)

@@ -27,6 +27,12 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed of a seeded request's draw for output token `index`: each draw depends on its
+    position only, so preemption, migration or speculation draw the same numbers."""
+    return (seed * 1_000_003 + index * 7_919) % (1 << 62)
+
+
 NUCLEUS_CANDIDATES = 1024  # top-p first looks for its nucleus among this many most likely tokens
 
 

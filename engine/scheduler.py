@@ -58,8 +58,9 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
-                plan.append((seq, 1))
-                budget -= 1
+                self._room_for_draft(seq)
+                plan.append((seq, 1 + len(seq.draft)))
+                budget -= 1 + len(seq.draft)
         budget = max(budget, 0)
         # Prefills, shortest remaining first. Waiting sequences are admitted in arrival order while
         # slots and blocks last and the prompts admitted so far do not fill the budget. Then a step
@@ -95,6 +96,16 @@ class Scheduler:
         for seq in prefilling:
             seq.passed_over = 0 if seq.request_id in planned else seq.passed_over + 1
         return plan
+
+    def _room_for_draft(self, seq: Sequence) -> None:
+        """Blocks for the draft's K/V, taken only while free: a draft is cut, never the cause of a preemption."""
+        last = seq.num_computed + len(seq.draft)
+        while seq.draft and len(seq.block_tables[0]) * self.block_size <= last:
+            if self.blocks.num_free < self.groups:
+                seq.draft = seq.draft[:len(seq.block_tables[0]) * self.block_size - seq.num_computed - 1]
+                return
+            for table, block in zip(seq.block_tables, self.blocks.allocate(self.groups)):
+                table.append(block)
 
     def _admit(self, seq: Sequence) -> bool:
         """Reserve blocks for the whole prompt, reusing the prefix cache. False if they don't fit."""
@@ -183,6 +194,7 @@ class Scheduler:
         """Free the sequence's blocks; it re-enters the queue front and recomputes its KV later."""
         self.free(seq)
         seq.block_hashes = []
+        seq.draft = []
         seq.num_computed = 0
         seq.preemptions += 1
         self.preemptions += 1

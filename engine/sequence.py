@@ -33,6 +33,8 @@ class Sequence:
         # let go (they hold NULL_BLOCK); every table has a block for every block_size tokens placed
         self.block_tables: list[list[int]] = []
         self.live_from: list[int] = []
+        self.draft: list[int] = []  # tokens proposed to follow this step's one (engine/speculation.py)
+        self.spec = None  # the drafter's state (engine.speculation.DraftState), made at the first proposal
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks registered so far
         self.num_computed = 0  # tokens whose K/V sit in the pool
         self.num_cached = 0  # tokens found in the prefix cache at the latest placement

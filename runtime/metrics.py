@@ -87,6 +87,10 @@ WORKER_CANCELLED = Counter("tandem_worker_cancelled_total", "Requests stopped be
 REPLAYED = Counter("tandem_worker_replayed_messages_total", "Messages published again because a receiver asked "
                    "(bus.messages.Replay): stream messages (decode) or prefill answers (prefill)", ["role"],
                    registry=REGISTRY)
+SPEC_DRAFT_TOKENS = Counter("tandem_spec_draft_tokens_total", "Draft tokens verified (speculative decoding)",
+                            registry=REGISTRY)
+SPEC_ACCEPTED_TOKENS = Counter("tandem_spec_accepted_tokens_total", "Draft tokens kept: output that cost no step of "
+                               "its own", registry=REGISTRY)
 PREEMPTIONS = Counter("tandem_decode_preemptions_total", "Sequences preempted for recompute", registry=REGISTRY)
 WORKER_TTFT = Histogram("tandem_worker_time_to_first_token_seconds", "Accepted to first token, on the worker",
                         buckets=LATENCY_BUCKETS, registry=REGISTRY)

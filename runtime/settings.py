@@ -10,6 +10,7 @@ from typing import Any
 
 from bus.subjects import check_token
 from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS
+from engine.speculation import MODES as SPECULATIVE_MODES
 from runtime.placement import check_device, format_cpus, parse_cpus
 
 ROLES = ("prefill_and_decode", "prefill_only", "decode_only")
@@ -47,6 +48,7 @@ class Settings:
     # waits at most one such chunk of a long one, docs/benchmarks.md), 512 elsewhere
     max_step_tokens: int = 0
     enable_prefix_cache: bool = True
+    speculative: str = "ngram"  # decode: draft tokens by prompt lookup and verify them in one step, or "off"
     # Prefill ships each layer's KV while the next layer computes: "on", "off", or "auto" = on unless the
     # peer is reached through same-host shared memory, where a whole-prompt copy is cheaper (docs/benchmarks.md).
     layerwise_transfer: str = "auto"
@@ -93,6 +95,8 @@ class Settings:
             raise ValueError("--layerwise-transfer must be auto, on or off")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
         if self.remote_prefill_fallback not in ("local", "error"):
             raise ValueError("--remote-prefill-fallback must be local or error")
         check_token(self.worker_id, "worker id")

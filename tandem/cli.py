@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS, ModelLoadError
-from runtime.settings import ROLES, Settings, read_env_file
+from runtime.settings import ROLES, SPECULATIVE_MODES, Settings, read_env_file
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -52,7 +52,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         text = loaded.chat_template.render([{"role": "user", "content": args.message}])
         prompt_ids = tok.encode_prompt(text)
-    engine = LLMEngine(loaded, EngineConfig(dtype=args.dtype, device=args.device, num_blocks=args.num_blocks))
+    engine = LLMEngine(loaded, EngineConfig(dtype=args.dtype, device=args.device, num_blocks=args.num_blocks,
+                                            speculative=args.speculative))
     try:
         engine.check_request(prompt_ids, params)
     except ValueError as e:
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
     g.add_argument("--seed", type=int, default=None, help="seed of the draws (default: none, unseeded)")
     g.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks of 16 tokens (default 512)")
+    g.add_argument("--speculative", default="ngram", choices=list(SPECULATIVE_MODES),
+                   help="draft tokens by prompt lookup and verify them in one step (default ngram)")
     g.add_argument("--raw", action="store_true",
                    help="send MESSAGE as-is, without the chat template (default: through the template)")
     g.add_argument("--json", action="store_true",
@@ -180,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["local", "error"])
     opt("--prefill-timeout", "seconds a decode worker waits for a remote prefill", type=float)
     opt("--drain-timeout", "SIGTERM: seconds to finish in-flight requests before leaving", type=float)
+    opt("--speculative", "decode: draft tokens by prompt lookup (ngram) and verify them in one step",
+        choices=list(SPECULATIVE_MODES))
     sv.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false", default=None,
                     help="turn the prefix cache off (TANDEM_ENABLE_PREFIX_CACHE; default on)")
     opt("--layerwise-transfer", "prefill: send each layer's KV while the next computes (auto: unless the peer is "
@@ -219,7 +224,7 @@ _SERVE_FIELDS = ("role", "model", "dtype", "quantization", "device", "cpus", "th
                  "metrics_port", "metrics_host", "metrics_port_fallback", "advertise_host", "kv_tcp_host",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
                  "local_prefill_max_tokens", "prefill_stall_budget_ms", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",
-                 "layerwise_transfer", "drain_timeout")
+                 "speculative", "layerwise_transfer", "drain_timeout")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -288,7 +288,7 @@ def test_stop_string_found_when_pending_bytes_shrink_the_text(make_engine, stop)
 
 def test_cached_tokens_after_preemption_count_only_prompt_cache_hits(make_engine):
     """A preempted sequence re-matches its own blocks when it resumes; usage must not call that a cache hit."""
-    engine = make_engine(block_size=4, num_blocks=7)
+    engine = make_engine(block_size=4, num_blocks=7, speculative="off")  # a draft would finish p2 in time
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     engine.add_request("p1", [11, 12, 13], params)
     engine.add_request("p2", [21, 22, 23], params)

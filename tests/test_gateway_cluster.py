@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from bench.cluster import TandemUp
+from bench.speculation import copy_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -299,6 +300,8 @@ def test_metrics_move_after_a_disaggregated_request(up: TandemUp, client: openai
     again = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": long_question}], max_tokens=2)
     assert again.parse().usage.prompt_tokens_details.cached_tokens > 0  # the decode worker's prefix cache
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": copy_prompts()[0]}],
+                                   max_tokens=24, temperature=0)  # the decode worker drafts from the prompt
 
     def check() -> None:
         gw = _scrape(f"{up.url}/metrics")
@@ -317,6 +320,8 @@ def test_metrics_move_after_a_disaggregated_request(up: TandemUp, client: openai
         assert _total(decode, "tandem_kv_blocks", role="decode_only") == 256  # used + free + quarantined
         assert _total(decode, "tandem_kv_blocks", role="decode_only", state="free") > 0
         assert _total(decode, "tandem_prefix_cache_hit_rate") > 0  # moved by the repeated prompt
+        assert _total(decode, "tandem_spec_accepted_tokens_total") > 0
+        assert _total(decode, "tandem_spec_draft_tokens_total") >= _total(decode, "tandem_spec_accepted_tokens_total")
 
     # worker gauges refresh at 1 Hz: check again until they show the request (or the deadline)
     deadline = time.monotonic() + 15
