@@ -3,27 +3,30 @@
     python -m bench.speculation [--batches 1,2,4,8] [--max-tokens 128] [--rounds 3] [--threads N]
                                 [--quantization auto] [--model M]
 
-Two engines over the same loaded weights, one with `speculative="ngram"` (and its batch limit lifted, so
-every batch size is measured) and one with it off, take turns a batch each, `--rounds` times after a warm-up.
-Workloads: "copy" (chats asking for a given text back with a small edit: what prompt lookup is for) and
-"chat" (bench.quality's chat prompts). Output tok/s is every generated token over the batch's wall time,
+Two engines over the same loaded weights, one with `speculative="ngram"` and one with it off, take turns a
+batch each, `--rounds` times after a warm-up. Workloads: "copy" (chats asking for a given text back with a
+small edit: what prompt lookup is for), "chat" (bench.quality's chat prompts) and "schema" (a JSON schema
+with long keys: grammar fast-forward). Output tok/s is every generated token over the batch's wall time,
 greedy; the table gives medians, the on/off ratio, the share of draft tokens kept, and whether both engines
-wrote the same tokens.
+wrote the same tokens. First it times a step of one decoding row with 0-8 draft rows, which gives a step's
+fixed cost in rows (`SpeculationConfig.step_rows`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
+import msgspec
 import torch
 
 from bench.quality import PROMPTS
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel, load_model
 from engine.model_files import DEFAULT_MODEL
-from engine.params import SamplingParams
+from engine.params import Grammar, SamplingParams
 
 PASSAGES = [
     "The library opens at nine in the morning and closes at six in the evening. Children under twelve must be "
@@ -43,36 +46,78 @@ def copy_prompts() -> list[str]:
             for text, (a, b) in zip(PASSAGES, EDITS)]
 
 
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "required": ["customer_full_name", "shipping_address_first_line", "preferred_delivery_weekday",
+                       "gift_wrapping_requested"],
+          "properties": {"customer_full_name": {"type": "string", "maxLength": 24},
+                         "shipping_address_first_line": {"type": "string", "maxLength": 32},
+                         "preferred_delivery_weekday": {"enum": ["Monday", "Wednesday", "Friday"]},
+                         "gift_wrapping_requested": {"type": "boolean"}}}
+ORDERS = ["Ann Lee lives at 4 Elm Road and wants Friday deliveries, no gift wrap.",
+          "Bo Chen, 12 Harbour Street, Mondays please, and wrap it as a gift.",
+          "Carla Diaz of 9 Mill Lane asks for Wednesday delivery with gift wrapping.",
+          "Dev Patel, 31 Station Road, Friday, plain packaging."]
+
+
 def _ids(loaded: LoadedModel, messages: list[str]) -> list[list[int]]:
     return [loaded.tokenizer.encode_prompt(loaded.chat_template.render([{"role": "user", "content": m}]))
             for m in messages]
 
 
-def _timed(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+def _timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
     t = time.perf_counter()
     seqs = engine.generate(prompts, params)
     dt = time.perf_counter() - t
     return sum(len(s.output_ids) for s in seqs) / dt, [s.output_ids for s in seqs]
 
 
+def step_rows(engine: LLMEngine, drafts: tuple[int, ...] = (0, 1, 2, 4, 8), repeats: int = 15) -> float:
+    """A step's fixed cost in rows (F / r of t(k) = F + r (1 + k), fitted to steps of one row and k draft rows)."""
+    seq = engine.add_request("rows", list(range(100, 300)), SamplingParams(max_tokens=400, ignore_eos=True))
+    while not seq.output_ids:
+        engine.step()
+    times = []
+    for k in drafts:
+        samples = []
+        for _ in range(repeats):
+            seq.draft = [seq.output_ids[-1]] * k
+            engine.scheduler._room_for_draft(seq)
+            t = time.perf_counter()
+            engine.runner.run([(seq, 1 + k)], {})
+            samples.append(time.perf_counter() - t)
+            seq.draft = []
+        times.append(statistics.median(samples))
+    engine.abort("rows")
+    slope, intercept = statistics.linear_regression([1 + k for k in drafts], times)
+    print("step of 1 + k rows: " + ", ".join(f"k={k} {t * 1e3:.1f} ms" for k, t in zip(drafts, times))
+          + f"; F/r = {intercept / slope:.2f} rows", flush=True)
+    return intercept / slope
+
+
 def run(model: str, quantization: str, batches: list[int], max_tokens: int, rounds: int) -> list[dict]:
     loaded = load_model(model, "float32", quantization=quantization)
     on = LLMEngine(loaded, EngineConfig(num_blocks=512, speculative="ngram"))
-    on.drafter.cfg.max_batch = max(batches)
     off = LLMEngine(loaded, EngineConfig(num_blocks=512, speculative="off"))
-    workloads = {"copy": _ids(loaded, copy_prompts()), "chat": _ids(loaded, PROMPTS)}
+    step_rows(off)
+    print("| workload | batch | on tok/s | off tok/s | on/off | drafts kept | same tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    grammar = Grammar(kind="json_schema", value=json.dumps(SCHEMA))
+    workloads = {"copy": (_ids(loaded, copy_prompts()), SamplingParams(max_tokens=max_tokens, temperature=0.0)),
+                 "chat": (_ids(loaded, PROMPTS), SamplingParams(max_tokens=max_tokens, temperature=0.0)),
+                 "schema": (_ids(loaded, [f"Give this order as JSON: {o}" for o in ORDERS]),
+                            SamplingParams(max_tokens=max_tokens, temperature=0.0, grammar=grammar))}
     rows = []
-    for name, pool in workloads.items():
+    for name, (pool, params) in workloads.items():
         for b in batches:
             prompts = [pool[i % len(pool)] for i in range(b)]
-            _timed(on, prompts, 8), _timed(off, prompts, 8)  # warm-up
+            warm = msgspec.structs.replace(params, max_tokens=8)
+            _timed(on, prompts, warm), _timed(off, prompts, warm)
             speeds: dict[str, list[float]] = {"on": [], "off": []}
             same = True
             drafted, accepted = on.drafter.drafted, on.drafter.accepted
             for _ in range(rounds):
-                a, out_on = _timed(on, prompts, max_tokens)
-                c, out_off = _timed(off, prompts, max_tokens)
+                a, out_on = _timed(on, prompts, params)
+                c, out_off = _timed(off, prompts, params)
                 speeds["on"].append(a)
                 speeds["off"].append(c)
                 same = same and out_on == out_off
@@ -97,8 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     print(f"torch threads {torch.get_num_threads()}, {a.quantization}, {a.max_tokens} tokens, greedy")
-    print("| workload | batch | on tok/s | off tok/s | on/off | drafts kept | same tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
     run(a.model, a.quantization, [int(x) for x in a.batches.split(",")], a.max_tokens, a.rounds)
     return 0
 

@@ -268,6 +268,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         sampled, tokens, infos = self.runner.run(plan, self.layer_hooks)
         dt = time.perf_counter() - t0
+        if self.drafter is not None and all(n == 1 or s.draft for s, n in plan):  # decode rows only
+            self.drafter.cost.observe(sum(n for _, n in plan), dt)
         for seq, n in plan:
             if not seq.draft:
                 self.scheduler.commit(seq, n)
@@ -284,13 +286,9 @@ class LLMEngine:
         if not decoding or len(decoding) > self.drafter.cfg.max_batch:
             return
         limit = min(self.max_model_len, self.pool_tokens)
-        row_cost = self.drafter.cfg.row_cost(len(decoding))
         for seq in decoding:
-            room = min(seq.params.max_tokens - len(seq.output_ids) - 1, limit - seq.num_tokens,
-                       self.drafter.cfg.max_draft)
-            # grammar fast-forward: what the grammar forces is a draft verified like any other
-            forced = seq.grammar.forced()[:max(room, 0)] if seq.grammar is not None else []
-            seq.draft = forced or self.drafter.propose(seq, room, row_cost)
+            room = min(seq.params.max_tokens - len(seq.output_ids) - 1, limit - seq.num_tokens)
+            seq.draft = self.drafter.draft(seq, room, len(decoding))
 
     def _verify(self, seq: Sequence, tokens: list[int], infos: list[TokenLogprob | None]) -> StepOutput:
         """Keep the draft up to its first token that differs from the one sampled at its row, then that sampled

@@ -1,7 +1,8 @@
 """Speculative decoding by prompt lookup: drafts come from the sequence's own text, no second model.
 
 A decoding sequence whose last few tokens occurred earlier (in the prompt or in its output) drafts the
-tokens that followed them there. The engine computes the last token and the draft as one chunk, samples
+tokens that followed them there; one whose grammar forces the next tokens (a JSON key, a closing brace)
+drafts those (grammar fast-forward). The engine computes the last token and the draft as one chunk, samples
 every row as if it were decoding one token at a time (same params, same history, same per-position seed),
 and keeps the drafts up to the first one that differs from what was sampled, plus that sampled token.
 Because a row's token is drawn exactly as plain decoding would draw it, the output has the target's
@@ -27,22 +28,49 @@ class SpeculationConfig:
     max_ngram: int = 4  # the longest tail looked up first
     min_ngram: int = 2  # shorter tails than this find too many poor matches
     max_draft: int = 8
-    # a step's fixed cost (weights streamed once, the layers' launches, sampling) in rows' worth of compute: on
-    # this 2-core CPU a row of the int4 kernels costs nearly its own weight pass, so this is small and a draft
-    # pays only where it is likely kept (bench.speculation measures it)
-    step_rows: float = 1.2
     max_batch: int = 8  # drafts only while at most this many sequences decode
-
-    def row_cost(self, batch: int) -> float:
-        """A draft row's cost relative to a token of plain decoding in a batch of `batch`: r / ((F + r B) / B)."""
-        return batch / (self.step_rows + batch)
+    # a step's fixed cost (weights streamed, the layers' launches, sampling) in rows' worth of compute, until
+    # the engine's own steps have measured it (StepCost): 1-2 on a 2-core CPU, where a row of the int4 kernels
+    # costs nearly its own weight pass, so a draft pays only where it is likely kept (bench.speculation)
+    step_rows: float = 1.5
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"speculative mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 
 
-DECAY = 0.8  # weight of the previous verifications in a sequence's acceptance estimate
+SEQ_DECAY = 0.8  # weight of a sequence's earlier verifications in its acceptance estimate
+SEQ_PRIOR = 2.0  # pseudo-verifications a sequence's estimate starts from: the engine's, for that tail length
+ENGINE_DECAY = 0.98  # the same across every sequence, per tail length
+ENGINE_PRIOR = (4.0, 1.0)  # (kept, missed) before any draft: a long tail's continuation is usually right
+COST_DECAY = 0.98  # weight of earlier steps in the fit of step time against rows
+
+
+class StepCost:
+    """Step time against rows, fitted to the engine's own decode steps (weighted least squares, recent steps
+    weigh most): t = F + r rows. Its F / r says how many rows a draft row costs relative to a token."""
+
+    def __init__(self, default_rows: float):
+        self.default_rows = default_rows
+        self.sums = [0.0] * 5  # weight, x, y, xx, xy
+
+    def observe(self, rows: int, seconds: float) -> None:
+        for i, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            self.sums[i] = COST_DECAY * self.sums[i] + v
+
+    def step_rows(self) -> float:
+        w, x, y, xx, xy = self.sums
+        if w < 4 or xx / w - (x / w) ** 2 < 0.25:  # too few steps, or all of one size: the default
+            return self.default_rows
+        slope = (w * xy - x * y) / (w * xx - x * x)
+        intercept = (y - slope * x) / w
+        if slope <= 0 or intercept <= 0:
+            return self.default_rows
+        return min(max(intercept / slope, 0.25), 16.0)
+
+    def row_cost(self, batch: int) -> float:
+        """A draft row's cost relative to a token of plain decoding in a batch of `batch`: r / ((F + r B) / B)."""
+        return batch / (self.step_rows() + batch)
 
 
 @dataclass
@@ -53,10 +81,7 @@ class DraftState:
     indexed: int = 0  # n-grams ending before this position are in the index
     kept: float = 0.0  # draft tokens kept, decayed
     missed: float = 0.0  # drafts cut short, decayed
-
-    def acceptance(self) -> float:
-        """The chance that a draft token is kept when the one before it was (Laplace's rule over recent drafts)."""
-        return (self.kept + 1.0) / (self.kept + self.missed + 2.0)
+    tail: int = 0  # length of the tail the latest draft matched; 0: the grammar forced it
 
 
 def draft_length(acceptance: float, row_cost: float, most: int) -> int:
@@ -80,6 +105,9 @@ def kept(draft: list[int], sampled: list[int]) -> int:
 class PromptLookup:
     def __init__(self, cfg: SpeculationConfig):
         self.cfg = cfg
+        self.cost = StepCost(cfg.step_rows)
+        # per tail length (0: what a grammar forced), the engine's (kept, missed) draft tokens, decayed
+        self.by_tail = {n: list(ENGINE_PRIOR) for n in (0, *range(cfg.min_ngram, cfg.max_ngram + 1))}
         self.drafted = 0  # draft tokens verified
         self.accepted = 0  # of those, kept
 
@@ -89,10 +117,26 @@ class PromptLookup:
             seq.spec = DraftState()
         return seq.spec
 
-    def propose(self, seq: Sequence, room: int, row_cost: float) -> list[int]:
-        """Up to `room` tokens that followed the latest earlier occurrence of the sequence's tail, as many as
-        pay for their rows at `row_cost` (`SpeculationConfig.row_cost`)."""
+    def acceptance(self, state: DraftState, tail: int) -> float:
+        """The chance that a draft token is kept when the one before it was: the sequence's recent looked-up
+        drafts on top of the engine's for drafts from a tail of this length (a forced draft: the engine's)."""
+        k, m = self.by_tail[tail]
+        prior = (k + 1.0) / (k + m + 2.0)
+        if not tail:
+            return prior
+        return (state.kept + SEQ_PRIOR * prior) / (state.kept + state.missed + SEQ_PRIOR)
+
+    def draft(self, seq: Sequence, room: int, batch: int) -> list[int]:
+        """What the grammar forces next, else the tokens that followed the latest earlier occurrence of the
+        sequence's tail: as many as pay for their rows in a step of `batch` decoding sequences."""
         state = self.state(seq)
+        room = min(room, self.cfg.max_draft)
+        if room <= 0:
+            return []
+        if seq.grammar is not None:
+            forced = seq.grammar.forced()[:room]
+            if forced:
+                return self._take(state, 0, forced, batch)
         ids = seq.all_ids
         end = len(ids) - 1  # the tail's own occurrence (ending at the last token) is not indexed yet
         for i in range(state.indexed, end):
@@ -100,23 +144,31 @@ class PromptLookup:
                 if i + 1 >= n:
                     state.index[tuple(ids[i + 1 - n:i + 1])] = i + 1
         state.indexed = max(state.indexed, end)
-        want = draft_length(state.acceptance(), row_cost, min(room, self.cfg.max_draft))
-        if want <= 0:  # the estimate drifts back to even odds, so a sequence whose text turns repetitive tries again
-            state.kept *= DECAY
-            state.missed *= DECAY
-            return []
         for n in range(self.cfg.max_ngram, self.cfg.min_ngram - 1, -1):
-            if len(ids) < n:
-                continue
-            after = state.index.get(tuple(ids[len(ids) - n:]))
+            after = state.index.get(tuple(ids[len(ids) - n:])) if len(ids) >= n else None
             if after is not None:
-                return ids[after:after + want]
+                return self._take(state, n, ids[after:after + room], batch)
         return []
 
+    def _take(self, state: DraftState, tail: int, candidates: list[int], batch: int) -> list[int]:
+        """As many of the candidate tokens as pay for their rows in a step of `batch` decoding sequences."""
+        want = draft_length(self.acceptance(state, tail), self.cost.row_cost(batch), len(candidates))
+        if want <= 0:  # the sequence's estimate drifts back to the engine's, so it tries again later
+            state.kept *= SEQ_DECAY
+            state.missed *= SEQ_DECAY
+            return []
+        state.tail = tail
+        return candidates[:want]
+
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Count a verification in the totals and in the sequence's acceptance estimate."""
+        """Count a verification in the totals and in the acceptance estimates."""
         self.drafted += drafted
         self.accepted += accepted
         state = self.state(seq)
-        state.kept = DECAY * state.kept + accepted
-        state.missed = DECAY * state.missed + (accepted < drafted)
+        missed = accepted < drafted
+        if state.tail:
+            state.kept = SEQ_DECAY * state.kept + accepted
+            state.missed = SEQ_DECAY * state.missed + missed
+        counts = self.by_tail[state.tail]
+        counts[0] = ENGINE_DECAY * counts[0] + accepted
+        counts[1] = ENGINE_DECAY * counts[1] + missed

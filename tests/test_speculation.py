@@ -13,41 +13,55 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.params import SamplingParams
 from engine.sampling import Sampler
 from engine.sequence import Sequence
-from engine.speculation import PromptLookup, SpeculationConfig, draft_length, kept
+from engine.speculation import PromptLookup, SpeculationConfig, StepCost, draft_length, kept
 from tests.conftest import chat_ids
 
 
 def test_prompt_lookup_drafts_what_followed_the_longest_tail():
-    drafter = PromptLookup(SpeculationConfig(max_draft=8))  # rows for free: always the longest draft
+    drafter = PromptLookup(SpeculationConfig(max_draft=8, step_rows=1e9))  # rows for free: the longest draft
     seq = Sequence("s", [1, 2, 3, 9, 7, 2, 3, 8, 4, 5, 1, 2, 3], SamplingParams())
-    assert drafter.propose(seq, room=8, row_cost=0.0) == [9, 7, 2, 3, 8, 4, 5, 1]  # (1, 2, 3) beats the later (2, 3)
-    assert drafter.propose(seq, room=3, row_cost=0.0) == [9, 7, 2]
+    assert drafter.draft(seq, room=8, batch=1) == [9, 7, 2, 3, 8, 4, 5, 1]  # (1, 2, 3) beats the later (2, 3)
+    assert seq.spec.tail == 3
+    assert drafter.draft(seq, room=3, batch=1) == [9, 7, 2]
     seq.output_ids += [6, 6]  # (3, 6, 6), (6, 6): never seen before
-    assert drafter.propose(seq, room=8, row_cost=0.0) == []
+    assert drafter.draft(seq, room=8, batch=1) == []
     seq.output_ids += [4, 5]  # the index grew with the output: (6, 6, 4, 5) no, (4, 5) yes
-    assert drafter.propose(seq, room=8, row_cost=0.0) == [1, 2, 3, 6, 6, 4, 5]
+    assert drafter.draft(seq, room=8, batch=1) == [1, 2, 3, 6, 6, 4, 5] and seq.spec.tail == 2
     with pytest.raises(ValueError, match="ngram, off"):
         SpeculationConfig("eagle")
 
 
-def test_draft_length_follows_acceptance_and_row_cost():
+def test_draft_length_follows_acceptance_and_the_measured_row_cost():
     """Tokens per unit of step cost: no draft where a row costs much and drafts are seldom kept, long drafts
-    where they are kept; a sequence's estimate follows its recent verifications."""
+    where they are kept. A row's cost comes from the engine's own steps; a sequence's acceptance from its
+    recent drafts on top of the engine's for the same tail length."""
     assert draft_length(0.3, 0.45, 8) == 0 and draft_length(0.5, 0.45, 8) == 1
     assert draft_length(0.9, 0.45, 8) == 3 and draft_length(0.99, 0.45, 8) == 8
     assert draft_length(0.9, 0.1, 8) == 8 and draft_length(0.9, 0.45, 2) == 2
-    cfg = SpeculationConfig()
-    drafter, alone, in_eight = PromptLookup(cfg), cfg.row_cost(1), cfg.row_cost(8)
-    assert 0 < alone < in_eight < 1  # a row costs more, relative to a token, the more rows share the step
-    seq = Sequence("s", [1, 2, 3, 1, 2], SamplingParams())
-    assert drafter.propose(seq, room=8, row_cost=alone) == [3]  # nothing known yet: even odds, one token
-    drafter.verified(seq, drafted=1, accepted=1)
+    cost = StepCost(default_rows=1.5)
+    assert cost.row_cost(1) == 1 / 2.5
+    for _ in range(10):
+        cost.observe(1, 0.008)  # steps of one size say nothing of a row's cost
+    assert cost.step_rows() == 1.5
+    for rows in (2, 3, 5, 9) * 5:
+        cost.observe(rows, 0.004 + 0.004 * rows)  # F = 4 ms, r = 4 ms: a step costs one row more than its rows
+    assert cost.step_rows() == pytest.approx(1.0, rel=0.05)
+    assert 0 < cost.row_cost(1) < cost.row_cost(8) < 1  # relative to a token, a row costs more in a larger batch
+
+    drafter = PromptLookup(SpeculationConfig())
+    seq = Sequence("s", [1, 2, 3, 4, 5, 6, 1, 2, 3], SamplingParams())
+    assert drafter.acceptance(drafter.state(seq), 3) == pytest.approx(5 / 7)  # the engine's prior, alone
+    assert drafter.draft(seq, room=8, batch=1) == [4, 5]
     drafter.verified(seq, drafted=2, accepted=2)
-    assert seq.spec.acceptance() > 0.7 and len(drafter.propose(seq, room=8, row_cost=alone)) == 2
-    assert drafter.propose(seq, room=8, row_cost=in_eight) == []  # the same odds do not pay in a batch of 8
-    for _ in range(4):
-        drafter.verified(seq, drafted=1, accepted=0)
-    assert drafter.propose(seq, room=8, row_cost=alone) == [] and (drafter.drafted, drafter.accepted) == (7, 3)
+    drafter.verified(seq, drafted=4, accepted=4)
+    assert drafter.acceptance(seq.spec, 3) > 0.85 and len(drafter.draft(seq, room=8, batch=1)) >= 3
+    assert drafter.draft(seq, room=8, batch=8) == [4, 5]  # the same odds pay for fewer rows in a batch of 8
+    for _ in range(8):
+        drafter.verified(seq, drafted=2, accepted=0)
+    assert drafter.draft(seq, room=8, batch=1) == []
+    assert (drafter.drafted, drafter.accepted) == (22, 6)
+    fresh = Sequence("t", [1, 2, 3, 4, 5, 6, 1, 2, 3], SamplingParams())
+    assert drafter.acceptance(drafter.state(fresh), 3) < 5 / 7  # the engine learned that 3-token tails mislead
 
 
 def test_kept_tokens_follow_the_target_distribution():
