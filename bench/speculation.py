@@ -27,6 +27,7 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel, load_model
 from engine.model_files import DEFAULT_MODEL
 from engine.params import Grammar, SamplingParams
+from engine.speculation import SpeculationConfig, StepCost
 
 PASSAGES = [
     "The library opens at nine in the morning and closes at six in the evening. Children under twelve must be "
@@ -88,10 +89,12 @@ def step_rows(engine: LLMEngine, drafts: tuple[int, ...] = (0, 1, 2, 4, 8), repe
             seq.draft = []
         times.append(statistics.median(samples))
     engine.abort("rows")
-    slope, intercept = statistics.linear_regression([1 + k for k in drafts], times)
+    cost = StepCost(engine.drafter.cfg.step_rows if engine.drafter else SpeculationConfig().step_rows)
+    for k, t in zip(drafts, times):  # the engine's own fit, to the medians
+        cost.observe(1 + k, t)
     print("step of 1 + k rows: " + ", ".join(f"k={k} {t * 1e3:.1f} ms" for k, t in zip(drafts, times))
-          + f"; F/r = {intercept / slope:.2f} rows", flush=True)
-    return intercept / slope
+          + f"; F/r = {cost.step_rows():.2f} rows", flush=True)
+    return cost.step_rows()
 
 
 def run(model: str, quantization: str, batches: list[int], max_tokens: int, rounds: int) -> list[dict]:

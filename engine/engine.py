@@ -88,6 +88,7 @@ class LLMEngine:
         # "length" (preempting itself could never be re-admitted, and would block the queue). A prompt holds
         # a block of every group until its prefill ends, so that is the bound.
         self.pool_tokens = self.token_blocks(self.blocks.num_blocks) * self.cfg.block_size
+        self.max_seq_tokens = min(self.max_model_len, self.pool_tokens)  # a sequence ends "length" there
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
         # request id -> fn(layer): called per layer in the step that completes that request's prompt
@@ -125,9 +126,9 @@ class LLMEngine:
                 f"length of {self.max_model_len} tokens",
                 "max_tokens",
             )
-        if self.scheduler.blocks_needed(len(prompt_ids) + 1) > self.token_blocks(self.blocks.num_blocks):
-            raise ValueError(f"prompt needs more KV blocks than the pool has ({self.token_blocks(self.blocks.num_blocks)})",
-                             "prompt")
+        capacity = self.token_blocks(self.blocks.num_blocks)
+        if self.scheduler.blocks_needed(len(prompt_ids) + 1) > capacity:
+            raise ValueError(f"prompt needs more KV blocks than the pool has ({capacity})", "prompt")
         bad = [t for t in prompt_ids if not 0 <= t < self.loaded.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary", "prompt")
@@ -285,9 +286,8 @@ class LLMEngine:
                     if s.status is SeqStatus.RUNNING and s.num_tokens - s.num_computed == 1]
         if not decoding or len(decoding) > self.drafter.cfg.max_batch:
             return
-        limit = min(self.max_model_len, self.pool_tokens)
         for seq in decoding:
-            room = min(seq.params.max_tokens - len(seq.output_ids) - 1, limit - seq.num_tokens)
+            room = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_seq_tokens - seq.num_tokens)
             seq.draft = self.drafter.draft(seq, room, len(decoding))
 
     def _verify(self, seq: Sequence, tokens: list[int], infos: list[TokenLogprob | None]) -> StepOutput:
@@ -323,8 +323,7 @@ class LLMEngine:
             if info is not None:
                 seq.logprobs.append(info)
             grammar_done = seq.grammar is not None and self._advance_grammar(seq, tok)
-            at_length = len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= min(self.max_model_len,
-                                                                                      self.pool_tokens)
+            at_length = len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_seq_tokens
             text = seq.detok.add(seq.output_ids, final=at_length or grammar_done)
             if seq.detok.stopped or grammar_done:
                 seq.finish_reason = "stop"

@@ -49,8 +49,7 @@ class Scheduler:
                 continue
             while len(seq.block_tables[0]) * self.block_size <= seq.num_computed:
                 if self.blocks.num_free >= self.groups:
-                    for table, block in zip(seq.block_tables, self.blocks.allocate(self.groups)):
-                        table.append(block)
+                    self._grow(seq)
                     continue
                 victim = self._newest_running()
                 self.preempt(victim)
@@ -104,8 +103,12 @@ class Scheduler:
             if self.blocks.num_free < self.groups:
                 seq.draft = seq.draft[:len(seq.block_tables[0]) * self.block_size - seq.num_computed - 1]
                 return
-            for table, block in zip(seq.block_tables, self.blocks.allocate(self.groups)):
-                table.append(block)
+            self._grow(seq)
+
+    def _grow(self, seq: Sequence) -> None:
+        """One more block of every group: room for block_size more tokens."""
+        for table, block in zip(seq.block_tables, self.blocks.allocate(self.groups)):
+            table.append(block)
 
     def _admit(self, seq: Sequence) -> bool:
         """Reserve blocks for the whole prompt, reusing the prefix cache. False if they don't fit."""
