@@ -7,8 +7,9 @@ import sys
 
 from engine.loader import load_model
 from engine.progress import LoadProgress
+from runtime.borrowing import BorrowedCores
 from runtime.health import WorkerHealth, metrics_at_line, serve_worker_http
-from runtime.placement import available_cpus, format_cpus, parse_cpus, pin_process
+from runtime.placement import available_cpus, format_cpus, parse_cpus, pin_process, run_at_idle_priority
 from runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -19,7 +20,7 @@ def serve(settings: Settings) -> int:
     from actors.decode import DecodeActor
     from actors.prefill import PrefillActor
 
-    place(settings)
+    cores = place(settings)
     health = WorkerHealth(settings.role, settings.worker_id)
     try:  # before loading the model: a busy port fails in a moment, not after seconds
         server = serve_worker_http(settings.metrics_port, settings.metrics_host, health,
@@ -38,22 +39,31 @@ def serve(settings: Settings) -> int:
     health.model_loaded = True
     actor_cls = PrefillActor if settings.role == "prefill_only" else DecodeActor
     actor = actor_cls(settings, loaded, health)
+    if cores is not None:
+        actor.engine.model.before_layer = cores.before_layer
     actor.serve_forever()
     return 0 if actor.error is None and actor.runner.failure is None else 1
 
 
-def place(settings: Settings) -> None:
-    """Pin this process to ``--cpus`` and size torch's thread pool (before any kernel runs).
+def place(settings: Settings) -> BorrowedCores | None:
+    """Pin this process to ``--cpus`` (and ``--borrow-cpus``) and size torch's thread pool (before any kernel
+    runs); with borrowed cores, the ``BorrowedCores`` that moves the engine steps on and off them.
 
     ``settings.threads`` is left holding the thread count in effect (advertised to ``tandem status``).
     """
     import torch
 
-    if settings.cpus:
-        pin_process(parse_cpus(settings.cpus))
-    threads = settings.threads or (len(parse_cpus(settings.cpus)) if settings.cpus else 0)
+    own = parse_cpus(settings.cpus) if settings.cpus else []
+    borrowed = parse_cpus(settings.borrow_cpus, "--borrow-cpus") if settings.borrow_cpus else []
+    if own:
+        pin_process(own + borrowed)
+    if settings.idle_priority:
+        run_at_idle_priority()
+    threads = settings.threads or len(own + borrowed)
     if threads:
         torch.set_num_threads(threads)
     settings.threads = torch.get_num_threads()
-    log.info("%s %s on cores %s with %d torch threads, device %s", settings.role, settings.worker_id,
-             format_cpus(available_cpus()), settings.threads, settings.device)
+    log.info("%s %s on cores %s with %d torch threads%s, device %s", settings.role, settings.worker_id,
+             format_cpus(available_cpus()), settings.threads, " at idle priority" if settings.idle_priority else "",
+             settings.device)
+    return BorrowedCores(own, borrowed) if borrowed else None

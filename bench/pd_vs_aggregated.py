@@ -7,8 +7,10 @@ Each layout is a fresh ``tandem up`` measured by ``tandem bench`` under ``mixed`
 chats (``--input-len`` tokens in, ``--output-len`` out) with an evenly spaced ``--long-share`` of
 ``--long-tokens``-token prompts — at increasing Poisson rates:
 
-- ``disaggregated``: 1 prefill worker on the first core, 1 decode worker on the second, one
-  torch thread each;
+- ``disaggregated``: ``tandem up``'s default on two cores: 1 decode worker on the second core, 1 prefill
+  worker on both (two threads, at idle priority, so on the second core only while decode idles);
+- ``disaggregated-pinned``: 1 prefill worker on the first core only, 1 decode worker on the second, one
+  torch thread each (the default before prefill borrowed the decode core);
 - ``aggregated-512`` / ``aggregated-128``: one prefill_and_decode worker on both cores, step
   token budget 512 or 128 (``--max-step-tokens``);
 - ``aggregated-2x``: two prefill_and_decode workers, one per core.
@@ -43,13 +45,14 @@ def layouts(floors: list[int] | None = None, stall_budget_ms: float | None = Non
     """``tandem up`` flags of each layout, on this machine's first two cores; with ``floors``, one
     disaggregated layout per ``--local-prefill-max-tokens`` value."""
     first, second = available_cpus()[:2]
-    split = ["--prefill-cpus", str(first), "--decode-cpus", str(second)]
+    split = ["--prefill-cpus", f"{first},{second}", "--decode-cpus", str(second)]  # tandem up's default on 2 cores
     budget = "" if stall_budget_ms is None else f" --prefill-stall-budget-ms {stall_budget_ms:g}"
     sweep = {f"disaggregated-lp{n}": [*split, "--worker-args", f"--local-prefill-max-tokens {n}{budget}"]
              for n in floors or []}
     return {
         **sweep,
         "disaggregated": split,
+        "disaggregated-pinned": ["--prefill-cpus", str(first), "--decode-cpus", str(second)],
         "aggregated-512": ["--aggregated", "--decode-cpus", f"{first},{second}", "--worker-args",
                            "--max-step-tokens 512"],
         "aggregated-128": ["--aggregated", "--decode-cpus", f"{first},{second}", "--worker-args",
@@ -108,7 +111,9 @@ def rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 "layout": name, "rate": run["load"]["rate"],
                 "short_itl_p99": short.get("latency_ms", {}).get("itl", {}).get("p99"),
                 "short_ttft_p90": short.get("latency_ms", {}).get("ttft", {}).get("p90"),
+                "long_ttft_p50": long.get("latency_ms", {}).get("ttft", {}).get("p50"),
                 "long_ttft_p90": long.get("latency_ms", {}).get("ttft", {}).get("p90"),
+                "short_tok_s": short.get("throughput", {}).get("output_tokens_per_s"),
                 "goodput": run["goodput"]["requests_per_s"], "goodput_short": short.get("goodput", {})
                 .get("requests_per_s"), "failed": run["requests"]["failed"],
                 "prefill_decisions": res["layout"].get("prefill_decisions", {}),
@@ -136,7 +141,18 @@ def verdict(table: list[dict[str, Any]], slo_itl: float) -> str:
                 f"(target ≥ 2×: {'met' if good_ratio >= 2 else 'missed'})")
     return (f"At {rate:g} req/s (aggregated-512's short ITL p99 {a['short_itl_p99']:.0f} ms > {slo_itl:g} ms): "
             f"disaggregated's is {d['short_itl_p99']:.0f} ms, {itl_ratio:.2f}× (target ≤ 0.25×: "
-            f"{'met' if itl_ratio <= 0.25 else 'missed'}); {good}.")
+            f"{'met' if itl_ratio <= 0.25 else 'missed'}); {good}. " + borrowing_verdict(a, d))
+
+
+def borrowing_verdict(a: dict[str, Any], d: dict[str, Any]) -> str:
+    """Issue 24's targets for a split that lends the decode core to prefill, against aggregated at one rate."""
+    def ratio(key: str) -> float:
+        return d[key] / a[key] if d.get(key) and a.get(key) else float("nan")
+
+    short, long = ratio("short_tok_s"), ratio("long_ttft_p50")
+    return (f"Short chats' output {ratio('short_tok_s'):.2f}× aggregated-512's (target ≥ 0.8×: "
+            f"{'met' if short >= 0.8 else 'missed'}) and long prompts' TTFT p50 {long:.2f}× (target ≤ 1.2×: "
+            f"{'met' if long <= 1.2 else 'missed'}).")
 
 
 def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -153,14 +169,15 @@ def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"({args.long_output_len} out) as {args.long_share:g} of the requests — Poisson arrivals, "
         f"{args.duration:g} s per rate after 2 warm-up requests; goodput at TTFT ≤ {args.slo_ttft / 1000:g} s and "
         f"ITL ≤ {args.slo_itl:g} ms. The load generator, NATS and the gateway run on the same two cores.", "",
-        "| layout | rate (req/s) | short ITL p99 | short TTFT p90 | long TTFT p90 | goodput (req/s) | "
-        "goodput, short | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| layout | rate (req/s) | short ITL p99 | short TTFT p90 | short out (tok/s) | long TTFT p50 | long TTFT p90 "
+        "| goodput (req/s) | goodput, short | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table:
+        tok_s = "-" if r.get("short_tok_s") is None else f"{r['short_tok_s']:.1f}"
         lines.append(f"| {r['layout']} | {r['rate']:g} | {ms(r['short_itl_p99'])} | {ms(r['short_ttft_p90'])} | "
-                     f"{ms(r['long_ttft_p90'])} | {r['goodput']:.3f} | {r['goodput_short'] or 0:.3f} | "
-                     f"{r['failed']} |")
+                     f"{tok_s} | {ms(r.get('long_ttft_p50'))} | {ms(r['long_ttft_p90'])} | {r['goodput']:.3f} | "
+                     f"{r['goodput_short'] or 0:.3f} | {r['failed']} |")
     decided: dict[str, dict[str, float]] = {}
     for r in table:
         if r.get("prefill_decisions"):

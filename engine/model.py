@@ -157,6 +157,9 @@ class DecoderModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.fused = self._fused_layers()
+        # called before each layer of the per-operation path: a worker moving its threads on or off borrowed
+        # cores (runtime/borrowing.py)
+        self.before_layer: Callable[[], None] | None = None
 
     def _rope_table(self, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (with rotate_half's sign folded in) of every position, [max_position, head_dim]."""
@@ -219,6 +222,8 @@ class DecoderModel:
         # the model dtype (the adds promote). Each sublayer's output joins the residual stream in the next norm.
         out = None
         for li, layer in enumerate(self.layers):
+            if self.before_layer is not None:
+                self.before_layer()
             qkv = layer.wqkv(self._norm(h, layer.attn_norm, out), dq)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias

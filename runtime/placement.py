@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -91,11 +91,15 @@ def split_cpus(cpus: list[int], n: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class WorkerPlacement:
-    """Where one worker runs: its cores (None: wherever the OS puts it), torch threads, device."""
+    """Where one worker runs: its cores (None: wherever the OS puts it), torch threads, device, the cores it
+    borrows from decode workers for the steps that start while those idle (runtime/borrowing.py), and whether
+    it runs at idle priority (it does when it borrows or shares cores with decode)."""
 
     cpus: tuple[int, ...] | None = None
     threads: int | None = None
     device: str | None = None
+    idle_priority: bool = False
+    borrowed: tuple[int, ...] = ()
 
     def serve_args(self) -> list[str]:
         """The ``tandem serve`` flags that put a worker here."""
@@ -106,6 +110,10 @@ class WorkerPlacement:
             args += ["--threads", str(self.threads)]
         if self.device is not None:
             args += ["--device", self.device]
+        if self.borrowed:
+            args += ["--borrow-cpus", format_cpus(self.borrowed)]
+        elif self.idle_priority:
+            args += ["--idle-priority"]
         return args
 
     def describe(self) -> str:
@@ -113,9 +121,12 @@ class WorkerPlacement:
         parts = []
         if self.device is not None and self.device != "cpu":
             parts.append(self.device)
-        parts.append(f"cores {format_cpus(self.cpus)}" if self.cpus is not None else "any core")
+        cores = f"cores {format_cpus(self.cpus)}" if self.cpus is not None else "any core"
+        parts.append(cores + (f" + {format_cpus(self.borrowed)} while idle" if self.borrowed else ""))
         if self.threads is not None:
             parts.append(f"{self.threads} thread{'s' if self.threads != 1 else ''}")
+        if self.idle_priority:
+            parts.append("idle priority")
         return ", ".join(parts)
 
 
@@ -133,6 +144,29 @@ def _pinned(shares: list[list[int]], sharing: bool) -> list[WorkerPlacement]:
     return [WorkerPlacement(tuple(s), 1 if sharing else len(s)) for s in shares]
 
 
+def _borrowing(place: WorkerPlacement, decode_cpus: set[int]) -> WorkerPlacement:
+    """A prefill placement whose cores include decode's: it borrows those, at idle priority (all of them: at idle
+    priority alone, when it has no core of its own)."""
+    own = tuple(c for c in place.cpus or () if c not in decode_cpus)
+    if not own:
+        return replace(place, idle_priority=True)
+    borrowed = tuple(c for c in place.cpus or () if c in decode_cpus)
+    return replace(place, cpus=own, borrowed=borrowed, idle_priority=True)
+
+
+def _lend(prefill: list[WorkerPlacement], decode_cpus: list[int]) -> list[WorkerPlacement]:
+    """Lend prefill workers the decode cores: a prefill step runs on them too when they were idle since its last
+    step (a decode worker with no streams), and at idle priority, so decode gets a core back at once and the
+    next prefill step keeps off it. The decode cores are split among the prefill workers, so prefill threads
+    never outnumber the cores."""
+    lenders = min(len(prefill), len(decode_cpus))
+    out = list(prefill)
+    for i, extra in enumerate(split_cpus(decode_cpus, lenders)):
+        out[i] = replace(prefill[i], borrowed=tuple(extra), threads=len(prefill[i].cpus or ()) + len(extra),
+                         idle_priority=True)
+    return out
+
+
 def plan_layout(prefill: int, decode: int, *, prefill_cpus: str | None = None, decode_cpus: str | None = None,
                 prefill_devices: str | None = None, decode_devices: str | None = None,
                 gpu: bool = False, pin: bool = True, available: list[int] | None = None) -> Layout:
@@ -141,9 +175,11 @@ def plan_layout(prefill: int, decode: int, *, prefill_cpus: str | None = None, d
     Given lists are split among their role's workers; a role without a list gets the cores the
     other role left (or, with none left, shares them). With no lists on a CPU host the cores are
     split between the roles in proportion to their workers, each worker on its own cores when
-    there are enough, else each role on its own cores with one thread per worker; on a single
-    core every worker floats with ``cores // workers`` threads, so threads never outnumber cores. ``gpu`` (or device lists) or
-    ``pin=False`` leaves cores alone unless lists are given.
+    there are enough (prefill workers then also get the decode cores at idle priority, ``_lend``), else each
+    role on its own cores with one thread per worker; on a single core every worker floats with
+    ``cores // workers`` threads, so threads never outnumber cores. Lists that give both roles a core make the
+    prefill workers yield it (idle priority). ``gpu`` (or device lists) or ``pin=False`` leaves cores alone
+    unless lists are given.
     """
     avail = available_cpus() if available is None else available
     p_devs = parse_devices(prefill_devices, "--prefill-devices") if prefill_devices else []
@@ -159,7 +195,7 @@ def plan_layout(prefill: int, decode: int, *, prefill_cpus: str | None = None, d
         return [devs[i % len(devs)] for i in range(n)] if devs else [None] * n
 
     def with_devices(places: list[WorkerPlacement], devs: list[str]) -> list[WorkerPlacement]:
-        return [WorkerPlacement(p.cpus, p.threads, d) for p, d in zip(places, devices(devs, len(places)))]
+        return [replace(p, device=d) for p, d in zip(places, devices(devs, len(places)))]
 
     n = prefill + decode
     if p_list is not None or d_list is not None:
@@ -170,7 +206,9 @@ def plan_layout(prefill: int, decode: int, *, prefill_cpus: str | None = None, d
         shared = bool(p_list and set(p_list) & set(d_list))
         p_place = _pinned(split_cpus(p_list, prefill), len(p_list) < prefill) if p_list and prefill else []
         d_place = _pinned(split_cpus(d_list, decode), len(d_list) < decode)
-        note = "cores as asked" + (" (prefill and decode share some)" if shared else "")
+        if shared:  # decode steps wait for nothing; prefill takes the shared cores only while decode idles
+            p_place = [_borrowing(p, set(d_list)) for p in p_place]
+        note = "cores as asked" + (" (prefill and decode share some: prefill at idle priority)" if shared else "")
     elif gpu or p_devs or d_devs or not pin:
         p_place, d_place = [WorkerPlacement()] * prefill, [WorkerPlacement()] * decode
         note = "cores not pinned" + (" (GPU workers)" if gpu or p_devs or d_devs else " (--no-pin)")
@@ -181,6 +219,9 @@ def plan_layout(prefill: int, decode: int, *, prefill_cpus: str | None = None, d
         d_place = _pinned(split_cpus(avail[p_cores:], decode), len(avail) - p_cores < decode)
         if len(avail) >= n:
             note = "each worker on its own cores"
+            if prefill:
+                p_place = _lend(p_place, avail[p_cores:])
+                note += "; prefill borrows the decode cores while they idle"
         elif prefill:
             note = "prefill and decode on their own cores; workers of one role share them, 1 thread each"
         else:
@@ -193,6 +234,20 @@ def plan_layout(prefill: int, decode: int, *, prefill_cpus: str | None = None, d
     return Layout(with_devices(p_place, p_devs), with_devices(d_place, d_devs), note)
 
 
+def _tasks() -> list[int]:
+    return [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+
+
+def run_at_idle_priority() -> None:
+    """Put this process — every thread it has, and so every thread it starts later — in ``SCHED_IDLE``: a core
+    it shares runs anything else that is ready first, so a decode step never waits behind this process."""
+    for tid in _tasks():
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+
+
 def pin_process(cpus: list[int]) -> None:
     """Pin this process — every thread it already has, and so every thread it starts later — to ``cpus``.
 
@@ -200,8 +255,7 @@ def pin_process(cpus: list[int]) -> None:
     started threads by now, so each task of ``/proc/self/task`` is set.
     """
     mask = set(cpus)
-    tasks = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
-    for tid in tasks:
+    for tid in _tasks():
         try:
             os.sched_setaffinity(tid, mask)
         except ProcessLookupError:  # a thread that ended meanwhile

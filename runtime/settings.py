@@ -39,6 +39,11 @@ class Settings:
     device: str = "cpu"
     cpus: str = ""  # pin the worker to these cores ("0", "2-3"); "" = wherever the OS puts it
     threads: int = 0  # torch threads; 0 = one per core of `cpus`, or torch's default without it
+    # run at SCHED_IDLE: cores this worker shares go to other work first (a prefill worker on a decode worker's cores)
+    idle_priority: bool = False
+    # cores of another worker this one also computes on, at idle priority, for the steps that start while they
+    # idle (runtime/borrowing.py); `threads` then defaults to those and `cpus` together
+    borrow_cpus: str = ""
     dtype: str = "float32"
     quantization: str = "auto"  # weights: none|fp16|int8|int4|auto (auto: a GGUF's own Q4 as int4, other quants int8)
     block_size: int = 16
@@ -103,6 +108,14 @@ class Settings:
         check_device(self.device)
         if self.cpus:
             self.cpus = format_cpus(parse_cpus(self.cpus))
+        if self.borrow_cpus:
+            if not self.cpus:
+                raise ValueError("--borrow-cpus needs --cpus: the cores this worker always has")
+            borrowed = parse_cpus(self.borrow_cpus, "--borrow-cpus")
+            if set(borrowed) & set(parse_cpus(self.cpus)):
+                raise ValueError(f"--borrow-cpus {self.borrow_cpus!r} names cores of --cpus {self.cpus!r}: "
+                                 f"borrow only another worker's cores")
+            self.borrow_cpus, self.idle_priority = format_cpus(borrowed), True
         check_token(self.namespace, "namespace")
         if not self.max_step_tokens:
             self.max_step_tokens = PREFILL_STEP_TOKENS if self.role == "prefill_only" else STEP_TOKENS

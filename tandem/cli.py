@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--cpus", "pin this worker to these cores, e.g. 0 or 2-3; its torch threads default to their count",
         shown="any core")
     opt("--threads", "torch threads", type=int, shown="one per --cpus core, else torch's default")
+    opt("--borrow-cpus", "cores of another worker this one also computes on (at idle priority) for the steps that "
+        "start while they idle, e.g. a prefill worker borrowing a decode worker's core", shown="none")
+    sv.add_argument("--idle-priority", action="store_true", default=None,
+                    help="run at SCHED_IDLE: cores this worker shares go to other work first, e.g. a prefill "
+                         "worker on a decode worker's cores (TANDEM_IDLE_PRIORITY; default off)")
     opt("--nats-url", "NATS server URL(s), comma-separated")
     opt("--namespace", "subject namespace")
     opt("--worker-id", "this worker's id on the bus", shown="<role>-<random>")
@@ -220,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_SERVE_FIELDS = ("role", "model", "dtype", "quantization", "device", "cpus", "threads", "nats_url", "namespace", "worker_id",
+_SERVE_FIELDS = ("role", "model", "dtype", "quantization", "device", "cpus", "threads", "borrow_cpus", "idle_priority",
+                 "nats_url", "namespace", "worker_id",
                  "metrics_port", "metrics_host", "metrics_port_fallback", "advertise_host", "kv_tcp_host",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
                  "local_prefill_max_tokens", "prefill_stall_budget_ms", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",

@@ -261,20 +261,24 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
 
 
 def test_up_places_prefill_and_decode_on_their_own_cores(up: TandemUp) -> None:
+    """Decode on its own core at normal priority; prefill on its own, borrowing decode's at idle priority."""
     avail = available_cpus()
     if len(avail) < 2:
         pytest.skip("needs two cores")
     layout = plan_layout(1, 1, available=avail)
-    pinned = {}
-    for name, place in (("prefill-1", layout.prefill[0]), ("decode-1", layout.decode[0])):
-        pinned[name] = cpus_allowed(up.child_info(name)["pid"])
-        assert pinned[name] == {format_cpus(place.cpus)} and up.child_info(name)["placement"] == place.describe()
+    prefill, decode = layout.prefill[0], layout.decode[0]
+    for name, place in (("prefill-1", prefill), ("decode-1", decode)):
+        pid = up.child_info(name)["pid"]
+        assert cpus_allowed(pid) == {format_cpus([*place.cpus, *place.borrowed])}
+        assert up.child_info(name)["placement"] == place.describe()
+        policies = {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+        assert policies == {os.SCHED_IDLE if name.startswith("prefill") else os.SCHED_OTHER}, (name, policies)
     if avail == [0, 1]:
-        assert (pinned["prefill-1"], pinned["decode-1"]) == ({"0"}, {"1"})
-        assert layout.prefill[0].threads == layout.decode[0].threads == 1
+        assert (prefill.cpus, prefill.borrowed, decode.cpus) == ((0,), (1,), (1,))
+        assert (prefill.threads, decode.threads) == (2, 1)
     text = up.output()
-    assert f"placement   each worker on its own cores; NATS and the gateway are light and run on any core " \
-           f"({format_cpus(avail)})" in text
+    assert f"placement   each worker on its own cores; prefill borrows the decode cores while they idle; NATS and " \
+           f"the gateway are light and run on any core ({format_cpus(avail)})" in text
     assert cpus_allowed(up.child_info("gateway")["pid"]) == {format_cpus(avail)}
 
 
@@ -335,6 +339,13 @@ def test_bench_mixed_against_tandem_up(up: TandemUp, tmp_path: Path) -> None:
         assert part["goodput"]["requests_per_s"] == pytest.approx(part["goodput"]["met"] / run["duration_s"], rel=1e-3)
     assert set(run["by_kind"]) == {"short", "long"} and run["by_kind"]["long"]["requests"]["sent"] == 2
     assert "concurrency 2: 8 requests" in stdout and "goodput" in stdout
+    if len(available_cpus()) >= 2:  # the long prompts were prefilled by the prefill worker, which borrows
+        from bench.report import metric_samples  # decode's core and counts where their layers ran
+
+        port = up.child_info("prefill-1")["metrics_port"]
+        layers = {s.labels["cores"]: s.value for s in metric_samples(f"http://127.0.0.1:{port}/metrics")
+                  if s.name == "tandem_worker_layers_total"}
+        assert set(layers) == {"own", "borrowed"} and sum(layers.values()) >= 30, layers
     png = (tmp_path / "out.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
@@ -373,8 +384,9 @@ def test_pd_bench_sweeps_the_local_prefill_floor(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(pd, "available_cpus", lambda: [4, 5])
     sweep = pd.layouts([0, 64], stall_budget_ms=25)
-    assert sweep["disaggregated-lp0"] == ["--prefill-cpus", "4", "--decode-cpus", "5", "--worker-args",
+    assert sweep["disaggregated-lp0"] == ["--prefill-cpus", "4,5", "--decode-cpus", "5", "--worker-args",
                                           "--local-prefill-max-tokens 0 --prefill-stall-budget-ms 25"]
+    assert sweep["disaggregated-pinned"] == ["--prefill-cpus", "4", "--decode-cpus", "5"]
     assert sweep["disaggregated-lp64"][-1] == "--local-prefill-max-tokens 64 --prefill-stall-budget-ms 25"
     assert "disaggregated-lp0" not in pd.layouts()
 
@@ -386,6 +398,7 @@ def test_pd_report_checks_the_targets_and_names_where_prompts_were_prefilled() -
 
     def row(layout: str, rate: float, itl: float, good: float, decisions: dict | None = None) -> dict:
         return {"layout": layout, "rate": rate, "short_itl_p99": itl, "short_ttft_p90": 900.0,
+                "short_tok_s": 100 * good, "long_ttft_p50": 5000.0 if layout == "aggregated-512" else 6500.0,
                 "long_ttft_p90": 9000.0, "goodput": good, "goodput_short": good, "failed": 0,
                 "prefill_decisions": decisions or {}}
 
@@ -399,6 +412,9 @@ def test_pd_report_checks_the_targets_and_names_where_prompts_were_prefilled() -
     assert text.startswith("## Experiment 1")
     # the first rate where aggregated-512 passes 150 ms is 0.5: 160 / 600 and 0.2 / 0.05
     assert "At 0.5 req/s" in text and "0.27× (target ≤ 0.25×: missed)" in text and "4.00× (target ≥ 2×: met)" in text
+    assert "output 4.00× aggregated-512's (target ≥ 0.8×: met)" in text
+    assert "TTFT p50 1.30× (target ≤ 1.2×: missed)" in text
+    assert "| disaggregated | 0.25 | 90 ms | 900 ms | 24.0 | 6500 ms | 9000 ms | 0.240 | 0.240 | 0 |" in text
     assert "- disaggregated: remote/decode_stall 30, local/prefill_backlog 2" in text
     args.local_prefill_max_tokens = "0,32"
     sweep = pd.markdown([r for r in table if r["layout"] == "disaggregated"], args)

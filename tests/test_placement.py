@@ -62,13 +62,14 @@ def test_split_among_workers() -> None:
 
 
 def test_default_layout_on_two_cores() -> None:
-    """Disaggregated: prefill on core 0, decode on core 1, one thread each; aggregated: all cores."""
+    """Disaggregated: prefill on core 0 and, at idle priority, decode's core 1; aggregated: all cores."""
     two = [0, 1]
-    assert describe(plan_layout(1, 1, available=two)) == (["cores 0, 1 thread"], ["cores 1, 1 thread"])
+    assert describe(plan_layout(1, 1, available=two)) == (["cores 0 + 1 while idle, 2 threads, idle priority"],
+                                                          ["cores 1, 1 thread"])
     assert describe(plan_layout(0, 1, available=two)) == ([], ["cores 0-1, 2 threads"])
     assert describe(plan_layout(0, 2, available=two)) == ([], ["cores 0, 1 thread", "cores 1, 1 thread"])
     # more workers than cores: the roles still get disjoint cores
-    layout = plan_layout(1, 2, available=two)
+    layout = plan_layout(1, 2, available=two)  # and nothing is lent: decode workers already share their core
     assert describe(layout) == (["cores 0, 1 thread"], ["cores 1, 1 thread", "cores 1, 1 thread"])
     assert "workers of one role share them" in layout.note
     # one core: nobody is pinned, and the threads add up to the cores
@@ -78,20 +79,58 @@ def test_default_layout_on_two_cores() -> None:
 
 def test_layout_with_more_cores_and_explicit_lists() -> None:
     eight = list(range(8))
+    # each prefill worker borrows its share of the decode cores
     assert describe(plan_layout(2, 2, available=eight)) == (
-        ["cores 0-1, 2 threads", "cores 2-3, 2 threads"], ["cores 4-5, 2 threads", "cores 6-7, 2 threads"])
+        ["cores 0-1 + 4-5 while idle, 4 threads, idle priority", "cores 2-3 + 6-7 while idle, 4 threads, idle priority"],
+        ["cores 4-5, 2 threads", "cores 6-7, 2 threads"])
     # prefill's share rounds down
-    assert describe(plan_layout(1, 1, available=[0, 1, 2])) == (["cores 0, 1 thread"], ["cores 1-2, 2 threads"])
+    assert describe(plan_layout(1, 1, available=[0, 1, 2])) == (["cores 0 + 1-2 while idle, 3 threads, idle priority"],
+                                                                ["cores 1-2, 2 threads"])
+    # fewer decode cores than prefill workers: the first borrows them, the rest keep to their own
+    assert describe(plan_layout(3, 1, available=FOUR)) == (
+        ["cores 0 + 3 while idle, 2 threads, idle priority", "cores 1, 1 thread", "cores 2, 1 thread"],
+        ["cores 3, 1 thread"])
     # a list for one role: the other gets what is left
     assert describe(plan_layout(1, 1, prefill_cpus="3", available=FOUR)) == (
         ["cores 3, 1 thread"], ["cores 0-2, 3 threads"])
-    layout = plan_layout(1, 1, decode_cpus="0-3", available=FOUR)  # nothing left: prefill shares
-    assert describe(layout) == (["cores 0-3, 4 threads"], ["cores 0-3, 4 threads"]) and "share" in layout.note
+    layout = plan_layout(1, 1, decode_cpus="0-3", available=FOUR)  # nothing left: prefill shares, yielding
+    assert describe(layout) == (["cores 0-3, 4 threads, idle priority"], ["cores 0-3, 4 threads"])
+    assert "prefill at idle priority" in layout.note
     # GPUs: devices split round-robin, cores left alone
     gpu = plan_layout(1, 2, prefill_devices="cuda:0", decode_devices="cuda:1,cuda:2", available=FOUR)
     assert describe(gpu) == (["cuda:0, any core"], ["cuda:1, any core", "cuda:2, any core"])
     assert describe(plan_layout(1, 1, pin=False, available=FOUR)) == (["any core"], ["any core"])
     assert describe(plan_layout(1, 1, gpu=True, available=FOUR)) == (["any core"], ["any core"])
+
+
+def test_prefill_sharing_decode_cores_borrows_them() -> None:
+    """Prefill given the decode worker's core too: it borrows that core (at idle priority); decode untouched."""
+    layout = plan_layout(1, 1, prefill_cpus="0,1", decode_cpus="1", available=[0, 1])
+    assert describe(layout) == (["cores 0 + 1 while idle, 2 threads, idle priority"], ["cores 1, 1 thread"])
+    assert layout.prefill[0].serve_args() == ["--cpus", "0", "--threads", "2", "--borrow-cpus", "1"]
+    assert layout.decode[0].serve_args() == ["--cpus", "1", "--threads", "1"]
+    # disjoint lists: nobody yields
+    apart = plan_layout(1, 1, prefill_cpus="0", decode_cpus="1", available=[0, 1])
+    assert not apart.prefill[0].idle_priority and not apart.decode[0].idle_priority
+
+
+def test_idle_priority_covers_every_thread_of_the_worker() -> None:
+    """`place` puts the process in SCHED_IDLE, the threads it has and those torch and the bus start later."""
+    code = """
+import os, threading, torch
+from actors.serve import place
+from runtime.settings import Settings
+s = Settings.from_env(idle_priority=True, threads=2)
+place(s)
+torch.ones(512, 512) @ torch.ones(512, 512)  # torch's pool starts its threads now
+t = threading.Thread(target=lambda: None); t.start(); t.join()
+tids = [int(t) for t in os.listdir("/proc/self/task")]
+print(len(tids), sorted({os.sched_getscheduler(t) == os.SCHED_IDLE for t in tids}))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    count, flags = res.stdout.split(maxsplit=1)
+    assert int(count) >= 2 and flags.strip() == "[True]"
 
 
 def test_layout_refuses_bad_lists() -> None:
@@ -112,6 +151,11 @@ def test_settings_check_cpus_threads_and_device(monkeypatch: pytest.MonkeyPatch)
         Settings.from_env(threads=-1)
     with pytest.raises(ValueError, match="--device 'gpu': expected cpu, cuda or cuda:N"):
         Settings.from_env(device="gpu")
+    first = allowed.split(",")[0].split("-")[0]
+    with pytest.raises(ValueError, match="--borrow-cpus needs --cpus"):
+        Settings.from_env(borrow_cpus=first)
+    with pytest.raises(ValueError, match=f"--borrow-cpus '{first}' names cores of --cpus '{first}'"):
+        Settings.from_env(cpus=first, borrow_cpus=first)
     monkeypatch.setenv("TANDEM_CPUS", "99999")
     with pytest.raises(ValueError, match="core 99999 not available"):
         Settings.from_env()
