@@ -47,7 +47,7 @@ def serve(settings: Settings) -> int:
 
 def place(settings: Settings) -> BorrowedCores | None:
     """Pin this process to ``--cpus`` (and ``--borrow-cpus``) and size torch's thread pool (before any kernel
-    runs); with borrowed cores, the ``BorrowedCores`` that moves the engine steps on and off them.
+    runs); with borrowed cores, the ``BorrowedCores`` that moves each layer's threads on and off them.
 
     ``settings.threads`` is left holding the thread count in effect (advertised to ``tandem status``).
     """

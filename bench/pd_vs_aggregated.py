@@ -150,7 +150,7 @@ def borrowing_verdict(a: dict[str, Any], d: dict[str, Any]) -> str:
         return d[key] / a[key] if d.get(key) and a.get(key) else float("nan")
 
     short, long = ratio("short_tok_s"), ratio("long_ttft_p50")
-    return (f"Short chats' output {ratio('short_tok_s'):.2f}× aggregated-512's (target ≥ 0.8×: "
+    return (f"Short chats' output {short:.2f}× aggregated-512's (target ≥ 0.8×: "
             f"{'met' if short >= 0.8 else 'missed'}) and long prompts' TTFT p50 {long:.2f}× (target ≤ 1.2×: "
             f"{'met' if long <= 1.2 else 'missed'}).")
 

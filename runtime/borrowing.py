@@ -71,7 +71,7 @@ class BorrowedCores:
         self._backoff = 0  # layers left on the own cores before trying the borrowed ones again
         self._penalty = 1  # the next backoff
         self._mark_wait, self._mark_t = threads_wait_ns(), time.perf_counter()
-        self._mark_idle = cpu_idle_ticks(self.borrowed)
+        self._mark_idle = (0, 0)  # the borrowed cores' (idle, total) ticks, read when it stops borrowing
 
     def _use(self, borrowing: bool) -> None:
         # threads only: the process keeps every core in its mask, so the kernel can move a thread that decode
@@ -83,7 +83,9 @@ class BorrowedCores:
     def before_layer(self) -> None:
         """Borrow or return the cores for the layer about to run, from how the last one went."""
         if self.borrowing:
-            waited = (threads_wait_ns() - self._mark_wait) / max(1.0, (time.perf_counter() - self._mark_t) * 1e9)
+            wait, now = threads_wait_ns(), time.perf_counter()
+            waited = (wait - self._mark_wait) / max(1.0, (now - self._mark_t) * 1e9)
+            self._mark_wait, self._mark_t = wait, now
             if waited > WAIT_TO_RETURN:  # their owner is back
                 self._use(False)
                 self._backoff, self._penalty = self._penalty, min(2 * self._penalty, MAX_BACKOFF)
@@ -96,8 +98,7 @@ class BorrowedCores:
             d_idle, d_total = idle - self._mark_idle[0], total - self._mark_idle[1]
             if self._backoff <= 0 or (d_total >= MIN_TICKS and d_idle >= IDLE_TO_BORROW * d_total):
                 self._use(True)
+                self._mark_wait, self._mark_t = threads_wait_ns(), time.perf_counter()
             elif d_total >= WINDOW_TICKS:  # judge by the last few ticks alone
                 self._mark_idle = (idle, total)
-        if self.borrowing:
-            self._mark_wait, self._mark_t = threads_wait_ns(), time.perf_counter()
         self._counted[self.borrowing].inc()

@@ -92,8 +92,8 @@ def split_cpus(cpus: list[int], n: int) -> list[list[int]]:
 @dataclass(frozen=True)
 class WorkerPlacement:
     """Where one worker runs: its cores (None: wherever the OS puts it), torch threads, device, the cores it
-    borrows from decode workers for the steps that start while those idle (runtime/borrowing.py), and whether
-    it runs at idle priority (it does when it borrows or shares cores with decode)."""
+    borrows from decode workers while those idle (runtime/borrowing.py, layer by layer), and whether it runs at
+    idle priority (it does when it borrows or shares cores with decode)."""
 
     cpus: tuple[int, ...] | None = None
     threads: int | None = None
@@ -155,10 +155,9 @@ def _borrowing(place: WorkerPlacement, decode_cpus: set[int]) -> WorkerPlacement
 
 
 def _lend(prefill: list[WorkerPlacement], decode_cpus: list[int]) -> list[WorkerPlacement]:
-    """Lend prefill workers the decode cores: a prefill step runs on them too when they were idle since its last
-    step (a decode worker with no streams), and at idle priority, so decode gets a core back at once and the
-    next prefill step keeps off it. The decode cores are split among the prefill workers, so prefill threads
-    never outnumber the cores."""
+    """Lend prefill workers the decode cores: at idle priority, so decode gets a core back at once, and layer by
+    layer a prefill worker computes on them too while they idle (runtime/borrowing.py). The decode cores are
+    split among the prefill workers, so prefill threads never outnumber the cores."""
     lenders = min(len(prefill), len(decode_cpus))
     out = list(prefill)
     for i, extra in enumerate(split_cpus(decode_cpus, lenders)):

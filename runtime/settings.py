@@ -41,8 +41,8 @@ class Settings:
     threads: int = 0  # torch threads; 0 = one per core of `cpus`, or torch's default without it
     # run at SCHED_IDLE: cores this worker shares go to other work first (a prefill worker on a decode worker's cores)
     idle_priority: bool = False
-    # cores of another worker this one also computes on, at idle priority, for the steps that start while they
-    # idle (runtime/borrowing.py); `threads` then defaults to those and `cpus` together
+    # cores of another worker this one also computes on, at idle priority, layer by layer while they idle
+    # (runtime/borrowing.py); `threads` then defaults to those and `cpus` together
     borrow_cpus: str = ""
     dtype: str = "float32"
     quantization: str = "auto"  # weights: none|fp16|int8|int4|auto (auto: a GGUF's own Q4 as int4, other quants int8)

@@ -159,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--cpus", "pin this worker to these cores, e.g. 0 or 2-3; its torch threads default to their count",
         shown="any core")
     opt("--threads", "torch threads", type=int, shown="one per --cpus core, else torch's default")
-    opt("--borrow-cpus", "cores of another worker this one also computes on (at idle priority) for the steps that "
-        "start while they idle, e.g. a prefill worker borrowing a decode worker's core", shown="none")
+    opt("--borrow-cpus", "cores of another worker this one also computes on (at idle priority) while they idle, "
+        "e.g. a prefill worker borrowing a decode worker's core", shown="none")
     sv.add_argument("--idle-priority", action="store_true", default=None,
                     help="run at SCHED_IDLE: cores this worker shares go to other work first, e.g. a prefill "
                          "worker on a decode worker's cores (TANDEM_IDLE_PRIORITY; default off)")
