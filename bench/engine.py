@@ -194,7 +194,8 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         for path in (kernel_paths or [None]) if quantized else [None]:
             for native_ops in (True, False) if torch_ops else (True,):
                 e = LLMEngine(loaded, EngineConfig(dtype=dtype, num_blocks=64 * 8 + 160, max_batch=max(batches),
-                                                   max_step_tokens=budget, enable_prefix_cache=False))
+                                                   max_step_tokens=budget, enable_prefix_cache=False,
+                                                   speculative="off"))  # a plain step (bench.speculation: drafts)
                 e.model.native = e.model.native and native_ops
                 column = name + (f" {path}" if path else "") + ("" if native_ops else ", torch ops")
                 engines[column], paths[column] = e, path

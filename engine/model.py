@@ -207,7 +207,7 @@ class DecoderModel:
             return h.new_empty((0, self.lm_head.out_features), dtype=torch.float32)
         h = self._norm(h.index_select(0, batch.logit_rows), self.norm)
         rows = h.shape[0]  # one per sampled sequence: the kernel, always, so a token's logits never depend on its step
-        return self.lm_head(h, rows if rows > KERNELS.lm_head_kernel_max_rows else 0).float()
+        return self.lm_head(h, rows if rows > KERNELS.lm_head_rows() else 0).float()
 
     def _layer_ops(self, h: torch.Tensor, batch: ForwardBatch, pool: KVPool,
                    layer_done: Callable[[int], None] | None, paged: list[_PagedAttention] | None = None,
@@ -374,8 +374,9 @@ class _PagedAttention:
 
     def __init__(self, batch: ForwardBatch, heads: int, scale: float):
         self.heads, self.scale = heads, scale
-        self.long_spans = [s for s in batch.prefills if s.length > KERNELS.kernel_max_chunk]
-        short = [s for s in batch.prefills if s.length <= KERNELS.kernel_max_chunk]
+        long_chunk = KERNELS.long_chunk()
+        self.long_spans = [s for s in batch.prefills if s.length > long_chunk]
+        short = [s for s in batch.prefills if s.length <= long_chunk]
         decode_rows = batch.decode_tables.shape[0] if batch.decode_tables is not None else 0
         n = sum(s.length for s in short) + decode_rows
         self.rows: torch.Tensor | None = None  # rows of the flat batch this call computes; None: all of them

@@ -152,7 +152,7 @@ class ModelRunner:
         leading), then one row per decoding sequence. With several KV groups, `ForwardBatch.groups` has the
         batch as each group's block tables see it. `every_row`: logits of every row, not only the sampled ones."""
         bs, dev, groups = self.block_size, self.device, range(self.groups)
-        long_chunk = KERNELS.kernel_max_chunk
+        long_chunk = KERNELS.long_chunk()
         chunks = sorted(((s, n) for s, n in plan if n > 1), key=lambda c: c[1] <= long_chunk)
         decode_seqs = [s for s, n in plan if n == 1]
         decoding = [rows.update(decode_seqs) for rows in self.rows][0]

@@ -29,6 +29,7 @@ its row count:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,14 @@ class KernelChoice:
 
     kernel_max_chunk: int = 128  # prefill chunks up to this many tokens use the kernels, as decode rows do
     lm_head_kernel_max_rows: int = 256  # more logit rows than this (scoring a whole text) dequantize
+
+    def long_chunk(self) -> int:
+        """Prefill chunks longer than this leave the kernels (none on the row-invariant kernel path)."""
+        return sys.maxsize if native.row_invariant() else self.kernel_max_chunk
+
+    def lm_head_rows(self) -> int:
+        """More logit rows than this dequantize the LM head (never on the row-invariant kernel path)."""
+        return sys.maxsize if native.row_invariant() else self.lm_head_kernel_max_rows
 
 
 KERNELS = KernelChoice()

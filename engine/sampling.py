@@ -118,37 +118,48 @@ def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
           ) -> torch.Tensor:
-    """Sampled token ids of non-greedy rows: temperature, then top-k, then top-p over what remains."""
+    """Sampled token ids of non-greedy rows: temperature, then top-k, then top-p over what remains.
+
+    A row's draw never depends on the other rows: each row's candidates are its own choice (the
+    `NUCLEUS_CANDIDATES` most likely, or every token when its top-k or nucleus needs more), so a batch only
+    groups rows that would compute the same alone."""
     temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=-1)
     vocab = probs.shape[1]
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
     top_p = torch.tensor([p.top_p for p in params])
     u = _uniforms(generators)
-    if bool((top_k == vocab).all() and (top_p >= 1.0).all()):  # plain temperature: the whole distribution
-        return _invert_cdf(probs, u)
-    k = int(top_k.max())
-    if k == vocab and bool((top_p < 1.0).any()):
-        k = min(vocab, NUCLEUS_CANDIDATES)
-    for width in (k, vocab):  # the candidates usually hold the nucleus; if not, sort everything
-        vals, idx = probs.topk(width) if width < vocab else probs.sort(dim=-1, descending=True)
-        rank = torch.arange(width).unsqueeze(0)
-        vals = vals.masked_fill(rank >= top_k.unsqueeze(1), 0.0)
-        mass = vals.sum(-1, keepdim=True)  # of what top-k keeps (the whole distribution without top-k)
-        total = torch.where(top_k.unsqueeze(1) < vocab, mass, torch.ones_like(mass))
-        cum = vals.cumsum(-1) / total
-        # keep the smallest set whose mass reaches top_p; a row that needs more than `width` tokens retries
-        keep = (cum - vals / total) < top_p.unsqueeze(1)
-        untruncated = (top_k == vocab) & (top_p >= 1.0)
-        complete = (cum[:, -1] >= top_p) | (top_k < vocab) | untruncated
-        if width == vocab or bool(complete.all()):
-            break
-    vals = vals * keep
-    picked = _invert_cdf(vals, u)
-    out = idx.gather(1, picked.unsqueeze(1)).squeeze(1)
-    if bool(untruncated.any()):  # plain-temperature rows of a mixed batch draw from the whole distribution
-        out[untruncated] = _invert_cdf(probs[untruncated], u[untruncated])
+    out = torch.empty(len(params), dtype=torch.long)
+    plain = (top_k == vocab) & (top_p >= 1.0)  # plain temperature: the whole distribution
+    if bool(plain.any()):
+        out[plain] = _invert_cdf(probs[plain], u[plain])
+    narrow = min(vocab, NUCLEUS_CANDIDATES)
+    rows = (~plain & ((top_k <= narrow) | (top_k == vocab))).nonzero().squeeze(1)
+    wide = (~plain & (top_k > narrow) & (top_k < vocab)).nonzero().squeeze(1)
+    if rows.numel():
+        picked, complete = _truncated(probs[rows], top_k[rows], top_p[rows], u[rows], narrow)
+        out[rows] = picked
+        wide = torch.cat([wide, rows[~complete]])  # a nucleus wider than the candidates: sort everything
+    if wide.numel():
+        out[wide] = _truncated(probs[wide], top_k[wide], top_p[wide], u[wide], vocab)[0]
     return out
+
+
+def _truncated(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, width: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's draw among its `width` most likely tokens after top-k and top-p, and whether those held
+    all the row's nucleus (if not, the row must draw again over a wider set)."""
+    vocab = probs.shape[1]
+    vals, idx = probs.topk(width) if width < vocab else probs.sort(dim=-1, descending=True)
+    rank = torch.arange(width).unsqueeze(0)
+    vals = vals.masked_fill(rank >= top_k.unsqueeze(1), 0.0)
+    mass = vals.sum(-1, keepdim=True)  # of what top-k keeps (the whole distribution without top-k)
+    total = torch.where(top_k.unsqueeze(1) < vocab, mass, torch.ones_like(mass))
+    cum = vals.cumsum(-1) / total
+    keep = (cum - vals / total) < top_p.unsqueeze(1)  # the smallest set whose mass reaches top_p
+    complete = (cum[:, -1] >= top_p) | (top_k < vocab)
+    picked = _invert_cdf(vals * keep, u)
+    return idx.gather(1, picked.unsqueeze(1)).squeeze(1), complete
 
 
 def _invert_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,9 @@ from runtime.placement import check_device, format_cpus, parse_cpus
 
 ROLES = ("prefill_and_decode", "prefill_only", "decode_only")
 STEP_TOKENS, PREFILL_STEP_TOKENS = 512, 256  # default --max-step-tokens of decoding and prefill_only workers
+#: --kernels, as help text (engine.native.KERNEL_PATHS: this module stays free of torch)
+KERNELS_HELP = ("auto (the fastest this CPU has), avx512_bf16, avx2, portable, or invariant (every row on one path: "
+                "a request's tokens never depend on what else its steps hold; slower prompts and large batches)")
 #: the most tokens a request that gives neither max_tokens nor max_completion_tokens gets (--default-max-tokens)
 DEFAULT_MAX_TOKENS = 2048
 
@@ -46,6 +49,9 @@ class Settings:
     borrow_cpus: str = ""
     dtype: str = "float32"
     quantization: str = "auto"  # weights: none|fp16|int8|int4|auto (auto: a GGUF's own Q4 as int4, other quants int8)
+    # how int4/Q8_0 weights are multiplied (engine.native.kernel_path): auto = the fastest this CPU has;
+    # "invariant": every row on one path, so a request's tokens never depend on its batch (docs/architecture.md)
+    kernels: str = "auto"
     block_size: int = 16
     num_blocks: int = 1024
     max_batch: int = 32

@@ -56,7 +56,7 @@ from runtime.processes import (
     describe_exit,
     stop_all,
 )
-from runtime.settings import SPECULATIVE_MODES
+from runtime.settings import KERNELS_HELP, SPECULATIVE_MODES
 from tandem.autoscale import RolePolicy, parse_ranges, parse_role_numbers, policies
 from tandem.local_run import OWNER, LocalRun
 
@@ -100,6 +100,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--quantization", default=None, choices=["none", "fp16", "int8", "int4", "auto"],
                    help="how workers hold the weights (TANDEM_QUANTIZATION; default auto: the GGUF's own)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] for the workers (default cpu)")
+    p.add_argument("--kernels", default=None, help=f"how workers multiply int4/Q8_0 weights (TANDEM_KERNELS; default auto): {KERNELS_HELP}")
     p.add_argument("--speculative", default=None, choices=list(SPECULATIVE_MODES),
                    help="decode: draft tokens by prompt lookup (ngram) and verify them in one step, or off "
                         "(TANDEM_SPECULATIVE; default ngram)")
@@ -474,6 +475,8 @@ def _plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], None])
         serve_args += ["--quantization", args.quantization]
     if args.device:
         serve_args += ["--device", args.device]
+    if args.kernels:
+        serve_args += ["--kernels", args.kernels]
     if args.speculative:
         serve_args += ["--speculative", args.speculative]
     # workers' /metrics, /health and /ready listen where the gateway does (127.0.0.1 by default)

@@ -40,9 +40,9 @@ PROMPT = "Write one sentence about the sea."
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
-    # float32 weights: the same greedy request gives the same tokens however it is batched
-    # (the default weights do not promise that yet), so a disturbed answer can equal an undisturbed one
-    cluster = TandemUp(tmp_path_factory.mktemp("secure"), "--decode", "2", "--quantization", "none",
+    # the row-invariant path: the same greedy request gives the same tokens however it is batched, so a
+    # disturbed answer can equal an undisturbed one
+    cluster = TandemUp(tmp_path_factory.mktemp("secure"), "--decode", "2", "--kernels", "invariant",
                        "--stop-timeout", "10", "--worker-args", "--num-blocks 256 --local-prefill-max-tokens 0")
     cluster.start(300)
     try:

@@ -32,9 +32,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
-    # float32 weights: a token computes the same in any batch, chunk or cache shape, so outputs that must
-    # repeat (a seed) do not depend on how the two workers' steps happened to line up
-    cluster = TandemUp(tmp_path_factory.mktemp("up"), "--stop-timeout", "10", "--quantization", "none",
+    # the default weights on the row-invariant path: a token computes the same in any batch, chunk or cache
+    # shape, so outputs that must repeat (a seed) do not depend on how the two workers' steps lined up
+    cluster = TandemUp(tmp_path_factory.mktemp("up"), "--stop-timeout", "10", "--kernels", "invariant",
                        "--worker-args", "--num-blocks 256", env={"TANDEM_API_KEYS": KEY}).start(240)
     try:
         yield cluster
@@ -81,7 +81,7 @@ def test_printed_url_and_models(up: TandemUp, client: openai.OpenAI) -> None:
     workers = httpx.get(f"{up.url}/ready").json()["workers"]
     assert {w["worker_id"]: w["role"] for w in workers} == {"prefill-1": "prefill_only", "decode-1": "decode_only"}
     for w in workers:  # the ready table names each worker's kernel path, as /ready does
-        assert w["kernels"] in ("avx512_bf16", "avx2", "portable", "torch")
+        assert w["kernels"] == "invariant"  # the fixture's --kernels reached every worker
         assert re.search(rf"{w['worker_id']} .*, kernels {w['kernels']}$", text, re.M), text
 
 
@@ -138,8 +138,8 @@ def test_stop_string(client: openai.OpenAI, greedy_answer: str) -> None:
 
 
 def test_n2_seed_reproducible(client: openai.OpenAI) -> None:
-    """The same seed samples the same, whichever way the steps of the two choices line up (float32
-    weights, see the fixture). The path is pinned to one prefill worker all the same: the decode
+    """The same seed samples the same, whichever way the steps of the two choices line up (the
+    row-invariant path, see the fixture). The path is pinned to one prefill worker all the same: the decode
     worker's prefill choice learns costs as it goes."""
     kw: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "Say a random animal."}],
                               temperature=1.0, max_tokens=6, n=2, seed=1234,
@@ -152,6 +152,24 @@ def test_n2_seed_reproducible(client: openai.OpenAI) -> None:
     assert [x.message.content for x in a.choices] == [x.message.content for x in b.choices]
     assert [x.message.content for x in b.choices] == [x.message.content for x in c.choices]
     assert all(x.message.content for x in a.choices + b.choices)
+
+
+def test_a_seeded_answer_is_the_same_prefilled_remotely_or_after_a_cache_hit(up: TandemUp,
+                                                                            client: openai.OpenAI) -> None:
+    """The same chat with seed 7 at temperature 1.0, twice: the prefill worker computes the first prompt, the
+    second hits the decode worker's prefix cache and computes the rest there. One answer, bit for bit (the
+    workers run the row-invariant kernel path, as /ready says)."""
+    workers = httpx.get(f"{up.url}/ready", timeout=5).json()["workers"]
+    assert workers and {w["kernels"] for w in workers} == {"invariant"}
+    kw: dict[str, Any] = dict(model=MODEL, temperature=1.0, max_tokens=24, seed=7, logprobs=True, messages=[
+        {"role": "user", "content": "Write one sentence about a lighthouse keeper and her cat."}])
+    first = client.chat.completions.with_raw_response.create(**kw, extra_body={"target_endpoint": "prefill-1"})
+    again = client.chat.completions.with_raw_response.create(**kw)
+    assert first.headers["x-tandem-prefill"] == "remote:prefill-1" and again.headers["x-tandem-prefill"] == "local"
+    a, b = first.parse(), again.parse()
+    assert b.usage.prompt_tokens_details.cached_tokens > 0
+    assert b.choices[0].message.content == a.choices[0].message.content
+    assert [t.logprob for t in b.choices[0].logprobs.content] == [t.logprob for t in a.choices[0].logprobs.content]
 
 
 def test_logprobs(client: openai.OpenAI) -> None:

@@ -251,14 +251,20 @@ def test_a_short_chunks_token_computes_exactly_as_it_decodes(smollm):
 
 
 def test_the_kernel_path_is_the_best_here_and_tandem_kernels_chooses_another():
-    """Start-up picks the best path the CPU has; TANDEM_KERNELS forces one it has and refuses, naming what
-    there is, one it lacks."""
+    """Start-up picks the fastest path the CPU has (bfloat16 panels only where bfloat16 dot products outrun
+    float32 FMAs), never the invariant one; TANDEM_KERNELS forces one it has and refuses, naming what there
+    is, one it lacks."""
     import subprocess
     import sys
 
+    from engine.native import peaks
+
     paths = kernel_paths()
-    assert native.kernel_path() == paths[0]
-    assert [p for p in native.KERNEL_PATHS if p in paths] == paths
+    assert native.kernel_path() == paths[0] != native.INVARIANT and set(paths) <= set(native.KERNEL_PATHS)
+    if "avx512_bf16" in paths:
+        p = peaks.measure(1, iters=200_000)
+        faster = "avx512_bf16" if p.bf16_flops > p.fp32_flops else "avx2"
+        assert paths[0] == faster, p.describe()
     probe = [sys.executable, "-c", "from engine import native; print(native.kernel_path())"]
     for path in paths:
         env = {**os.environ, "TANDEM_KERNELS": path}
@@ -280,6 +286,6 @@ def test_the_peaks_probe_measures_what_the_cpu_has():
     p = peaks.measure(1, iters=200_000)
     assert p.threads == 1 and p.fp32_flops > 1e8 and p.read_bytes > 1e8
     assert (p.bf16_flops > 0) == ("avx512_bf16" in kernel_paths())
-    if p.bf16_flops:
-        assert p.bf16_flops > p.fp32_flops  # twice the multiply-adds per instruction
+    if p.bf16_flops:  # twice the multiply-adds per instruction, but not always twice the rate (one port on
+        assert p.bf16_flops > 0.25 * p.fp32_flops  # some Xeons: 0.5x float32's FMA there)
     assert "float32 FMA" in p.describe() and "read" in p.describe()

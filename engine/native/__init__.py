@@ -19,6 +19,8 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -43,6 +45,7 @@ SIGNATURES = {
     "tq_int4_dequant": [_P, _P, _I, _I, _I, _P, _C],
     "tq_decoder_layer": [_P, _P, _P, _P],
     "tq_panel_min_rows": [_C],
+    "tq_set_row_invariant": [_C],
     "tq_has_bf16": [],
     "tq_bf16_matmul": [_C, _P, _P, _I, _I, _P, _I, _P, _C],
     "tq_probe_fma": [_I, _C],
@@ -105,6 +108,7 @@ def library() -> ctypes.CDLL | None:
         raise ValueError(f"TANDEM_KERNELS={wanted!r}: this CPU and build have {', '.join(paths)} (or auto; "
                          f"TANDEM_NATIVE=0 for torch's operations)")
     _chosen[0] = paths[0] if wanted == "auto" else wanted
+    lib.tq_set_row_invariant(int(_chosen[0] == INVARIANT))
     return lib
 
 
@@ -112,29 +116,70 @@ def available() -> bool:
     return library() is not None
 
 
-KERNEL_PATHS = ("avx512_bf16", "avx2", "portable")  # best first; see kernel_path
+INVARIANT = "invariant"
+KERNEL_PATHS = ("avx512_bf16", "avx2", "portable", INVARIANT)  # every path a build can have; see kernel_path
 _chosen = ["torch"]
 
 
 def _paths(lib: ctypes.CDLL) -> list[str]:
-    have = ["avx512_bf16"] if lib.tq_has_bf16() else []
-    return have + (["avx2"] if lib.tq_panel_min_rows(KINDS["int4"]) < 2**62 else ["portable"])
+    simd = ["avx2"] if lib.tq_panel_min_rows(KINDS["int4"]) < 2**62 else ["portable"]
+    if lib.tq_has_bf16():
+        simd = ["avx512_bf16", *simd] if _bf16_pays(lib) else [*simd, "avx512_bf16"]
+    return [*simd, INVARIANT]
+
+
+_bf16_measured: list[bool] = []
+
+
+def _bf16_pays(lib: ctypes.CDLL) -> bool:
+    """Whether this CPU's bfloat16 dot products outrun its float32 FMAs, measured once (~3 ms, one thread).
+    Having the instruction is not enough: AMD Zen 4 runs it at twice the float32 rate, where its bfloat16
+    panels prefill 1.5-1.8x faster; some Xeons at half, where dequantize + float32 GEMM prefills 1.5x faster."""
+    if not _bf16_measured:
+        def rate(probe: Callable[[int, int], float]) -> float:
+            best = 0.0
+            for _ in range(3):
+                t = time.perf_counter()
+                done = probe(100_000, 1)
+                best = max(best, done / (time.perf_counter() - t))
+            return best
+        _bf16_measured.append(rate(lib.tq_probe_bf16) > rate(lib.tq_probe_fma))
+    return _bf16_measured[0]
+
+
+def kernel_paths() -> list[str]:
+    """The kernel paths this CPU and build have, fastest first (``auto`` takes the first); [] without the
+    library."""
+    lib = library()
+    return _paths(lib) if lib is not None else []
 
 
 def kernel_path() -> str:
     """How this process multiplies int4/Q8_0 weights: ``avx512_bf16`` (long prompt chunks on bfloat16 panels,
     everything else as ``avx2``), ``avx2`` (int16 activations and float32 panels; long chunks dequantized
-    for a float32 GEMM), ``portable`` (the C without SIMD) or ``torch`` (no native library). The best the CPU
-    has is chosen at start-up, or the one ``TANDEM_KERNELS`` names."""
+    for a float32 GEMM), ``portable`` (the C without SIMD), ``invariant`` (every row on the int16 kernels and
+    the C attention, whatever its step holds: a row's bits never depend on its batch; chosen only when asked
+    for) or ``torch`` (no native library). The fastest the CPU has (`kernel_paths`) is chosen at start-up, or the one
+    ``TANDEM_KERNELS`` (``--kernels``) names."""
     return _chosen[0] if library() is not None else "torch"
 
 
+def row_invariant() -> bool:
+    """Whether every row takes the same path in any step (kernel path ``invariant``)."""
+    return kernel_path() == INVARIANT
+
+
 def use_kernel_path(path: str) -> None:
-    """Switch this process's path (tests and benchmarks compare them side by side)."""
+    """Switch this process's path (a worker's ``--kernels``, where ``auto`` is the fastest; tests and benchmarks
+    compare them side by side)."""
     lib = library()
+    if lib is not None and path == "auto":
+        path = _paths(lib)[0]
     if lib is None or path not in _paths(lib):
-        raise ValueError(f"kernel path {path!r} is not available here (this process runs {kernel_path()})")
+        have = ", ".join(_paths(lib)) if lib is not None else "none: the native library is not built here"
+        raise ValueError(f"kernel path {path!r} is not available here (this CPU and build have {have})")
     _chosen[0] = path
+    lib.tq_set_row_invariant(int(path == INVARIANT))
 
 
 def _threads() -> int:
@@ -214,7 +259,7 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tens
 def panel_min_rows(kind: str) -> int:
     """The fewest rows a matmul of `kind` ("int4", "q8_0") computes with float32 panels instead of int16
     activations: a row's bits are the same in any batch on its side of this (ops.c says why it switches)."""
-    return int(library().tq_panel_min_rows(KINDS[kind]))
+    return 2**63 - 1 if row_invariant() else int(library().tq_panel_min_rows(KINDS[kind]))
 
 
 def _quantized_matmul(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -932,11 +932,17 @@ int tq_bf16_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, i
 #endif
 }
 
+/* On the row-invariant path (tq_set_row_invariant) every row takes the int16 kernel above, whatever the
+ * batch: a row's result is then the same in any batch of any size, at the speed of that kernel. */
+static int row_invariant = 0;
+
+void tq_set_row_invariant(int on) { row_invariant = on; }
+
 /* out [m, n] = x [m, k] @ W.T (k a multiple of 32; of 64 for int4). Returns nonzero without memory. */
 static int quantized_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
                             int64_t m, float *out, int threads) {
 #ifdef __AVX2__
-    if (m >= PANEL_MIN_ROWS(kind)) return panel_matmul(kind, w, scales, n, k, x, m, out, threads);
+    if (!row_invariant && m >= PANEL_MIN_ROWS(kind)) return panel_matmul(kind, w, scales, n, k, x, m, out, threads);
 #endif
     int64_t groups = k / Q8_GROUP;
     int16_t *codes = (int16_t *)malloc((size_t)(m * k) * sizeof(int16_t));

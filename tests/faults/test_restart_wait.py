@@ -26,8 +26,8 @@ PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
-    # float32 weights: the moved stream is prefilled again in another shape and must read as the uncut one
-    cluster = TandemUp(tmp_path_factory.mktemp("restart"), "--quantization", "none", "--decode", "1",
+    # the row-invariant path: the moved stream is prefilled again in another shape and must read as the uncut one
+    cluster = TandemUp(tmp_path_factory.mktemp("restart"), "--kernels", "invariant", "--decode", "1",
                        # restarted later than the gateway gives a silent worker up (5 s): the stream must wait
                        "--restart-delay", "7", "--stop-timeout", "10",
                        "--worker-args", "--num-blocks 512 --local-prefill-max-tokens 64").start(300)

@@ -34,9 +34,9 @@ def long_prompt(i: int, repeats: int = 30) -> str:
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
-    # float32 weights (--quantization none): a moved stream is prefilled again in other batch shapes, and
-    # only there does greedy decoding repeat exactly (the int kernels' bf16 rounding makes near-ties flip)
-    cluster = TandemUp(tmp_path_factory.mktemp("faults"), "--quantization", "none", "--prefill", "2", "--decode", "2",
+    # the default weights on the row-invariant path: a moved stream is prefilled again in other batch shapes,
+    # and greedy decoding must repeat exactly there (on the fast paths near-ties can flip)
+    cluster = TandemUp(tmp_path_factory.mktemp("faults"), "--kernels", "invariant", "--prefill", "2", "--decode", "2",
                        "--restart-delay", "0.5",
                        "--drain-timeout", "10", "--stop-timeout", "10",
                        "--worker-args", "--num-blocks 512 --local-prefill-max-tokens 64 --prefill-stall-budget-ms 0",

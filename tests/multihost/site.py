@@ -15,7 +15,7 @@ import nats
 from bench.hosts import Deployment, Hosts
 from runtime.settings import read_env_file
 
-MACHINE_ENV = {"TANDEM_QUANTIZATION": "none", "TANDEM_THREADS": "1", "TANDEM_NUM_BLOCKS": "256"}
+MACHINE_ENV = {"TANDEM_KERNELS": "invariant", "TANDEM_THREADS": "1", "TANDEM_NUM_BLOCKS": "256"}
 #: every prompt goes to the prefill worker while it lives (none is short enough to stay, none stalls)
 DECODE_ARGS = ("--local-prefill-max-tokens", "0", "--prefill-stall-budget-ms", "0")
 GENERATE_STREAM = "TANDEM_SMOLLM2_135M_INSTRUCT_GENERATE"

@@ -79,7 +79,7 @@ async def load(site: Site, fault: Callable[[], None]) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def uncut(site: Site) -> list[str]:
-    """The texts of the load without a fault (greedy, float32 weights: the same wherever it runs)."""
+    """The texts of the load without a fault (greedy, on the row-invariant path: the same wherever it runs)."""
     results = asyncio.run(load(site, lambda: None))
     assert all(r["status"] == 200 and r["finish"] == "length" for r in results), results
     return [r["text"] for r in results]

@@ -25,9 +25,9 @@ from runtime.settings import read_env_file
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
-#: what the harness gives every machine besides the walk-through's own commands: float32 weights (a
-#: remote prefill then computes exactly as a local one) and one torch thread per worker (two cores here)
-MACHINE_ENV = {"TANDEM_QUANTIZATION": "none", "TANDEM_THREADS": "1", "TANDEM_NUM_BLOCKS": "256"}
+#: what the harness gives every machine besides the walk-through's own commands: the row-invariant kernel
+#: path (a remote prefill then computes exactly as a local one) and one torch thread per worker (two cores here)
+MACHINE_ENV = {"TANDEM_KERNELS": "invariant", "TANDEM_THREADS": "1", "TANDEM_NUM_BLOCKS": "256"}
 
 
 class Machines:
