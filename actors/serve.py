@@ -36,8 +36,7 @@ def serve(settings: Settings) -> int:
         print(metrics_at_line(settings.worker_id, settings.metrics_port, port), file=sys.stderr, flush=True)
         settings.metrics_port = port
     health.phase = "loading model"
-    if settings.kernels != "auto":
-        native.use_kernel_path(settings.kernels)  # a path this CPU lacks: one line naming those it has
+    native.use_kernel_path(settings.kernels)  # over TANDEM_KERNELS; a path this CPU lacks: one line naming those it has
     loaded = load_model(settings.model, settings.dtype, settings.quantization, LoadProgress(settings.worker_id))
     health.model_loaded = True
     actor_cls = PrefillActor if settings.role == "prefill_only" else DecodeActor

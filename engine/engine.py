@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import native
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import GrammarCompiler, GrammarState, check_grammar
 from engine.loader import LoadedModel
 from engine.model import DecoderModel
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, decodes
 from engine.params import SamplingParams
 from engine.sampling import TokenLogprob, draw_seed
 from engine.scheduler import Scheduler
@@ -74,6 +75,9 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         mc = loaded.config
         self.model = DecoderModel(mc, loaded.weights, self.cfg.device, DTYPES[self.cfg.dtype])
+        if native.row_invariant() and (gaps := self.model.invariance_gaps()):
+            raise ValueError(f"--kernels invariant cannot keep a request's rows invariant here: {'; '.join(gaps)} "
+                             f"(it needs int4/Q8_0 weights on the CPU in float32, as the default model loads)")
         self.layout = self.layout_for(loaded, self.cfg)
         self.pool = pool or KVPool(self.layout, self.pool_blocks(self.layout, self.cfg.num_blocks), self.cfg.device)
         if self.pool.layout != self.layout:
@@ -269,7 +273,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         sampled, tokens, infos = self.runner.run(plan, self.layer_hooks)
         dt = time.perf_counter() - t0
-        if self.drafter is not None and all(n == 1 or s.draft for s, n in plan):  # decode rows only
+        if self.drafter is not None and all(decodes(s, n) or s.draft for s, n in plan):  # decode rows only
             self.drafter.cost.observe(sum(n for _, n in plan), dt)
         for seq, n in plan:
             if not seq.draft:

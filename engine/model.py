@@ -169,6 +169,14 @@ class DecoderModel:
         return torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(self.dtype), \
             torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.dtype)
 
+    def invariance_gaps(self) -> list[str]:
+        """What would make a row's result depend on its step on the row-invariant kernel path (none: every row
+        takes the int16 kernels and the C attention): torch's operations, or weights MKL or torch multiply."""
+        gaps = [] if self.native else [f"{self.device.type} {self.dtype} runs torch's operations"]
+        linears = [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        kinds = sorted({w.kind for w in [*linears, self.lm_head] if not isinstance(w, Int4Weight | Q8Weight)})
+        return gaps + ([f"{', '.join(kinds)} weights"] if kinds else [])
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (every linear layer, the LM head, the norms)."""

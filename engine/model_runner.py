@@ -153,8 +153,8 @@ class ModelRunner:
         batch as each group's block tables see it. `every_row`: logits of every row, not only the sampled ones."""
         bs, dev, groups = self.block_size, self.device, range(self.groups)
         long_chunk = KERNELS.long_chunk()
-        chunks = sorted(((s, n) for s, n in plan if n > 1), key=lambda c: c[1] <= long_chunk)
-        decode_seqs = [s for s, n in plan if n == 1]
+        chunks = sorted(((s, n) for s, n in plan if not decodes(s, n)), key=lambda c: c[1] <= long_chunk)
+        decode_seqs = [s for s, n in plan if decodes(s, n)]
         decoding = [rows.update(decode_seqs) for rows in self.rows][0]
         tokens: list[int] = []
         positions: list[int] = []
@@ -211,6 +211,12 @@ class ModelRunner:
                                     decode_tables=self.rows[g].table[: len(decoding)] if decoding else None)
                 for g in groups if g]
         return batch, sampled
+
+
+def decodes(seq: Sequence, n: int) -> bool:
+    """Whether a plan entry is a decode row: its sequence's one token left to compute (a prompt's chunk of one
+    token before its last, from a budget with one token left, is a chunk: sampled, it would end the prompt)."""
+    return n == 1 and seq.num_tokens - seq.num_computed == 1
 
 
 PADDING_SLACK = 1.25  # a decode group's longest context is at most this times its shortest (plus a block)

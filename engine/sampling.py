@@ -121,8 +121,8 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[t
     """Sampled token ids of non-greedy rows: temperature, then top-k, then top-p over what remains.
 
     A row's draw never depends on the other rows: each row's candidates are its own choice (the
-    `NUCLEUS_CANDIDATES` most likely, or every token when its top-k or nucleus needs more), so a batch only
-    groups rows that would compute the same alone."""
+    `NUCLEUS_CANDIDATES` most likely, its top-k when that is more, every token when its nucleus needs more),
+    so a batch only groups rows that would compute the same alone."""
     temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=-1)
     vocab = probs.shape[1]
@@ -139,9 +139,10 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[t
     if rows.numel():
         picked, complete = _truncated(probs[rows], top_k[rows], top_p[rows], u[rows], narrow)
         out[rows] = picked
-        wide = torch.cat([wide, rows[~complete]])  # a nucleus wider than the candidates: sort everything
-    if wide.numel():
-        out[wide] = _truncated(probs[wide], top_k[wide], top_p[wide], u[wide], vocab)[0]
+        wide = torch.cat([wide, rows[~complete]])  # a nucleus wider than the candidates: all tokens
+    for k in top_k[wide].unique().tolist():  # each row among its own top-k (all tokens: a wide nucleus)
+        at = wide[top_k[wide] == k]
+        out[at] = _truncated(probs[at], top_k[at], top_p[at], u[at], k)[0]
     return out
 
 

@@ -88,8 +88,6 @@ class Scheduler:
             if finishing and remaining > room and seq.passed_over < MAX_PASSED_OVER:
                 continue
             n = min(remaining, room)
-            if n == 1 < remaining:  # a one-token chunk would be taken for a decode row, and sampled mid-prompt
-                continue
             plan.append((seq, n))
             planned.add(seq.request_id)
             budget -= n

@@ -15,7 +15,9 @@ from runtime.placement import check_device, format_cpus, parse_cpus
 
 ROLES = ("prefill_and_decode", "prefill_only", "decode_only")
 STEP_TOKENS, PREFILL_STEP_TOKENS = 512, 256  # default --max-step-tokens of decoding and prefill_only workers
-#: --kernels, as help text (engine.native.KERNEL_PATHS: this module stays free of torch)
+#: --kernels: auto and engine.native.KERNEL_PATHS (named here too: this module stays free of torch)
+KERNEL_CHOICES = ("auto", "avx512_bf16", "avx2", "portable", "invariant")
+#: --kernels, as help text
 KERNELS_HELP = ("auto (the fastest this CPU has), avx512_bf16, avx2, portable, or invariant (every row on one path: "
                 "a request's tokens never depend on what else its steps hold; slower prompts and large batches)")
 #: the most tokens a request that gives neither max_tokens nor max_completion_tokens gets (--default-max-tokens)
@@ -106,6 +108,8 @@ class Settings:
             raise ValueError("--layerwise-transfer must be auto, on or off")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
         if self.remote_prefill_fallback not in ("local", "error"):

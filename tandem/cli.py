@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS, ModelLoadError
-from runtime.settings import KERNELS_HELP, ROLES, SPECULATIVE_MODES, Settings, read_env_file
+from runtime.settings import KERNEL_CHOICES, KERNELS_HELP, ROLES, SPECULATIVE_MODES, Settings, read_env_file
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=os.environ.get("TANDEM_QUANTIZATION", "auto"),
                    choices=QUANTIZATIONS, help="how the weights are held (TANDEM_QUANTIZATION; default auto)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--kernels", default=os.environ.get("TANDEM_KERNELS", "auto"),
+    p.add_argument("--kernels", default=os.environ.get("TANDEM_KERNELS", "auto"), choices=KERNEL_CHOICES,
                    help=f"how int4/Q8_0 weights are multiplied (TANDEM_KERNELS; default auto): {KERNELS_HELP}")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
 
@@ -44,10 +44,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        if args.kernels != "auto":
-            from engine import native
+        from engine import native
 
-            native.use_kernel_path(args.kernels)
+        native.use_kernel_path(args.kernels)
         loaded = load_model(args.model, args.dtype, args.quantization)
     except (ValueError, ModelLoadError) as e:
         print(f"error: {e.args[0] if isinstance(e, ValueError) else e}", file=sys.stderr)
@@ -162,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--quantization", "how the weights are held: auto keeps a GGUF's own Q4_0/Q4_1 as int4, its other "
         "quantized types as int8, float weights dense", choices=QUANTIZATIONS)
     opt("--device", "cpu, cuda or cuda:N")
-    opt("--kernels", f"how int4/Q8_0 weights are multiplied: {KERNELS_HELP}")
+    opt("--kernels", f"how int4/Q8_0 weights are multiplied: {KERNELS_HELP}", choices=list(KERNEL_CHOICES))
     opt("--cpus", "pin this worker to these cores, e.g. 0 or 2-3; its torch threads default to their count",
         shown="any core")
     opt("--threads", "torch threads", type=int, shown="one per --cpus core, else torch's default")

@@ -56,7 +56,7 @@ from runtime.processes import (
     describe_exit,
     stop_all,
 )
-from runtime.settings import KERNELS_HELP, SPECULATIVE_MODES
+from runtime.settings import KERNEL_CHOICES, KERNELS_HELP, SPECULATIVE_MODES
 from tandem.autoscale import RolePolicy, parse_ranges, parse_role_numbers, policies
 from tandem.local_run import OWNER, LocalRun
 
@@ -100,7 +100,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--quantization", default=None, choices=["none", "fp16", "int8", "int4", "auto"],
                    help="how workers hold the weights (TANDEM_QUANTIZATION; default auto: the GGUF's own)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] for the workers (default cpu)")
-    p.add_argument("--kernels", default=None, help=f"how workers multiply int4/Q8_0 weights (TANDEM_KERNELS; default auto): {KERNELS_HELP}")
+    p.add_argument("--kernels", default=None, choices=list(KERNEL_CHOICES), help=f"how workers multiply int4/Q8_0 weights (TANDEM_KERNELS; default auto): {KERNELS_HELP}")
     p.add_argument("--speculative", default=None, choices=list(SPECULATIVE_MODES),
                    help="decode: draft tokens by prompt lookup (ngram) and verify them in one step, or off "
                         "(TANDEM_SPECULATIVE; default ngram)")

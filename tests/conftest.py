@@ -19,6 +19,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _native_available() -> bool:
+    from engine import native
+
+    return native.available()
+
+
+#: tests whose workers run `--kernels invariant`: engine.native's kernels (no C compiler: they cannot start)
+NEEDS_NATIVE = pytest.mark.skipif(not _native_available(), reason="--kernels invariant needs engine.native's kernels")
+
+
 def kernel_paths() -> list[str]:
     """The kernel paths this machine and build have (engine.native.kernel_paths, fastest first); ["torch"]
     without the library."""

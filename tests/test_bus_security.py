@@ -30,9 +30,10 @@ from bus import messages as m
 from bus import nats_config as natsconf
 from bus.publish import publish
 from bus.subjects import ROLE_DECODE_ONLY, ROLE_GATEWAY, ROLE_OBSERVER, ROLE_PREFILL_ONLY, Subjects
+from tests.conftest import NEEDS_NATIVE
 from tests.test_gateway import dropped_counts
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), NEEDS_NATIVE]
 
 S = Subjects(MODEL)
 PROMPT = "Write one sentence about the sea."

@@ -22,8 +22,9 @@ import pytest
 
 from bench.cluster import TandemUp
 from bench.speculation import copy_prompts
+from tests.conftest import NEEDS_NATIVE
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), NEEDS_NATIVE]
 
 MODEL = "smollm2-135m-instruct"
 KEY = "test-key-123"

@@ -79,6 +79,42 @@ def test_a_resumed_stream_continues_bit_for_bit(invariant, make_engine, smollm):
     assert [lp.logprob for lp in seq.logprobs[-7:]] == [lp.logprob for lp in whole.logprobs[5:]]
 
 
+def test_a_prompt_computed_one_token_a_step_beside_decoding_rows_reads_as_alone(invariant, make_engine, smollm):
+    """Three streams decode while a prompt gets the step budget's last token each step: its one-token chunks
+    are chunks, not decode rows (sampled, each would have ended the prompt there: a bug this file's property
+    test found); its logits equal those of the prompt alone. And a budget of one token still finishes."""
+    prompts = _prompts(smollm, 4, seed=5)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) for _ in range(3)] + [GREEDY]
+    engine = make_engine(max_step_tokens=4, speculative="off")
+    seen = LogitsRecorder(engine)
+    short = [engine.add_request(f"s{i}", p[:1], params[i]) for i, p in enumerate(prompts[:3])]
+    engine.step()
+    long = engine.add_request("long", prompts[3], params[3])
+    while long.num_computed < 8:
+        engine.step()
+    assert all(s.num_computed > 3 for s in short)  # they decoded meanwhile: the prompt got 1 token a step
+    while engine.has_work():
+        engine.step()
+    solo = make_engine(speculative="off")
+    alone = LogitsRecorder(solo)
+    want = solo.generate([prompts[3]], GREEDY)[0]
+    assert _answer(long) == _answer(want)
+    assert all(torch.equal(a, b) for a, b in zip(seen.rows[id(GREEDY)], alone.rows[id(GREEDY)], strict=True))
+    tiny = make_engine(max_step_tokens=1, speculative="off").generate([prompts[0][:20]], GREEDY)[0]
+    assert _answer(tiny) == _answer(make_engine(speculative="off").generate([prompts[0][:20]], GREEDY)[0])
+
+
+def test_weights_the_kernels_do_not_multiply_are_refused_on_the_invariant_path(invariant):
+    """float32 weights go through MKL, whose result depends on the row count: the path says so at start-up
+    rather than promising what it cannot keep."""
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.loader import load_model
+    from engine.model_files import DEFAULT_MODEL
+
+    with pytest.raises(ValueError, match="--kernels invariant cannot .*none weights"):
+        LLMEngine(load_model(DEFAULT_MODEL, "float32", "none"), EngineConfig(num_blocks=16))
+
+
 class LogitsRecorder:
     """Wraps an engine's sampler: every row's logits, by the request (its params object) they belong to."""
 

@@ -258,13 +258,16 @@ def test_the_kernel_path_is_the_best_here_and_tandem_kernels_chooses_another():
     import sys
 
     from engine.native import peaks
+    from runtime.settings import KERNEL_CHOICES
 
     paths = kernel_paths()
     assert native.kernel_path() == paths[0] != native.INVARIANT and set(paths) <= set(native.KERNEL_PATHS)
+    assert KERNEL_CHOICES == ("auto", *native.KERNEL_PATHS)  # --kernels names them without importing torch
     if "avx512_bf16" in paths:
         p = peaks.measure(1, iters=200_000)
-        faster = "avx512_bf16" if p.bf16_flops > p.fp32_flops else "avx2"
-        assert paths[0] == faster, p.describe()
+        ratio = p.bf16_flops / p.fp32_flops  # 2x on AMD Zen 4, 0.5x on a Xeon: a clear side, on a quiet machine
+        if ratio > 1.6 * native.BF16_MARGIN or ratio < 0.7:
+            assert paths[0] == ("avx512_bf16" if ratio > 1 else "avx2"), p.describe()
     probe = [sys.executable, "-c", "from engine import native; print(native.kernel_path())"]
     for path in paths:
         env = {**os.environ, "TANDEM_KERNELS": path}

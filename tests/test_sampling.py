@@ -323,3 +323,21 @@ def test_top_p_beyond_the_candidate_window_falls_back_to_the_whole_vocabulary():
     p = SamplingParams(temperature=1.0, top_p=0.95)
     seen = {Sampler()(logits, [p], [[]], [torch.Generator().manual_seed(s)])[0][0] for s in range(300)}
     assert max(seen) >= sampling.NUCLEUS_CANDIDATES  # tokens outside the first window are drawn
+
+
+def test_a_rows_draw_is_the_same_in_any_batch():
+    """Rows with their own cuts (top-k over the 1,024 candidates, top-p alone, plain temperature, top-k with
+    top-p, a nucleus wider than the candidates, greedy) draw in one batch what each draws alone."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 3000) * torch.tensor([[3.0], [3.0], [3.0], [3.0], [0.01], [3.0]])
+    params = [SamplingParams(temperature=0.8, top_k=2000, seed=1), SamplingParams(temperature=1.0, top_p=0.9, seed=2),
+              SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=4),
+              SamplingParams(temperature=1.0, top_p=0.99, seed=5), SamplingParams(temperature=0.0)]
+    def generators(draw: int) -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(100 * draw + i) for i in range(6)]
+
+    for draw in range(20):
+        together, _ = Sampler()(logits, params, [[]] * 6, generators(draw))
+        alone = [Sampler()(logits[i:i + 1], [params[i]], [[]], [generators(draw)[i]])[0][0] for i in range(6)]
+        assert together == alone
+        assert all(t in logits[0].topk(2000).indices.tolist() for t in together[:1])  # top-k keeps to its k

@@ -135,10 +135,9 @@ def test_a_windowed_prefix_is_reused_while_its_window_is_cached():
     assert sched.place(c) and c.num_cached == 0 and live(c) == [5, 5, 5]
 
 
-def test_a_prompt_never_gets_a_one_token_chunk_before_its_last_token():
-    """A step's plan says how many tokens of a sequence it computes; one token is how a decode row looks, so
-    a prompt's chunk of one (a budget with one token left) was sampled as if the prompt had ended: the
-    request got a token computed from part of its prompt. Only a prompt's last token may go alone."""
+def test_a_budget_with_one_token_left_still_moves_a_prompt_on():
+    """A step with one token of budget left computes one token of the waiting prompt (the model runner takes
+    it for a chunk, not a decode row: engine/model_runner.py `decodes`), and a budget of 1 prefills at all."""
     sched = make(budget=4)
     for rid in ("a", "b", "c"):
         sched.add(seq(rid, 1))
@@ -146,8 +145,7 @@ def test_a_prompt_never_gets_a_one_token_chunk_before_its_last_token():
     assert run(sched) == {"a": 1, "b": 1, "c": 1}
     for s in sched.running[:3]:
         s.output_ids.append(7)  # a, b and c decode: one token of the budget is left
-    assert run(sched) == {"a": 1, "b": 1, "c": 1}  # not ("long", 1)
-    sched.finish(sched.running[0])
-    for s in sched.running[:2]:
-        s.output_ids.append(8)
-    assert run(sched) == {"b": 1, "c": 1, "long": 2}
+    assert run(sched) == {"a": 1, "b": 1, "c": 1, "long": 1}
+    one = make(budget=1)
+    one.add(seq("p", 3))
+    assert [run(one) for _ in range(3)] == [{"p": 1}] * 3

@@ -17,9 +17,10 @@ import httpx
 import pytest
 
 from bench.cluster import TandemUp
+from tests.conftest import NEEDS_NATIVE
 from tests.faults.test_up_faults import busy_worker, stream_chat, wait_restarted
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), NEEDS_NATIVE]
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 

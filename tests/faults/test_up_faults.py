@@ -22,8 +22,9 @@ import httpx
 import pytest
 
 from bench.cluster import MODEL, TandemUp
+from tests.conftest import NEEDS_NATIVE
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), NEEDS_NATIVE]
 
 FILLER = "Tandem serves language models with prefill and decode on separate workers over a message bus. "
 

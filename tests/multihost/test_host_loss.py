@@ -22,10 +22,11 @@ import nats
 import pytest
 
 from bench.hosts import Deployment, Hosts
+from tests.conftest import NEEDS_NATIVE
 from tests.faults.test_up_faults import assert_clear, long_prompt, stream_chat
 from tests.multihost.site import DECODE_ARGS, MACHINE_ENV, Site
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), NEEDS_NATIVE]
 
 STREAMS = 6
 

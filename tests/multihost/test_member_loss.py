@@ -25,10 +25,11 @@ import httpx
 import pytest
 
 from bench.hosts import Deployment, Hosts
+from tests.conftest import NEEDS_NATIVE
 from tests.faults.test_up_faults import assert_clear, long_prompt, stream_chat
 from tests.multihost.site import DECODE_ARGS, MACHINE_ENV, Site
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), NEEDS_NATIVE]
 
 STREAMS = 6
 MAX_TOKENS = 128

@@ -21,8 +21,9 @@ import pytest
 from bench.hosts import Hosts, run_walkthrough, walkthrough
 from bus.connection import user_login
 from runtime.settings import read_env_file
+from tests.conftest import NEEDS_NATIVE
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), NEEDS_NATIVE]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 #: what the harness gives every machine besides the walk-through's own commands: the row-invariant kernel
