@@ -107,8 +107,7 @@ def library() -> ctypes.CDLL | None:
     if wanted not in ("auto", *paths):
         raise ValueError(f"TANDEM_KERNELS={wanted!r}: this CPU and build have {', '.join(paths)} (or auto; "
                          f"TANDEM_NATIVE=0 for torch's operations)")
-    _chosen[0] = paths[0] if wanted == "auto" else wanted
-    lib.tq_set_row_invariant(int(_chosen[0] == INVARIANT))
+    _choose(lib, paths[0] if wanted == "auto" else wanted)
     return lib
 
 
@@ -128,24 +127,27 @@ def _paths(lib: ctypes.CDLL) -> list[str]:
     return [*simd, INVARIANT]
 
 
-_bf16_measured: list[bool] = []
 BF16_MARGIN = 1.2  # the probe is short: a near tie keeps float32 (0.5x and 2x were seen, nothing between)
 
 
+@cache
 def _bf16_pays(lib: ctypes.CDLL) -> bool:
     """Whether this CPU's bfloat16 dot products outrun its float32 FMAs, measured once (~3 ms, one thread).
     Having the instruction is not enough: AMD Zen 4 runs it at twice the float32 rate, where its bfloat16
     panels prefill 1.5-1.8x faster; some Xeons at half, where dequantize + float32 GEMM prefills 1.5x faster."""
-    if not _bf16_measured:
-        def rate(probe: Callable[[int, int], float]) -> float:
-            best = 0.0
-            for _ in range(3):
-                t = time.perf_counter()
-                done = probe(100_000, 1)
-                best = max(best, done / (time.perf_counter() - t))
-            return best
-        _bf16_measured.append(rate(lib.tq_probe_bf16) > BF16_MARGIN * rate(lib.tq_probe_fma))
-    return _bf16_measured[0]
+    def rate(probe: Callable[[int, int], float]) -> float:
+        best = 0.0
+        for _ in range(3):
+            t = time.perf_counter()
+            done = probe(100_000, 1)
+            best = max(best, done / (time.perf_counter() - t))
+        return best
+    return rate(lib.tq_probe_bf16) > BF16_MARGIN * rate(lib.tq_probe_fma)
+
+
+def _choose(lib: ctypes.CDLL, path: str) -> None:
+    _chosen[0] = path
+    lib.tq_set_row_invariant(int(path == INVARIANT))
 
 
 def kernel_paths() -> list[str]:
@@ -181,8 +183,7 @@ def use_kernel_path(path: str) -> None:
     if lib is None or path not in _paths(lib):
         have = ", ".join(_paths(lib)) if lib is not None else "none: the native library is not built here"
         raise ValueError(f"kernel path {path!r} is not available here (this CPU and build have {have})")
-    _chosen[0] = path
-    lib.tq_set_row_invariant(int(path == INVARIANT))
+    _choose(lib, path)
 
 
 def _threads() -> int:
