@@ -42,7 +42,7 @@ from bus.messages import (
 from bus.publish import publish, publish_kept, request, respond
 from bus.replay import SentLog
 from bus.streams import claim, ensure_streams, fetch_one, pull_subscription
-from bus.subjects import Subjects, check_subject
+from bus.subjects import Subjects
 from engine import native
 from engine.engine import EngineConfig, LLMEngine, StepOutput
 from engine.loader import LoadedModel
@@ -52,6 +52,7 @@ from kv.transfer.base import new_incarnation
 from runtime import metrics
 from runtime.health import WorkerHealth
 from runtime.logs import Throttled
+from runtime.names import check_subject
 from runtime.placement import available_cpus, format_cpus
 from runtime.settings import Settings
 
@@ -88,7 +89,6 @@ class SeenIds:
 
 class WorkerActor:
     role = "worker"
-    capacity_poll_s = 0.01  # how often a full worker looks again for room to pull
     #: whose replay requests this worker answers (``Subjects.replay``): "stream" (decode) or "prefill"
     replay_kind = ""
 
@@ -118,6 +118,9 @@ class WorkerActor:
         self.recent = RecentWork(self.worker_id)  # its `recent` endpoint: transfers into its pool, decisions
         self.draining = False
         self.stop_event = asyncio.Event()
+        #: set when room may have opened or work ended (an engine step, a request or job leaving): the pull
+        #: loop and the drain look again then, instead of every few milliseconds
+        self.changed = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.seen = SeenIds()
         self.cancelled_ids = SeenIds()  # a cancel can overtake its request queued in the pool
@@ -195,9 +198,7 @@ class WorkerActor:
             log.warning("could not announce draining: %s", e)
         await self.stop_taking_work()
         await self.hand_back()
-        deadline = time.monotonic() + timeout
-        while self.busy() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await self.until(lambda: not self.busy(), timeout)
         if self.busy():
             log.warning("%s %s: drain deadline passed with work in flight; handing it back", self.role,
                         self.worker_id)
@@ -249,7 +250,7 @@ class WorkerActor:
     async def _pull_loop(self, pool: str) -> None:
         while not self.draining:
             if not self.has_capacity():
-                await asyncio.sleep(self.capacity_poll_s)
+                await self.until(self.has_capacity, None)
                 continue
             try:
                 msg = await fetch_one(self.psub, timeout=1.0)
@@ -436,8 +437,25 @@ class WorkerActor:
 
     # ---------------------------------------------------------------- plumbing
 
+    async def until(self, condition: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ``condition()`` holds, looking again each time :attr:`changed` is set; False when
+        ``timeout`` seconds (None: no limit) passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not condition():
+            self.changed.clear()
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self.changed.wait(), left)
+            except asyncio.TimeoutError:
+                return condition()
+        return True
+
     def _outputs_from_thread(self, outputs: list[StepOutput], step_s: float) -> None:
         self.check_runner()
+        self.changed.set()
         if outputs:
             self.on_outputs(outputs, step_s)
 

@@ -8,6 +8,7 @@ here), then streams tokens to the gateway's stream subject, one message per engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,12 +31,12 @@ from bus.messages import (
     WorkerStats,
 )
 from bus.publish import publish
-from bus.subjects import check_subject, check_token
 from engine.engine import LLMEngine, StepOutput
 from engine.sampling import TokenLogprob
 from engine.sequence import SeqStatus
 from kv.blocks import prefix_hashes
 from runtime import metrics
+from runtime.names import check_subject, check_token
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class DecodeActor(WorkerActor):
         super().__init__(settings, loaded, health)
         self.role = settings.role
         self.requests: dict[str, Request] = {}
+        self.arrived = asyncio.Event()  # a request came: its deadline may be the nearest (_deadline_watch)
         self.remote: RemotePrefills | None = None  # decode_only: prefill workers compute the prompts
         self.costs = PrefillCosts()  # what prefills cost here and remotely, for the local/remote choice
         self.outbox: asyncio.Queue = asyncio.Queue()
@@ -130,6 +132,7 @@ class DecodeActor(WorkerActor):
             await self._hand_back_one(r)
             return
         self.requests[req.request_id] = r
+        self.arrived.set()
         try:
             try:
                 check_token(req.request_id, "request_id")
@@ -306,6 +309,7 @@ class DecodeActor(WorkerActor):
                     await self._emit(r, out, step_s)
                 except Exception as e:  # one bad publish must not stop the others' streams (kept: asked for again)
                     bad_messages.warning("stream publish", "stream publish for %s failed: %s", out.request_id, e)
+            self.changed.set()  # requests may have finished, and the outbox may be empty now
 
     async def _emit(self, r: Request, out: StepOutput, step_s: float) -> None:
         rid = r.req.request_id
@@ -342,6 +346,7 @@ class DecodeActor(WorkerActor):
 
     async def _fail(self, r: Request, code: str, message: str, status: int) -> None:
         self.requests.pop(r.req.request_id, None)
+        self.changed.set()
         log.warning("request %s failed (%s): %s", r.req.request_id, code, message, extra={"request_id": r.req.request_id})
         await self.publish_stream(r.req.stream_subject,
                                   StreamError(request_id=r.req.request_id, seq=r.seq, code=code, message=message,
@@ -376,6 +381,7 @@ class DecodeActor(WorkerActor):
         r = self.requests.pop(request_id, None)
         if r is None:
             return None
+        self.changed.set()
         r.cancelled = True
         if r.in_engine:
             await self.runner.call(lambda e: e.abort(request_id))
@@ -390,7 +396,11 @@ class DecodeActor(WorkerActor):
         All of them are dropped together, so their aborts reach the model thread before its next step.
         """
         while True:
-            await asyncio.sleep(0.25)
+            self.arrived.clear()
+            now = time.time()
+            due = [t for r in self.requests.values() for t in (r.req.deadline, r.req.start_by) if t and t >= now]
+            with contextlib.suppress(asyncio.TimeoutError):  # the next deadline, or a request that may come sooner
+                await asyncio.wait_for(self.arrived.wait(), min(due) - now if due else None)
             now = time.time()
             late = [(rid, ErrorCode.DEADLINE_EXCEEDED, "request deadline passed", 504)
                     for rid, r in self.requests.items() if r.req.deadline and now > r.req.deadline]

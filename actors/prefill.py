@@ -19,12 +19,12 @@ from nats.aio.msg import Msg
 from actors.base import WorkerActor, bad_messages
 from bus.messages import ErrorCode, PrefillAccepted, PrefillDone, PrefillJob, StreamError
 from bus.publish import publish, publish_kept
-from bus.subjects import check_subject
 from engine.engine import StepOutput
 from kv.layout import KVLayout, LayoutMismatch
-from kv.transfer.base import TransferError
+from kv.transfer.handles import TransferError
 from runtime import metrics
 from runtime.metrics import observe_transfer
+from runtime.names import check_subject
 
 log = logging.getLogger(__name__)
 # jobs in this worker's engine at once: its scheduler runs the shortest first, so a short job that waited
@@ -34,7 +34,6 @@ MAX_CONCURRENT_JOBS = 4
 
 class PrefillActor(WorkerActor):
     role = "prefill_only"
-    capacity_poll_s = 0.005
     replay_kind = "prefill"
 
     def __init__(self, settings, loaded, health=None):
@@ -199,6 +198,7 @@ class PrefillActor(WorkerActor):
         finally:
             self.jobs.pop(key, None)
             self._start_next()
+            self.changed.set()
             if held:
                 await self.runner.call(self._let_go, key)
 

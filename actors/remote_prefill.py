@@ -45,7 +45,8 @@ from bus.publish import js_publish, publish
 from bus.subjects import Subjects
 from engine.params import SamplingParams
 from kv.layout import KVLayout
-from kv.transfer.base import GRANT_CHECKED, TransferEngine
+from kv.transfer.base import TransferEngine
+from kv.transfer.grants import GRANT_CHECKED
 from runtime import metrics
 from runtime.settings import Settings
 
@@ -274,7 +275,7 @@ class RemotePrefills:
         """Hold blocks until attempt ``tag`` answers (it has stopped writing) or its deadline passes.
 
         The answer may already be here: a cancel and the writer's PrefillDone race. A writer that uses a
-        mechanism which refuses a write without its grant (TCP: ``kv.transfer.base.GRANT_CHECKED``) cannot
+        mechanism which refuses a write without its grant (TCP: ``kv.transfer.grants.GRANT_CHECKED``) cannot
         land a byte once the attempt's grant is revoked, so its blocks are free at once.
         """
         if not blocks:

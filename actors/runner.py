@@ -88,8 +88,8 @@ class EngineRunner:
                 if self.engine.has_work():
                     started = time.perf_counter()
                     outputs = self.engine.step()
-                    if outputs:
-                        self.hand_out(outputs, time.perf_counter() - started)
+                    # even with no outputs: a step may have placed a prompt or freed blocks (the pull loop waits on it)
+                    self.hand_out(outputs, time.perf_counter() - started)
         except BaseException as e:  # the model thread died: make it loud, the actor exits
             log.exception("model thread failed")
             self.failure = e

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.model_files import cache_dir
+from engine.model_cache import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -116,7 +116,8 @@ def _stop(args: argparse.Namespace) -> Stop:
 
 def _tokenizer_spec(args: argparse.Namespace, model: str) -> str | None:
     """The model spec whose tokenizer sizes prompts: --tokenizer, else the served model when it is local."""
-    from engine.model_files import ModelLoadError, resolve_model_path
+    from engine.model_files import resolve_model_path
+    from engine.model_text import ModelLoadError
 
     if args.tokenizer != "auto":
         return None if args.tokenizer == "none" else args.tokenizer

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from bench import llama_server
 from bench.quality import GREEDY_TOKENS, PROMPTS
-from engine.model_files import file_digest, resolve_model_path
+from engine.model_cache import file_digest
+from engine.model_files import resolve_model_path
 
 
 def record(server: llama_server.LlamaServer, prompt: str) -> dict:

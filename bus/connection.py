@@ -31,7 +31,8 @@ import nats.errors
 from nats.aio.client import Client
 
 from bus.nats_config import inbox_of, password_var
-from bus.subjects import DEFAULT_INBOX, check_token
+from bus.subjects import DEFAULT_INBOX
+from runtime.names import check_token
 
 log = logging.getLogger("tandem.bus.connection")
 

@@ -103,7 +103,7 @@ class KVDestination(_Part, kw_only=True):
     ``first_token_index`` is the first uncached prompt token: blocks cover tokens from
     there on (the prefix before it is already in the decode worker's cache). ``grant`` is the
     token the decode worker's pool made for these blocks and this attempt: an engine that takes
-    writes from the network (TCP) refuses one without it (``kv.transfer.base.WriteGrants``).
+    writes from the network (TCP) refuses one without it (``kv.transfer.grants.WriteGrants``).
     """
 
     engine: str

@@ -27,8 +27,8 @@ from bus.subjects import (
     ROLE_PREFILL_AND_DECODE,
     ROLE_PREFILL_ONLY,
     Subjects,
-    check_token,
 )
+from runtime.names import check_token
 
 #: The account every tandem process lives in (KEDA's ``account`` trigger field names it).
 ACCOUNT = "TANDEM"

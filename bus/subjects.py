@@ -39,6 +39,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from runtime.names import check_token
+
 DEFAULT_NAMESPACE = "tandem"
 
 #: Durable pull consumer on the generate stream, shared by all decode / aggregate workers.
@@ -65,7 +67,6 @@ RESERVED_TOKENS = frozenset({"stream", "prefill", "cancel", "kv", "stats", "gene
 
 _MAX_TOKEN_LEN = 64
 _UNSAFE = re.compile(r"[^a-z0-9_-]+")
-_BAD_IN_TOKEN = re.compile(r"[.*>\s]")
 
 
 def safe_token(name: str) -> str:
@@ -94,34 +95,6 @@ def model_token(model: str) -> str:
     if token in RESERVED_TOKENS:
         token = f"m-{token}"
     return token
-
-
-def check_token(value: str, what: str = "token") -> str:
-    """Refuse an id that is not a single subject token (worker, gateway and request ids).
-
-    Ids are not silently rewritten: a mangled request id would never match its reply.
-    """
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    if _BAD_IN_TOKEN.search(value):
-        raise ValueError(
-            f"{what} {value!r} is not a subject token: it must not contain '.', '*', '>' or whitespace"
-        )
-    return value
-
-
-def check_subject(value: str, what: str = "subject") -> str:
-    """Refuse a subject nobody can publish to (empty tokens, wildcards, whitespace).
-
-    Why: a reply subject comes from the sender; publishing to a bad one raises inside the
-    receiving worker, which must answer or drop the message rather than fail later.
-    """
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    for token in value.split("."):
-        if not token or token in ("*", ">") or _BAD_IN_TOKEN.search(token):
-            raise ValueError(f"{what} {value!r} is not a subject one can publish to")
-    return value
 
 
 def stream_name_token(token: str) -> str:

@@ -28,16 +28,11 @@ from safetensors.torch import load_file, save_file
 from engine import families, native
 from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig
-from engine.model_files import (
-    QUANTIZATIONS,
-    ModelLoadError,
-    cache_file,
-    gguf_text,
-    hf_text,
-    open_gguf,
-    resolve_model_path,
-    stat_digest,
-)
+from engine.gguf_file import gguf_text, open_gguf
+from engine.hf_file import hf_text
+from engine.model_cache import cache_file, stat_digest
+from engine.model_files import QUANTIZATIONS, resolve_model_path
+from engine.model_text import ModelLoadError
 from engine.progress import LoadProgress
 from engine.quant import Int4Weight, Q8Weight, encode_weight
 from engine.tokenizer import TextTokenizer

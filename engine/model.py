@@ -6,8 +6,8 @@ sliding-window layers with their own RoPE base.
 
 One forward pass serves a mixed batch: any number of sequences each contributing a chunk of
 new tokens. Linear layers run once over all tokens (their weights are dense or quantized, see
-`engine.quant`); attention runs per sequence for chunks longer than one token (prefill) and
-batched for one-token chunks (decode). Everything that does not change between layers (RoPE
+`engine.quant`); attention (`engine.attention`) runs per sequence for chunks longer than one token
+(prefill) and batched for one-token chunks (decode). Everything that does not change between layers (RoPE
 angles, the decode gather index and mask) is computed once per forward pass.
 
 On a CPU with float32 activations the small per-layer operations (RMSNorm, RoPE with the K/V write,
@@ -17,82 +17,19 @@ the torch operations below are the same computation, for other devices and dtype
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.config import ROPE_SCALING_KEYS, ModelConfig, rope_scaling_type
+from engine.attention import DecodeAttention, PagedAttention, span_attention
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
 from engine.quant import KERNELS, DenseWeight, Int4Weight, Q8Weight, Weight, Workspace, weight_from_tensors
+from engine.rope import apply_rope, rope_frequencies
 from kv.pool import KVPool
-
-
-@dataclass
-class PrefillSpan:
-    start: int  # offset of the chunk in the flat token batch
-    length: int  # new tokens in this chunk
-    context: int  # tokens in the sequence after this chunk (cached + new)
-    blocks: torch.Tensor  # block ids covering `context`
-
-
-@dataclass
-class ForwardBatch:
-    """Flat token batch: prefill chunks first, then one-token decode rows."""
-
-    tokens: torch.Tensor  # [N] int64
-    positions: torch.Tensor  # [N] int64
-    slot_blocks: torch.Tensor  # [N] block that receives each token's K/V
-    slot_offsets: torch.Tensor  # [N] slot within that block
-    prefills: list[PrefillSpan]
-    decode_start: int  # first decode row in the flat batch
-    decode_tables: torch.Tensor | None  # [B, max_blocks] block tables, padded (with any block) to the longest
-    decode_lens: torch.Tensor | None  # [B] context length incl. the new token
-    logit_rows: torch.Tensor  # rows of the flat batch whose logits are needed
-    decode_max_len: int = 0  # max(decode_lens), known to the caller without a device sync (0: compute it)
-    dequant_rows: int = 0  # leading rows (long prefill chunks) computed by dequantize + MKL (engine.quant)
-    # decode rows grouped by context length: (rows of decode_tables, longest context); None: one group of all
-    decode_groups: list[tuple[list[int] | None, int]] | None = None
-    # per KV group (kv.layout), this batch with that group's slot blocks, spans and block tables; []: one group
-    groups: list[ForwardBatch] = field(default_factory=list)
-
-    def group(self, g: int) -> ForwardBatch:
-        return self.groups[g] if self.groups else self
-
-
-def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with llama3-style scaling when the config asks for it."""
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-    sc = cfg.rope_scaling or {}
-    kind = rope_scaling_type(sc)
-    if kind == "llama3":
-        factor = sc["factor"]
-        low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
-        orig = sc["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = orig / low, orig / high
-        wavelen = 2 * math.pi / inv
-        smooth = (orig / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv = torch.where(is_mid, mid, scaled)
-    elif kind == "linear":
-        inv = inv / sc["factor"]
-    elif kind == "factors":  # GGUF's rope_freqs tensor: per-frequency divisors
-        inv = inv / torch.tensor(sc["factors"], dtype=torch.float64)
-    elif kind != "default":  # the loader refuses these first; guard for configs built by hand
-        supported = ", ".join(ROPE_SCALING_KEYS)
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {supported})")
-    return inv.float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split (rotate_half) RoPE on [N, heads, head_dim]; cos [N, 1, head_dim], sin with the sign of
-    rotate_half folded in ([-sin, sin]), so it is x * cos + swap_halves(x) * sin."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 
 
 @dataclass
@@ -200,13 +137,13 @@ class DecoderModel:
             h.mul_(cfg.embed_scale)
         by_group = [batch.group(g) for g in range(pool.layout.num_groups)]
         if self.native and pool.tensor.dtype == torch.float32:
-            paged = [_PagedAttention(b, cfg.num_heads, cfg.softmax_scale) for b in by_group]
+            paged = [PagedAttention(b, cfg.num_heads, cfg.softmax_scale) for b in by_group]
             if self.fused is not None and len(paged) == 1 and batch.dequant_rows == 0 and not paged[0].long_spans:
                 self._fused_forward(h, batch, paged[0], pool, layer_done)
             else:
                 self._layer_ops(h, batch, pool, layer_done, paged=paged)
         else:
-            decode = [_DecodeAttention(b, pool.layout.block_size, cfg.softmax_scale)
+            decode = [DecodeAttention(b, pool.layout.block_size, cfg.softmax_scale)
                       if b.decode_tables is not None else None for b in by_group]
             angles = [(cos.index_select(0, batch.positions).unsqueeze(1), sin.index_select(0, batch.positions).unsqueeze(1))
                       for cos, sin in self.ropes]
@@ -218,7 +155,7 @@ class DecoderModel:
         return self.lm_head(h, rows if rows > KERNELS.lm_head_rows() else 0).float()
 
     def _layer_ops(self, h: torch.Tensor, batch: ForwardBatch, pool: KVPool,
-                   layer_done: Callable[[int], None] | None, paged: list[_PagedAttention] | None = None,
+                   layer_done: Callable[[int], None] | None, paged: list[PagedAttention] | None = None,
                    torch_attn: tuple | None = None) -> None:
         """The layers one operation at a time (`paged`: engine.native's attention, per KV group; else torch's,
         with `torch_attn` = the decode attention per KV group and the RoPE angles of each table)."""
@@ -275,7 +212,7 @@ class DecoderModel:
         qkv[:, q_size:q_size + self.kv_size] = self._norm(k, layer.k_norm).view(n, self.kv_size)
         return qkv
 
-    def _fused_forward(self, h: torch.Tensor, batch: ForwardBatch, paged: _PagedAttention, pool: KVPool,
+    def _fused_forward(self, h: torch.Tensor, batch: ForwardBatch, paged: PagedAttention, pool: KVPool,
                        layer_done: Callable[[int], None] | None) -> None:
         """Each layer as one `engine.native` call (all linear layers int4/Q8_0, every row on the kernels)."""
         cfg = self.cfg
@@ -326,167 +263,17 @@ class DecoderModel:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 
-    def _attention(self, q, k, v, kc, vc, batch: ForwardBatch, decode: _DecodeAttention | None,
+    def _attention(self, q, k, v, kc, vc, batch: ForwardBatch, decode: DecodeAttention | None,
                    window: int) -> torch.Tensor:
         if not batch.prefills and decode is not None:
             return decode(q, kc, vc, window)
         out = torch.empty_like(q)
         for span in batch.prefills:
-            _span_attention(q, k, v, kc, vc, span, out, self.cfg.softmax_scale, window)
+            span_attention(q, k, v, kc, vc, span, out, self.cfg.softmax_scale, window)
         if decode is not None:
             out[batch.decode_start:] = decode(q[batch.decode_start:], kc, vc, window)
         return out
 
 
-def _span_attention(q, k, v, kc, vc, span: PrefillSpan, out: torch.Tensor, scale: float, window: int = 0) -> None:
-    """One prompt chunk's causal attention ([rows, heads, d] views of the flat batch) with torch's SDPA,
-    into `out`: over the chunk itself, or over its cached context gathered from the pool; with `window`, each
-    row over its last `window` tokens only."""
-    sl = slice(span.start, span.start + span.length)
-    qs = q[sl].transpose(0, 1).unsqueeze(0)
-    past = span.context - span.length
-    lo = 0  # the first token any row of the chunk sees: past the window of its first row, from its block on
-    if span.context == span.length:  # nothing cached: attend to the chunk itself
-        ks, vs = k[sl], v[sl]
-    else:
-        bs = kc.shape[1]
-        first = max(0, past + 1 - window) // bs if window else 0
-        blk = span.blocks[first: (span.context + bs - 1) // bs]
-        lo = first * bs
-        ks = kc[blk].flatten(0, 1)[: span.context - lo].to(q.dtype)
-        vs = vc[blk].flatten(0, 1)[: span.context - lo].to(q.dtype)
-    mask, causal = None, True
-    if past or (window and span.context > window):
-        qi = torch.arange(span.length, device=q.device).unsqueeze(1) + past
-        kj = torch.arange(lo, span.context, device=q.device).unsqueeze(0)
-        mask, causal = kj <= qi, False
-        if window:
-            mask &= kj > qi - window
-    o = F.scaled_dot_product_attention(
-        qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask, is_causal=causal, enable_gqa=True, scale=scale,
-    )
-    out[sl] = o.squeeze(0).transpose(0, 1)
-
-
 def _has(weights: dict[str, torch.Tensor], prefix: str) -> bool:
     return prefix in weights or any(k.startswith(prefix + ".") for k in weights)
-
-
-class _PagedAttention:
-    """Attention in one C call per layer (`engine.native`) for the decode rows and the rows of prompt chunks
-    of up to `KERNELS.kernel_max_chunk` tokens: row r reads the first lens[r] tokens of its sequence straight
-    from the pool through its block table (no gather, padding or mask), and a short chunk's rows run the
-    same code as decode rows, so such a token computes the same either way (as it does in the linear
-    layers). Longer chunks are GEMM-shaped: torch's SDPA (`_span_attention`) is many times faster there."""
-
-    def __init__(self, batch: ForwardBatch, heads: int, scale: float):
-        self.heads, self.scale = heads, scale
-        long_chunk = KERNELS.long_chunk()
-        self.long_spans = [s for s in batch.prefills if s.length > long_chunk]
-        short = [s for s in batch.prefills if s.length <= long_chunk]
-        decode_rows = batch.decode_tables.shape[0] if batch.decode_tables is not None else 0
-        n = sum(s.length for s in short) + decode_rows
-        self.rows: torch.Tensor | None = None  # rows of the flat batch this call computes; None: all of them
-        if not short:
-            self.tables, self.lens = batch.decode_tables, batch.decode_lens
-            self.row_table = torch.arange(decode_rows)
-        else:
-            width = max([len(s.blocks) for s in short] + ([batch.decode_tables.shape[1]] if decode_rows else []))
-            self.tables = torch.zeros(len(short) + decode_rows, width, dtype=torch.long)
-            self.row_table = torch.empty(n, dtype=torch.long)
-            self.lens = torch.empty(n, dtype=torch.long)
-            at = 0
-            for i, s in enumerate(short):
-                self.tables[i, : len(s.blocks)] = s.blocks
-                self.row_table[at:at + s.length] = i
-                torch.arange(s.context - s.length + 1, s.context + 1, out=self.lens[at:at + s.length])
-                at += s.length
-            if decode_rows:
-                self.tables[len(short):, : batch.decode_tables.shape[1]] = batch.decode_tables
-                torch.arange(len(short), len(short) + decode_rows, out=self.row_table[at:])
-                self.lens[at:] = batch.decode_lens
-        if self.long_spans and n:
-            self.rows = torch.cat([torch.arange(s.start, s.start + s.length) for s in short]
-                                  + [torch.arange(batch.decode_start, batch.decode_start + decode_rows)])
-
-    def __call__(self, qkv: torch.Tensor, q_size: int, kv_heads: int, kc: torch.Tensor,
-                 vc: torch.Tensor, window: int = 0) -> torch.Tensor:
-        """Attention output [rows, q_size] of the batch's rows, from `qkv` after RoPE (K/V in the pool)."""
-        q = qkv[:, :q_size]
-        if not self.long_spans:
-            return self._paged(q, kc, vc, window)
-        n, d = qkv.shape[0], q_size // self.heads
-        out = torch.empty(n, q_size, dtype=qkv.dtype)
-        qh, kh = q.view(n, self.heads, d), qkv[:, q_size:q_size + kv_heads * d].view(n, kv_heads, d)
-        vh = qkv[:, q_size + kv_heads * d:].view(n, kv_heads, d)
-        for span in self.long_spans:
-            _span_attention(qh, kh, vh, kc, vc, span, out.view(n, self.heads, d), self.scale, window)
-        if self.rows is not None:
-            out.index_copy_(0, self.rows, self._paged(q.index_select(0, self.rows), kc, vc, window))
-        return out
-
-    def _paged(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, window: int) -> torch.Tensor:
-        return native.paged_attention(q, kc, vc, self.tables, self.row_table, self.lens, self.heads, self.scale,
-                                      window)
-
-
-class _DecodeAttention:
-    """Batched attention of one new token per sequence over its paged context.
-
-    Sequences are grouped by context length (`ForwardBatch.decode_groups`), so a group's block
-    tables are padded only to its own longest context, never to the batch's. Each group's gather
-    index and length mask are built once per forward pass and serve every layer (a sliding-window
-    layer's mask once per window); a group of one sequence needs no mask (its context is sliced).
-    """
-
-    def __init__(self, batch: ForwardBatch, block_size: int, scale: float):
-        groups = batch.decode_groups or [(None, batch.decode_max_len or int(batch.decode_lens.max()))]
-        self.groups = [_DecodeGroup(batch, rows, longest, block_size, scale) for rows, longest in groups]
-
-    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, window: int = 0) -> torch.Tensor:
-        if len(self.groups) == 1 and self.groups[0].rows is None:
-            return self.groups[0](q, kc, vc, window)
-        out = torch.empty_like(q)
-        for g in self.groups:
-            out.index_copy_(0, g.rows, g(q.index_select(0, g.rows), kc, vc, window))
-        return out
-
-
-class _DecodeGroup:
-    def __init__(self, batch: ForwardBatch, rows: list[int] | None, longest: int, block_size: int, scale: float):
-        tables, lens = batch.decode_tables, batch.decode_lens
-        self.rows = None
-        if rows is not None:
-            self.rows = torch.tensor(rows, device=tables.device)
-            tables, lens = tables.index_select(0, self.rows), lens.index_select(0, self.rows)
-        nblk = (longest + block_size - 1) // block_size
-        self.bsz, self.scale, self.lens = tables.shape[0], scale, lens
-        self.index = tables[:, :nblk].reshape(-1)
-        self.width = nblk * block_size
-        self.single = longest if self.bsz == 1 else 0
-        self.masks: dict[int, torch.Tensor | None] = {}
-
-    def mask(self, window: int) -> torch.Tensor | None:
-        """[bsz, 1, 1, width]: which pool slots each row attends to (None: a single row, sliced instead)."""
-        if window not in self.masks:
-            pos = torch.arange(self.width, device=self.lens.device).unsqueeze(0)
-            lens = self.lens.unsqueeze(1)
-            seen = pos < lens
-            if window:
-                seen &= pos >= lens - window
-            self.masks[window] = None if self.single else seen.view(self.bsz, 1, 1, self.width)
-        return self.masks[window]
-
-    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, window: int = 0) -> torch.Tensor:
-        shape = (self.bsz, self.width, *kc.shape[2:])
-        ks = kc.index_select(0, self.index).view(shape)  # index_select: 3-4x faster than kc[tables] here
-        vs = vc.index_select(0, self.index).view(shape)
-        if self.single:
-            first = max(0, self.single - window) if window else 0
-            ks, vs = ks[:, first: self.single], vs[:, first: self.single]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
-            attn_mask=self.mask(window), enable_gqa=True, scale=self.scale,
-        )
-        return o.squeeze(2)

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.model import DecoderModel, ForwardBatch, PrefillSpan
+from engine.forward_batch import ForwardBatch, PrefillSpan
+from engine.model import DecoderModel
 from engine.quant import KERNELS
 from engine.sampling import Sampler, TokenLogprob, draw_seed
 from engine.sequence import Sequence

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
@@ -22,6 +21,7 @@ from engine.chat_template import ChatTemplateError
 from engine.grammar import GrammarError, check_grammar
 from engine.params import Grammar, SamplingParams
 from gateway.errors import OpenAIError
+from gateway.jobs import Job, Kind, Prepared
 from gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -29,36 +29,9 @@ from gateway.protocol import (
     ResponseFormat,
     as_stop_list,
 )
-from gateway.run import Job
 from gateway.service import Gateway
 from gateway.tools import ToolSet, render_generic
 from kv.blocks import prefix_hashes
-
-Kind = Literal["chat", "completion"]
-
-
-@dataclass
-class Prepared:
-    """A validated request: token ids per prompt, one job per choice, output options."""
-
-    kind: Kind
-    model: str
-    prompts: list[list[int]]
-    prompt_texts: list[str]
-    jobs: list[Job]
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    logprobs: bool
-    top_logprobs: int
-    echo: bool
-    target_endpoint: str | None
-    timeout: float
-    tools: ToolSet | None = None
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        return self.tools is not None and self.tools.active
 
 
 def _unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:

@@ -12,8 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.prepare import Prepared
-from gateway.run import Event, Job, Run
+from gateway.jobs import Job, Prepared
+from gateway.run import Event, Run
 from gateway.textmodel import TokenBytes
 from gateway.tools import CallStream, parse_calls
 

@@ -11,17 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from bus.messages import ErrorCode, GenerateRequest, StreamError, StreamFinish, StreamTokens, Usage
+from bus.messages import ErrorCode, GenerateRequest, StreamError, StreamFinish, StreamTokens
 from bus.streams import DEFAULT_GENERATE
-from engine.params import SamplingParams
 from gateway.bus_client import BUS_BACK, BUS_LOST, FAILOVER_WAIT_S, NoResponders, Unreadable
 from gateway.errors import OpenAIError
+from gateway.jobs import ASK_AGAIN_MAX_S, ASK_AGAIN_S, Job, Prepared
 
 if TYPE_CHECKING:
-    from gateway.prepare import Prepared
     from gateway.service import Gateway
 
 log = logging.getLogger("tandem.gateway")
@@ -36,10 +35,6 @@ _GIVEN_BACK = {
 START_GRACE_S = 2.0
 #: what workers publish on a request's stream subject
 _FROM_WORKERS = (StreamTokens, StreamFinish, StreamError, Unreadable)
-#: a stream silent this long asks its worker for what it may have missed (doubling up to ``ASK_AGAIN_MAX_S``
-#: while it stays silent): a message lost in a NATS failover is otherwise noticed at the next one, or never
-ASK_AGAIN_S = 2.0
-ASK_AGAIN_MAX_S = 8.0
 #: a gap in a stream's sequence numbers is asked for at once and again each second; one not filled for this
 #: long (its worker keeps reporting but does not have the messages any more) fails the request
 GAP_WAIT_S = 10.0
@@ -63,52 +58,6 @@ def _not_from_holder(job: Job, msg: StreamTokens | StreamFinish | StreamError | 
     elif msg.incarnation != job.worker_incarnation:
         return "other_process"
     return ""
-
-
-@dataclass
-class Job:
-    """One generated sequence: a prompt and one of its ``n`` choices."""
-
-    index: int
-    prompt_index: int
-    prompt_ids: list[int]
-    hashes: list[bytes]
-    sampling: SamplingParams
-    request_id: str = ""
-    worker_id: str | None = None
-    worker_incarnation: str = ""  # the process of ``worker_id`` holding the job, when known
-    route_reason: str = ""
-    pooled: bool = False  # sent to the pool: its worker is whichever admitted it
-    retried: bool = False
-    migrations: int = 0  # times it moved to another decode worker mid-stream
-    queued: bool = False  # when dispatched, every place was taken: it had to wait (admission's measurements)
-    next_seq: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    text_parts: list[str] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    decode_worker: str = ""
-    prefill: str = ""  # "remote:<prefill worker>", "local" or "aggregate"
-    prefill_reason: str = ""  # why there (actors/prefill_choice.py)
-    kv_bytes: int = 0  # a remote prefill's KV, and the mechanism that carried it
-    kv_transfer: str = ""
-    done: bool = False
-    started: float = field(default_factory=time.monotonic)
-    start_by: float = 0.0  # epoch seconds: not begun by then, it is dropped where it waits
-    first_token_s: float | None = None
-    last_token_at: float | None = None
-    token_gaps: list[float] = field(default_factory=list)  # seconds between token messages
-    heard_at: float = field(default_factory=time.monotonic)  # its last message in order (or its dispatch)
-    asked_at: float = 0.0  # when its worker was last asked to publish its stream again
-    ask_every: float = ASK_AGAIN_S
-    gap_since: float | None = None  # a message ahead of ``next_seq`` came: the ones between are asked for
-
-    @property
-    def text(self) -> str:
-        """The completion so far."""
-        return "".join(self.text_parts)
 
 
 @dataclass

@@ -157,7 +157,7 @@ async def drain_then_exit(app: Any, timeout: float, server: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the gateway until SIGINT/SIGTERM; 2 on a configuration error, 3 when start-up fails."""
-    from engine.model_files import ModelLoadError
+    from engine.model_text import ModelLoadError
     from gateway.app import create_app
     from gateway.textmodel import load_text_model
     from runtime.settings import GatewayConfig

@@ -10,20 +10,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gateway.admission import Admission
 from gateway.bus_client import GatewayBus
 from gateway.errors import OpenAIError
+from gateway.jobs import Job
 from gateway.router import WorkerRegistry
 from gateway.textmodel import TextModel, TokenBytes
 from gateway.tools import template_takes_tools
 from runtime.logs import Throttled
 from runtime.metrics import GatewayMetrics
 from runtime.settings import GatewayConfig
-
-if TYPE_CHECKING:
-    from gateway.run import Job, Run
 
 log = logging.getLogger("tandem.gateway")
 _dropped_log = Throttled(log)
@@ -38,6 +36,15 @@ _DROP_WHY = {
 TYPICAL_ANSWER_TOKENS = 256
 
 
+class Running(Protocol):
+    """A request running on the bus (a ``gateway.run.Run``, which holds the gateway): its jobs, and a way to end it."""
+
+    jobs: list[Job]
+
+    def abort(self, error: OpenAIError) -> None:
+        """Make whoever reads the request's events get ``error`` next (never awaits)."""
+
+
 class Gateway:
     """The gateway's shared state and the checks every request goes through."""
 
@@ -50,7 +57,7 @@ class Gateway:
         self.registry = registry
         self.token_bytes = TokenBytes(text.tokenizer)
         self.inflight = 0
-        self.runs: set[Run] = set()  # the requests running now (the drain waits for them)
+        self.runs: set[Running] = set()  # the requests running now (the drain waits for them)
         self.draining = False
         self.admission = Admission(config.max_queue_wait)
         self.created = int(time.time())

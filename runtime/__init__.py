@@ -1,5 +1,6 @@
-"""Process-wide concerns shared by every role: settings, Prometheus metrics, log set-up.
+"""Process-wide concerns shared by every role: settings, Prometheus metrics, log set-up, child processes,
+which names may stand in a NATS subject (``names``).
 
-Below `actors/`, `gateway/` and the command line (`tandem/`), which all import it; it imports
-nothing from them.
+Below `bus/` (whose embedded server is a child process), `actors/`, `gateway/` and the command line
+(`tandem/`), which all import it; it imports nothing from them.
 """

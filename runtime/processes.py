@@ -390,7 +390,8 @@ class _Watch:
 
 @dataclass
 class Supervisor:
-    """Watch units and restart the ones that die (call :meth:`check` a few times a second).
+    """Watch units and restart the ones that die (call :meth:`check` when one may have died or become
+    ready, and by :meth:`next_due`).
 
     ``essential`` units (NATS, the gateway) cannot be done without: one that exits cleanly by
     itself ends the supervision (:class:`GiveUp`); a worker that does is left stopped.
@@ -416,6 +417,12 @@ class Supervisor:
         """Stop watching ``name`` (a worker being drained on purpose: its exit is no failure)."""
         self.watches.pop(name, None)
 
+    def next_due(self) -> float | None:
+        """When the next planned restart is due (on :attr:`clock`), or None: until then only a death (or a unit
+        becoming ready) changes anything, so a caller may sleep until one of those wakes it."""
+        due = [w.restart_at for w in self.watches.values() if w.restart_at is not None and not w.retired]
+        return min(due) if due else None
+
     def check(self) -> None:
         """Notice deaths, schedule and perform restarts; raises :class:`GiveUp` to stop everything."""
         now = self.clock()
@@ -440,6 +447,8 @@ class Supervisor:
     def _died(self, w: _Watch, code: int, now: float) -> None:
         unit, p = w.unit, self.policy
         was_ready = w.ready_since is not None or unit.is_ready
+        if w.ready_since is not None and now - w.ready_since >= p.stable_after:
+            w.failures = 0  # it ran stable, though no check came by to say so before it died
         w.ready_since = None
         w.last_exit = describe_exit(code)
         stage = "while serving" if was_ready else "during start-up"

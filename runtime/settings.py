@@ -8,9 +8,9 @@ import uuid
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from bus.subjects import check_token
 from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS
 from engine.speculation import MODES as SPECULATIVE_MODES
+from runtime.names import check_token
 from runtime.placement import check_device, format_cpus, parse_cpus
 
 ROLES = ("prefill_and_decode", "prefill_only", "decode_only")

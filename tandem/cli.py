@@ -9,7 +9,8 @@ import sys
 import time
 from typing import Any
 
-from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS, ModelLoadError
+from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS
+from engine.model_text import ModelLoadError
 from runtime.settings import KERNEL_CHOICES, KERNELS_HELP, ROLES, SPECULATIVE_MODES, Settings, read_env_file
 
 
@@ -211,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gateway_parser(sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway"))
 
-    from tandem.up import configure_parser as up_parser
+    from tandem.up.flags import configure_parser as up_parser
 
     up_parser(sub.add_parser("up", help="start NATS, the workers and the gateway on this machine"))
 

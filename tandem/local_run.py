@@ -36,7 +36,7 @@ RUN_FILE = "run.json"
 
 def runs_root() -> Path:
     """Where the folders of live runs are."""
-    from engine.model_files import cache_dir  # numpy and tokenizers: not for `tandem --help`
+    from engine.model_cache import cache_dir  # numpy and tokenizers: not for `tandem --help`
 
     return cache_dir() / "run"
 

@@ -212,7 +212,8 @@ async def _run(args: argparse.Namespace) -> int:
     subject = args.subject or f"{namespace}.>"
     decode = None
     if args.decode:
-        from engine.model_files import DEFAULT_MODEL, ModelLoadError
+        from engine.model_files import DEFAULT_MODEL
+        from engine.model_text import ModelLoadError
 
         model = args.model or os.environ.get("TANDEM_MODEL") or DEFAULT_MODEL
         try:

@@ -1,11 +1,21 @@
-"""Shared fixtures: the real default model, loaded once per test session."""
+"""Shared fixtures and hooks (helpers live in tests/harness/): the real default model, loaded once per test
+session; each kernel path in turn; the fake-worker gateway tests' bus, tokenizer and event loop."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+from tests.harness.native import kernel_paths
+
+if TYPE_CHECKING:
+    from bus.server import EmbeddedNats
+    from gateway.textmodel import TextModel
+    from tests.harness.fakes import LoopThread
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -17,27 +27,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def _native_available() -> bool:
-    from engine import native
-
-    return native.available()
-
-
-#: tests whose workers run `--kernels invariant`: engine.native's kernels (no C compiler: they cannot start)
-NEEDS_NATIVE = pytest.mark.skipif(not _native_available(), reason="--kernels invariant needs engine.native's kernels")
-
-
-def kernel_paths() -> list[str]:
-    """The kernel paths this machine and build have (engine.native.kernel_paths, fastest first); ["torch"]
-    without the library."""
-    from engine import native
-
-    return native.kernel_paths() or ["torch"]
-
-
-PANEL_TOLERANCE = {"avx2": 1e-4, "portable": 1e-4, "avx512_bf16": 1e-2, "invariant": 1e-4}  # of a long chunk's largest output
 
 
 @pytest.fixture(params=kernel_paths())
@@ -83,5 +72,29 @@ def make_engine(smollm):
         e.blocks.check_idle()
 
 
-def chat_ids(loaded, message: str) -> list[int]:
-    return loaded.tokenizer.encode(loaded.chat_template.render([{"role": "user", "content": message}]))
+@pytest.fixture(scope="module")
+def text_model() -> TextModel:
+    """The default model's tokenizer and chat template (what a gateway loads)."""
+    from engine.model_files import DEFAULT_MODEL
+    from gateway.textmodel import load_text_model
+
+    return load_text_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def nats_srv() -> Iterator[EmbeddedNats]:
+    """A nats-server of the module's own."""
+    from bus.server import EmbeddedNats
+
+    with EmbeddedNats() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def loop_thread() -> Iterator[LoopThread]:
+    """The asyncio loop the module's fake workers run on."""
+    from tests.harness.fakes import LoopThread
+
+    lt = LoopThread()
+    yield lt
+    lt.stop()

@@ -14,7 +14,7 @@ import pytest
 from bench.cluster import Client, start_workers
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
-from tests.conftest import chat_ids
+from tests.harness.chat import chat_ids
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from bench.cluster import TandemUp
-from tests.json_schemas import CITY, PERSON
+from tests.harness.cluster import tandem_up
+from tests.harness.json_schemas import CITY, PERSON
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -43,12 +44,9 @@ TIME = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
-    cluster = TandemUp(tmp_path_factory.mktemp("up"), "--served-model-name", "my-model",
-                       "--worker-args", "--num-blocks 256 --local-prefill-max-tokens 0 --prefill-stall-budget-ms 0").start(300)
-    try:
+    with tandem_up(tmp_path_factory.mktemp("up"), "--served-model-name", "my-model", "--worker-args",
+                   "--num-blocks 256 --local-prefill-max-tokens 0 --prefill-stall-budget-ms 0", stop_timeout=60) as cluster:
         yield cluster
-    finally:
-        cluster.stop(60)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Autoscaling on demand: bus/demand.py (the signal), tandem/autoscale.py (KEDA's rule, the cool-down)
+"""Autoscaling on demand: bus/demand.py (the signal), tandem/up/autoscale.py (KEDA's rule, the cool-down)
 and ``tandem up --autoscale`` under a real burst (real NATS, real workers, real HTTP).
 
 The KEDA ScaledObjects are evaluated against a real server's /jsz in tests/test_deploy.py.
@@ -12,19 +12,21 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-import tandem.up
 from bench.cluster import TandemUp
 from bus.demand import Demand, held_by, lag_from_jsz, role_demand
 from bus.messages import WorkerStats
-from tandem.autoscale import Decider, RolePolicy, parse_ranges, parse_role_numbers, policies
-from tests.faults.test_up_faults import long_prompt, stream_chat
+from tandem.up import UpError
+from tandem.up.autoscale import SCALED_ROLE, Decider, RolePolicy, parse_ranges, parse_role_numbers, policies
+from tandem.up.flags import configure_parser
+from tandem.up.plan import Plan, make_plan
+from tests.harness.chat import long_prompt, stream_chat
+from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -98,9 +100,9 @@ def test_autoscale_flags_are_checked() -> None:
     assert policies({"prefill": (0, 2)}, {}, {"prefill": 3})["prefill"] == RolePolicy(0, 2, 2.0, 3.0)
 
 
-def plan(*argv: str) -> tandem.up.Plan:
-    args = tandem.up.configure_parser(argparse.ArgumentParser()).parse_args(["--port", "0", *argv])
-    return tandem.up._plan(args, True, lambda line: None)
+def plan(*argv: str) -> Plan:
+    args = configure_parser(argparse.ArgumentParser()).parse_args(["--port", "0", *argv])
+    return make_plan(args, True, lambda line: None)
 
 
 def test_up_starts_each_role_at_its_minimum_with_slots_placed_for_its_maximum() -> None:
@@ -114,7 +116,7 @@ def test_up_starts_each_role_at_its_minimum_with_slots_placed_for_its_maximum() 
                       (["--autoscale-target", "decode=2"], "need --autoscale"),
                       (["--autoscale", "prefill=0..1", "--aggregated"], "decode only"),
                       (["--autoscale", "decode=1..2", "--autoscale-cooldown", "0"], "must be positive")):
-        with pytest.raises(tandem.up.UpError, match=why):
+        with pytest.raises(UpError, match=why):
             plan(*argv)
 
 
@@ -124,8 +126,8 @@ def test_up_starts_each_role_at_its_minimum_with_slots_placed_for_its_maximum() 
 def workers_of(up: TandemUp) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {"prefill": [], "decode": []}
     for c in up.info["children"]:
-        if c["role"] in tandem.up.SCALED_ROLE:
-            out[tandem.up.SCALED_ROLE[c["role"]]].append(c["name"])
+        if c["role"] in SCALED_ROLE:
+            out[SCALED_ROLE[c["role"]]].append(c["name"])
     return out
 
 
@@ -169,10 +171,11 @@ def test_a_burst_scales_up_and_the_scaler_drains_back_to_the_minimum_without_fai
         scaled = [a for st in states for a in st["autoscale"] if a["role"] == "decode" and a["desired"] == 2]
         assert scaled, states  # tandem status shows desired/actual while it lasts
 
-        deadline = time.monotonic() + 150
-        while workers_of(up) != {"prefill": [], "decode": ["decode-1"]}:  # back to the minimum
-            assert time.monotonic() < deadline and up.child.running, up.output()[-3000:]
-            time.sleep(0.5)
+        def at_the_minimum() -> bool:
+            assert up.child.running, up.output()[-3000:]
+            return workers_of(up) == {"prefill": [], "decode": ["decode-1"]}
+
+        wait_until(at_the_minimum, 150, lambda: f"the minimum again:\n{up.output()[-3000:]}", interval=0.5)
         out = up.output()
         assert "autoscale prefill 1 -> 0" in out and "autoscale decode 2 -> 1" in out
         assert "prefill-1 drained and stopped (exit code 0)" in out

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,10 +45,11 @@ from bus.subjects import (
     ROLE_GATEWAY,
     ROLE_PREFILL_ONLY,
     Subjects,
-    check_token,
     model_token,
     safe_token,
 )
+from runtime.names import check_token
+from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,14 +72,6 @@ async def assert_round_trip(nc: Any) -> None:
     await nc.publish("tandem.round-trip", b"{}")
     assert (await sub.next_msg(timeout=10)).data == b"{}"
     await sub.unsubscribe()
-
-
-async def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -486,7 +479,7 @@ def test_reconnect_after_restart(caplog: pytest.LogCaptureFixture) -> None:
             nc = await connect(opts, "restarter", on_disconnect=on_disc, on_reconnect=on_rec)
             sub = await nc.subscribe("tandem.ping")
             await srv.arestart()  # same port, same store
-            await wait_until(lambda: "up" in events and nc.is_connected, 10, "reconnect")
+            await asyncio.to_thread(wait_until, lambda: "up" in events and nc.is_connected, 10, "reconnect", 0.02)
             await nc.publish("tandem.ping", b"after")  # subscription replayed on reconnect
             assert (await sub.next_msg(timeout=10)).data == b"after"
             assert events[:2] == ["down", "up"]
@@ -984,10 +977,12 @@ def test_role_permissions_on_real_server(tmp_path: Path, caplog: pytest.LogCaptu
                 await spy.next_msg(timeout=0.3)
             info = await admin.jetstream().stream_info(s.generate_stream)
             assert info.state.messages == 0
-            await wait_until(
+            await asyncio.to_thread(
+                wait_until,
                 lambda: caplog.text.lower().count("permissions violation") >= 2,
                 5,
                 "the violation to be logged",
+                0.02,
             )
             await worker.close()
             await admin.close()

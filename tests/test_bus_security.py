@@ -30,8 +30,10 @@ from bus import messages as m
 from bus import nats_config as natsconf
 from bus.publish import publish
 from bus.subjects import ROLE_DECODE_ONLY, ROLE_GATEWAY, ROLE_OBSERVER, ROLE_PREFILL_ONLY, Subjects
-from tests.conftest import NEEDS_NATIVE
-from tests.test_gateway import dropped_counts
+from tests.harness.cluster import tandem_up
+from tests.harness.gateway import dropped_counts
+from tests.harness.native import NEEDS_NATIVE
+from tests.harness.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), NEEDS_NATIVE]
 
@@ -43,15 +45,11 @@ PROMPT = "Write one sentence about the sea."
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
     # the row-invariant path: the same greedy request gives the same tokens however it is batched, so a
     # disturbed answer can equal an undisturbed one
-    cluster = TandemUp(tmp_path_factory.mktemp("secure"), "--decode", "2", "--kernels", "invariant",
-                       "--stop-timeout", "10", "--worker-args", "--num-blocks 256 --local-prefill-max-tokens 0")
-    cluster.start(300)
-    try:
-        yield cluster
-    finally:
+    with tandem_up(tmp_path_factory.mktemp("secure"), "--decode", "2", "--kernels", "invariant",
+                   "--stop-timeout", "10", "--worker-args", "--num-blocks 256 --local-prefill-max-tokens 0") as cluster:
         folder = run_folder(cluster)
-        cluster.stop(90)
-        assert not folder.exists(), "the run's credentials outlived it"
+        yield cluster
+    assert not folder.exists(), "the run's credentials outlived it"
 
 
 def run_folder(up: TandemUp) -> Path:
@@ -83,13 +81,12 @@ class Login:
     async def violations(self, n: int, timeout: float = 10.0) -> list[str]:
         """Wait until the server reported ``n`` permission violations to this connection."""
         await self.nc.flush(timeout=10)
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            found = [e for e in self.errors if "permissions violation" in e]
-            if len(found) >= n:
-                return found
-            assert asyncio.get_running_loop().time() < deadline, f"expected {n} violations, got {self.errors}"
-            await asyncio.sleep(0.05)
+
+        def found() -> list[str] | None:
+            seen = [e for e in self.errors if "permissions violation" in e]
+            return seen if len(seen) >= n else None
+
+        return await asyncio.to_thread(wait_until, found, timeout, lambda: f"{n} violations, got {self.errors}")
 
 
 async def none_arrives(sub: Any, sent: list[Any], wait: float = 0.5) -> None:

@@ -113,6 +113,7 @@ def bare_remote(runner=None, transfer=None, **settings) -> RemotePrefills:
 def bare_decode_actor() -> DecodeActor:
     actor = object.__new__(DecodeActor)
     actor.tasks = set()
+    actor.changed, actor.arrived = asyncio.Event(), asyncio.Event()
     actor.runner = RecordingRunner()
     actor.sent = SentLog()
     return actor
@@ -412,3 +413,44 @@ def test_draining_prefill_workers_get_no_jobs():
     }
     assert list(workers.alive()) == ["p-staying"]
     assert workers.silent("p-silent") and not workers.silent("p-staying") and not workers.silent("p-unknown")
+
+
+def test_the_deadline_watch_sleeps_until_the_nearest_deadline_and_a_newcomer_can_bring_it_forward():
+    """No tick: the watch sleeps until the nearest deadline or start_by, and a request that comes with an
+    earlier one wakes it; a request that began is never woken for again by its start_by."""
+    async def go() -> list[tuple[str, str]]:
+        actor = bare_decode_actor()
+        actor.worker_id, actor.requests = "d1", {}
+        expired: list[tuple[str, str]] = []
+
+        async def expire(rid: str, code: str, message: str, status: int) -> None:
+            expired.append((rid, code))
+            actor.requests.pop(rid, None)
+
+        actor._expire = expire
+        actor._begun = lambda r: r.req.request_id == "begun"
+        now = time.time()
+
+        def request(rid: str, **times: float) -> Request:
+            return Request(GenerateRequest(request_id=rid, prompt_ids=[1], stream_subject=f"s.{rid}", **times), [1])
+
+        actor.requests["far"] = request("far", deadline=now + 60)
+        actor.requests["begun"] = request("begun", start_by=now - 1, deadline=now + 60)  # must not spin the watch
+        watch = asyncio.create_task(actor._deadline_watch())
+        await asyncio.sleep(0.1)
+        assert expired == []
+        actor.requests["near"] = request("near", deadline=time.time() + 0.3)
+        actor.arrived.set()
+        t0 = time.monotonic()
+        while not expired and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.02)
+        waited = time.monotonic() - t0
+        actor.requests["queued"] = request("queued", start_by=time.time() + 0.2)
+        actor.arrived.set()
+        while len(expired) < 2 and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.02)
+        watch.cancel()
+        assert waited < 5.0, waited  # the newcomer's deadline, not the far one's
+        return expired
+
+    assert asyncio.run(go()) == [("near", ErrorCode.DEADLINE_EXCEEDED), ("queued", ErrorCode.QUEUE_TIMEOUT)]

@@ -17,12 +17,14 @@ from collections.abc import Iterator
 import nats
 import pytest
 
-from bench.cluster import Client
+from bench.cluster import MODEL, Client, tandem_cmd
+from bus import nats_config as natsconf
 from bus.messages import REQUEST_ID_HEADER
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
-from tests.test_deploy import login_env, natsconf, password_env, render
-from tests.test_status import MODEL, Proc, chat_prompt_ids, run_cli, tandem
+from tests.harness.chat import chat_prompt_ids
+from tests.harness.cluster import Proc, run_cli
+from tests.harness.deploy import login_env, password_env, render
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -39,8 +41,8 @@ def secured() -> Iterator[tuple[str, dict[str, Proc]]]:
 
             def start(worker_id: str, role: str, user: str, *extra: str) -> Proc:
                 env = {**login_env(user), "UCX_NET_DEVICES": "lo"}
-                p = Proc(tandem("--log-level", "INFO", "serve", "--pipeline-role", role, "--worker-id", worker_id,
-                                "--nats-url", srv.url, "--num-blocks", "64", *extra), env=env)
+                p = Proc(tandem_cmd("--log-level", "INFO", "serve", "--pipeline-role", role, "--worker-id",
+                                    worker_id, "--nats-url", srv.url, "--num-blocks", "64", *extra), env=env)
                 workers[worker_id] = p
                 return p
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.params import SamplingParams
-from tests.conftest import chat_ids
+from tests.harness.chat import chat_ids
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 QUESTIONS = [

@@ -12,9 +12,15 @@ import torch
 from engine.config import ModelConfig
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import _q4_codes, _q8_codes, load_model
-from engine.model_files import ModelLoadError, load_text
+from engine.model_files import load_text
+from engine.model_text import ModelLoadError
 from engine.quant import Int4Weight, Q8Weight
-from tests.reference_models import decode_logits, engine_logits, write_gguf_gemma3_from_hf, write_hf_family
+from tests.harness.reference_models import (
+    decode_logits,
+    engine_logits,
+    write_gguf_gemma3_from_hf,
+    write_hf_family,
+)
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

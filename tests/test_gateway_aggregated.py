@@ -7,34 +7,39 @@ prefix cache then serves those tokens (usage.prompt_tokens_details.cached_tokens
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from bench.cluster import TandemUp
+from tests.harness.cluster import status_json, tandem_up
+from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
 MODEL = "smollm2-135m-instruct"
 CONTEXT = " ".join(f"Fact {i}: the number {i} is followed by {i + 1}." for i in range(40))
+UP_ARGS = ("--aggregated", "--decode", "2", "--stop-timeout", "10", "--worker-args", "--num-blocks 256")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
-    up = TandemUp(tmp_path_factory.mktemp("agg"), "--aggregated", "--decode", "2", "--stop-timeout", "10",
-                  "--worker-args", "--num-blocks 256").start(240)
-    try:
+    """The cluster the tests that leave it as they found it share."""
+    with tandem_up(tmp_path_factory.mktemp("agg"), *UP_ARGS, start_timeout=240, stop_timeout=60) as up:
         yield up
-    finally:
-        up.stop(60)
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[TandemUp]:
+    """A cluster of the test's own, alike: for a test that kills one of its workers."""
+    with tandem_up(tmp_path, *UP_ARGS, start_timeout=240, stop_timeout=60) as up:
+        yield up
 
 
 def test_two_aggregated_workers(cluster: TandemUp) -> None:
@@ -65,8 +70,9 @@ def test_target_endpoint_is_refused_without_prefill_workers(cluster: TandemUp) -
                                        extra_body={"target_endpoint": "prefill-1"})
 
 
-def test_zz_a_killed_worker_is_restarted_and_the_cluster_keeps_serving(cluster: TandemUp) -> None:
+def test_a_killed_worker_is_restarted_and_the_cluster_keeps_serving(own_cluster: TandemUp) -> None:
     """SIGKILL a worker: `tandem up` says so, restarts it (new pid, restart 1), and the other one serves meanwhile."""
+    cluster = own_cluster
     victim = cluster.child_info("worker-2")
     os.kill(victim["pid"], signal.SIGKILL)
     client = openai.OpenAI(base_url=cluster.info["base_url"], api_key="x", max_retries=0, timeout=120)
@@ -75,20 +81,16 @@ def test_zz_a_killed_worker_is_restarted_and_the_cluster_keeps_serving(cluster: 
     cluster.child.wait_for(f"worker-2 (pid {victim['pid']}) killed by SIGKILL while serving; restarting it in 1s "
                            "(restart 1)", 60)
     cluster.child.wait_for("worker-2 restarted (pid", 60)
-    deadline = time.monotonic() + 120
-    while cluster.child_info("worker-2")["restarts"] != 1:
-        assert time.monotonic() < deadline, cluster.output()[-3000:]
-        time.sleep(0.2)
+    wait_until(lambda: cluster.child_info("worker-2")["restarts"] == 1, 120,
+               lambda: f"worker-2's first restart:\n{cluster.output()[-3000:]}", interval=0.2)
     again = cluster.child_info("worker-2")
     assert again["pid"] != victim["pid"]
-    deadline = time.monotonic() + 120
-    while True:  # the restarted worker reports again, as a new incarnation, and says it was restarted
-        status = subprocess.run([sys.executable, "-m", "tandem.cli", "status", "--json", "--wait", "2",
-                                 "--nats-url", cluster.info["nats_url"]], capture_output=True, text=True, timeout=60)
-        rows = {w["worker_id"]: w for w in json.loads(status.stdout)["workers"]}
-        if rows.get("worker-2", {}).get("restarts") == 1:
-            break
-        assert time.monotonic() < deadline, status.stdout
-        time.sleep(1)
+
+    def reported_restarted() -> dict[str, dict[str, Any]] | None:
+        rows = {w["worker_id"]: w for w in status_json(cluster, "--wait", "2")["workers"]}
+        return rows if rows.get("worker-2", {}).get("restarts") == 1 else None
+
+    # the restarted worker reports again, as a new incarnation, and says it was restarted
+    rows = wait_until(reported_restarted, 120, "worker-2 to report its restart on the bus", interval=1.0)
     assert rows["worker-1"]["restarts"] == 0
     assert cluster.child.running  # it kept going

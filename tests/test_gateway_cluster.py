@@ -3,7 +3,7 @@ real model, the gateway) driven by the real `openai` client, sync and async, str
 
 One cluster is shared by the module (each process loads the model in ~3 s on two cores);
 it runs with TANDEM_API_KEYS set, so every request also exercises authentication. The
-last test stops it with SIGINT and checks that every child is gone.
+Ctrl-C test stops a cluster of its own with SIGINT and checks that every child is gone.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +23,9 @@ import pytest
 
 from bench.cluster import TandemUp
 from bench.speculation import copy_prompts
-from tests.conftest import NEEDS_NATIVE
+from tests.harness.cluster import tandem_up
+from tests.harness.native import NEEDS_NATIVE
+from tests.harness.wait import wait_until
 
 pytestmark = [pytest.mark.timeout(300), NEEDS_NATIVE]
 
@@ -31,16 +34,23 @@ KEY = "test-key-123"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+#: the default weights on the row-invariant path: a token computes the same in any batch, chunk or cache
+#: shape, so outputs that must repeat (a seed) do not depend on how the two workers' steps lined up
+UP_ARGS = ("--stop-timeout", "10", "--kernels", "invariant", "--worker-args", "--num-blocks 256")
+
+
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
-    # the default weights on the row-invariant path: a token computes the same in any batch, chunk or cache
-    # shape, so outputs that must repeat (a seed) do not depend on how the two workers' steps lined up
-    cluster = TandemUp(tmp_path_factory.mktemp("up"), "--stop-timeout", "10", "--kernels", "invariant",
-                       "--worker-args", "--num-blocks 256", env={"TANDEM_API_KEYS": KEY}).start(240)
-    try:
+    with tandem_up(tmp_path_factory.mktemp("up"), *UP_ARGS, env={"TANDEM_API_KEYS": KEY}, start_timeout=240,
+                   stop_timeout=60) as cluster:
         yield cluster
-    finally:
-        cluster.stop(60)
+
+
+@pytest.fixture
+def own_up(tmp_path: Path) -> Iterator[TandemUp]:
+    """A cluster of the test's own, alike: for a test that stops it."""
+    with tandem_up(tmp_path, *UP_ARGS, env={"TANDEM_API_KEYS": KEY}, start_timeout=240, stop_timeout=60) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +72,9 @@ def workers_idle(up: TandemUp) -> tuple[bool, list[dict[str, Any]]]:
 
 
 def wait_idle(up: TandemUp, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    ok, workers = workers_idle(up)
-    while not ok:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"blocks still held after {timeout}s: {workers}")
-        time.sleep(0.25)
-        ok, workers = workers_idle(up)
+    """Until every worker reports no block held and nothing running or queued."""
+    wait_until(lambda: workers_idle(up)[0], timeout, lambda: f"every block free: {workers_idle(up)[1]}",
+               interval=0.25)
 
 
 # ============================================================================ the API
@@ -271,10 +277,7 @@ def test_client_disconnect_non_stream_frees_blocks(up: TandemUp) -> None:
     async def go() -> None:
         async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as ac:
             task = asyncio.create_task(ac.post(f"{up.url}/v1/chat/completions", json=LONG))
-            deadline = time.monotonic() + 20
-            while workers_idle(up)[0]:
-                assert time.monotonic() < deadline, "the request never started"
-                await asyncio.sleep(0.1)
+            await asyncio.to_thread(wait_until, lambda: not workers_idle(up)[0], 20, "the request to start", 0.1)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -284,7 +287,7 @@ def test_client_disconnect_non_stream_frees_blocks(up: TandemUp) -> None:
     wait_idle(up, timeout=10)
 
 
-# ============================================================================ shutdown (last)
+# ============================================================================ metrics and shutdown
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -342,19 +345,16 @@ def test_metrics_move_after_a_disaggregated_request(up: TandemUp, client: openai
         assert _total(decode, "tandem_spec_accepted_tokens_total") > 0
         assert _total(decode, "tandem_spec_draft_tokens_total") >= _total(decode, "tandem_spec_accepted_tokens_total")
 
-    # worker gauges refresh at 1 Hz: check again until they show the request (or the deadline)
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            check()
-            break
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.25)
+    def checked() -> bool:
+        check()
+        return True
+
+    # worker gauges refresh at 1 Hz: check again until they show the request (the last failure, after 15 s)
+    wait_until(checked, 15, "the metrics to show the requests", interval=0.25, ignore=(AssertionError,))
 
 
-def test_zz_ctrl_c_stops_every_child(up: TandemUp) -> None:
+def test_ctrl_c_stops_every_child(own_up: TandemUp) -> None:
+    up = own_up  # stopped here: no other test may need it after
     pids = [c["pid"] for c in up.info["children"]]
     t0 = time.monotonic()
     up.interrupt()

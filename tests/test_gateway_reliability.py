@@ -1,10 +1,8 @@
 """The gateway under stress: a SIGTERM drain, admission control, and workers that die quietly.
 
 The drain runs a real `tandem gateway` process (signals are the point); the rest run the app in
-this process against the fake decode workers of tests/test_gateway.py on a real nats-server.
+this process against the fake decode workers of tests/harness/fakes.py on a real nats-server.
 """
-
-# ruff: noqa: F811 - the fixtures of tests/test_gateway.py are imported by name, and used as parameters
 
 from __future__ import annotations
 
@@ -27,19 +25,10 @@ from bus.subjects import Subjects
 from gateway.app import create_app
 from gateway.textmodel import TextModel
 from runtime.processes import ChildProcess
-from tandem.up import free_port
-from tests.test_gateway import (  # noqa: F401 - fixtures
-    FakeWorker,
-    LoopThread,
-    ServerThread,
-    assert_error,
-    chat_body,
-    loop_thread,
-    make_config,
-    nats_srv,
-    text_model,
-    wait_for,
-)
+from tandem.up.ports import free_port
+from tests.harness.fakes import FakeWorker, LoopThread
+from tests.harness.gateway import ServerThread, assert_error, chat_body, make_config
+from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -118,11 +107,11 @@ def test_sigterm_lets_streams_finish_then_ends_the_rest_with_errors(
     child, url = gateway_process
     worker = fake_worker(nats_srv.url, "drain", text_model, "drainer", loop_thread)
     try:
-        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, 30, "/ready")
+        wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, 30, "/ready")
         short = stream_in_background(url, "[slow] short", max_tokens=10)
         long = stream_in_background(url, "[slow] long")
         blocking = post_in_background(url, "[slow] blocking")
-        wait_for(lambda: len(worker.active) == 3, 30, "three requests running")
+        wait_until(lambda: len(worker.active) == 3, 30, "three requests running")
         child.signal(signal.SIGTERM)
         child.wait_for("tandem gateway: draining (3 requests running; up to 8s)", 30)
         refused = httpx.post(f"{url}/v1/chat/completions", json=chat_body("late"), timeout=30)
@@ -141,7 +130,7 @@ def test_sigterm_lets_streams_finish_then_ends_the_rest_with_errors(
         assert_error(blocking(), 503, code="shutting_down")
         assert child.wait(30) == 0
         assert "Traceback" not in child.last_lines(200), child.last_lines(200)
-        wait_for(lambda: not worker.active, 15, "the fake worker to be told to stop")
+        wait_until(lambda: not worker.active, 15, "the fake worker to be told to stop")
     finally:
         loop_thread.run(worker.stop())
 
@@ -156,14 +145,14 @@ def test_a_request_that_would_wait_too_long_is_refused_at_once(nats_srv: Embedde
     worker.fake_running = 40  # ten times what it can run: a long queue
     srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, max_queue_wait=5.0), text_model)).start()
     try:
-        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
+        wait_until(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("hello"), timeout=30)
         err = assert_error(r, 429, code="overloaded")
         assert "more than --max-queue-wait 5s" in err["message"] and "room for 4" in err["message"]
         assert int(r.headers["Retry-After"]) >= 1
         assert worker.requests == []  # refused before anything went on the bus
         worker.fake_running = 0
-        wait_for(lambda: httpx.get(f"{srv.url}/ready").json()["workers"][0]["running"] == 0, 15, "a fresh report")
+        wait_until(lambda: httpx.get(f"{srv.url}/ready").json()["workers"][0]["running"] == 0, 15, "a fresh report")
         t0 = time.time()
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("hello"), timeout=30)
         assert r.status_code == 200, r.text
@@ -182,7 +171,7 @@ def test_a_pool_request_nobody_starts_in_time_is_a_fast_503(nats_srv: EmbeddedNa
     worker = fake_worker(nats_srv.url, ns, text_model, "full", loop_thread, pull_pool=False, fake_running=8)
     srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, max_queue_wait=1.0), text_model)).start()
     try:
-        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
+        wait_until(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("anyone?"),
                        headers={"X-Request-Timeout": "120"}, timeout=60)
         assert_error(r, 503, code="queue_timeout")
@@ -222,7 +211,7 @@ def test_a_dead_worker_is_noticed_while_another_client_listens_to_everything(
     srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, alive_after=2.0, worker_lost_after=1000.0),
                                   text_model)).start()
     try:
-        wait_for(lambda: len(httpx.get(f"{srv.url}/ready").json()["workers"]) == 2, 15, "both workers")
+        wait_until(lambda: len(httpx.get(f"{srv.url}/ready").json()["workers"]) == 2, 15, "both workers")
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat_body("hello", temperature=0),
                        headers={"X-Request-Timeout": "30"}, timeout=60)
         assert r.status_code == 200, r.text
@@ -258,9 +247,9 @@ def test_a_stream_moves_off_a_worker_that_dies_mid_stream(nats_srv: EmbeddedNats
     srv = ServerThread(create_app(make_config(nats_srv.url, namespace=ns, alive_after=2.0, worker_lost_after=2.0,
                                               migration_limit=limit), text_model)).start()
     try:
-        wait_for(lambda: len(httpx.get(f"{srv.url}/ready").json()["workers"]) == 2, 15, "both workers")
+        wait_until(lambda: len(httpx.get(f"{srv.url}/ready").json()["workers"]) == 2, 15, "both workers")
         result = stream_in_background(srv.url, "[slow] tell me everything", max_tokens=40)
-        wait_for(lambda: len(dying.requests) == 1, 15, "the stream to start")
+        wait_until(lambda: len(dying.requests) == 1, 15, "the stream to start")
         time.sleep(1.0)  # about ten tokens out
         dying.dead, dying.report = True, False
         status, lines = result()
@@ -338,11 +327,11 @@ def test_a_gateway_whose_link_falls_silent_suspects_itself_not_the_worker(
                       worker_lost_after=3.0, worker_wait=0.0)
     srv = ServerThread(create_app(cfg, text_model)).start()
     try:
-        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
+        wait_until(lambda: httpx.get(f"{srv.url}/ready").status_code == 200, 15, "ready")
         uncut = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60,
                            json=chat_body("[slow] a story", max_tokens=50, temperature=0)).json()
         result = stream_in_background(srv.url, "[slow] a story", max_tokens=50)
-        wait_for(lambda: len(worker.requests) == 2, 15, "the stream to start")
+        wait_until(lambda: len(worker.requests) == 2, 15, "the stream to start")
         time.sleep(1.0)  # about ten tokens out
         cut_at = time.monotonic()
         link.cut()

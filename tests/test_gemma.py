@@ -48,7 +48,7 @@ def test_greedy_tokens_are_llama_cpps_but_at_near_ties(gemma):
     """The first 16 greedy tokens of 20 prompts against llama-server's on the same file: every place where they
     part is one where llama.cpp's own first two choices are within NEAR_TIE nats."""
     from engine.engine import EngineConfig, LLMEngine
-    from engine.model_files import stat_digest
+    from engine.model_cache import stat_digest
     from engine.params import SamplingParams
 
     ref = json.loads(GREEDY.read_text())

@@ -7,7 +7,7 @@ import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.params import SamplingParams
-from tests.conftest import chat_ids
+from tests.harness.chat import chat_ids
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +44,7 @@ def test_cuda_logits_match_cpu(smollm):
     """The same float32 weights on both devices (the CPU's int4 kernel rounds activations to int16 per group)."""
     from engine.loader import load_model
     from engine.model_files import DEFAULT_MODEL
-    from tests.test_model_reference import engine_logits
+    from tests.harness.reference_models import engine_logits
 
     dense = load_model(DEFAULT_MODEL, "float32", "none")
     ids = chat_ids(dense, QUESTIONS[1])

@@ -13,8 +13,8 @@ import torch
 from engine.grammar import GrammarCompiler, GrammarError, check_grammar
 from engine.params import Grammar, SamplingParams
 from engine.sampling import Sampler
-from tests.conftest import chat_ids
-from tests.json_schemas import CITY, PERSON
+from tests.harness.chat import chat_ids
+from tests.harness.json_schemas import CITY, PERSON
 
 SCHEMAS = [("person", PERSON, "Describe a famous scientist as JSON."),
            ("city", CITY, "Describe Paris as JSON."),

@@ -12,7 +12,7 @@ import torch
 
 from engine import native
 from engine.params import SamplingParams
-from tests.conftest import chat_ids
+from tests.harness.chat import chat_ids
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the invariant path is engine.native's kernels")
 

@@ -29,6 +29,7 @@ from kv.layout import KVLayout, LayoutMismatch
 from kv.transfer import TransferError, byte_ranges, choose_engine, create_engine
 from kv.transfer.nixl import nixl_available
 from kv.transfer.shm import SHM_DIR, ShmSegment, clean_stale
+from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -321,16 +322,14 @@ def test_peer_killed_mid_transfer_fails_within_deadline(trio: tuple[str, Peer, P
 
 def wait_stopped(pid: int, timeout: float = 5.0) -> None:
     """SIGSTOP lands asynchronously: wait until every thread of `pid` is in state T."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def stopped() -> bool:
         states = []
         for tid in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 states.append(f.read().rsplit(")", 1)[1].split()[0])
-        if all(st in ("T", "t") for st in states):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} did not stop within {timeout}s")
+        return all(st in ("T", "t") for st in states)
+
+    wait_until(stopped, timeout, f"process {pid} to stop", interval=0.01)
 
 
 def test_stalled_peer(trio: tuple[str, Peer, Peer, Peer]) -> None:

@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
-from engine.model_files import ModelLoadError, load_text
-from tests.reference_models import decode_logits, engine_logits, write_gguf_from_hf, write_hf_llama
+from engine.model_files import load_text
+from engine.model_text import ModelLoadError
+from tests.harness.reference_models import decode_logits, engine_logits, write_gguf_from_hf, write_hf_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -121,15 +122,15 @@ def test_unsupported_quant_type_named(tiny_dirs, smollm, tmp_path):
     fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
     path = write_gguf_from_hf(tiny_dirs["tied"], tmp_path / "iq.gguf", fields, "Q4_0")
     # Q4_0 is supported; a type outside the list must be refused by name.
-    from engine import model_files
+    from engine import gguf_file
 
-    orig = model_files.GGUF_TYPES
-    model_files.GGUF_TYPES = tuple(t for t in orig if t != "Q4_0")
+    orig = gguf_file.GGUF_TYPES
+    gguf_file.GGUF_TYPES = tuple(t for t in orig if t != "Q4_0")
     try:  # before any weight is read (tandem up checks the model this way before NATS starts)
         with pytest.raises(ModelLoadError, match=r"iq\.gguf: tensor \S+ has quant type Q4_0 \(supported: F32, "):
             load_text(str(path))
     finally:
-        model_files.GGUF_TYPES = orig
+        gguf_file.GGUF_TYPES = orig
     assert load_model(str(path)).config.num_layers == 2
 
 
@@ -216,7 +217,7 @@ def test_smollm2_logits_match_transformers(smollm):
     path = smollm.path
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    from tests.conftest import chat_ids
+    from tests.harness.chat import chat_ids
 
     ids = chat_ids(smollm, "What is the capital of France?")
     with torch.no_grad():

@@ -56,6 +56,7 @@ def bare_prefill_actor() -> PrefillActor:
     actor.cancelled_ids, actor.seen = SeenIds(), SeenIds()
     actor.sent = SentLog()
     actor.tasks = set()
+    actor.changed = asyncio.Event()
     actor.draining = False
     actor.layout = SimpleNamespace(fingerprint=lambda: "fp", block_bytes=64, num_layers=2, block_size=16,
                                    group_of=((0, 0), (0, 1)))

@@ -24,7 +24,7 @@ from engine.quant import (
     fp16_supported,
     weight_from_tensors,
 )
-from tests.conftest import PANEL_TOLERANCE
+from tests.harness.native import NEEDS_NATIVE, PANEL_TOLERANCE
 
 ROWS, COLS = 96, 256
 BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}
@@ -177,6 +177,7 @@ def q8_weight(rows: int = 96, cols: int = 128) -> Q8Weight:
     return Q8Weight(q, (torch.rand(rows, cols // 32, generator=g) * 1e-3).half().view(torch.int16))
 
 
+@NEEDS_NATIVE
 def test_q8_0_kernel_is_the_files_blocks_times_16_bit_activations():
     """Q8_0 kept as the file's blocks: the kernel gives x @ W.T in float32 (below `panel_min_rows` with
     activations rounded to int16 per group of 32: relative error ~1e-5, where int8 activations were ~1e-2), a
@@ -194,6 +195,7 @@ def test_q8_0_kernel_is_the_files_blocks_times_16_bit_activations():
     assert torch.equal(w.rows(ids), w.dequantize()[ids])
 
 
+@NEEDS_NATIVE
 def test_int4_kernel_is_the_codes_times_16_bit_activations():
     """The int4 kernel (GGUF Q4 blocks against activations rounded to int16 per group of 32, or, from
     `panel_min_rows` rows on, dequantized to float32 panels) is x @ W.T to ~1e-5 relative, for one row and
@@ -217,7 +219,11 @@ def test_long_chunk_rows_on_each_kernel_path(cls, kernel_path):
     x = torch.randn(150, 576)
     got, want = w(x, dequant_rows=150), x @ w.dequantize().T
     assert (got - want).abs().max() <= PANEL_TOLERANCE.get(kernel_path, 1e-2) * want.abs().max()
-    assert torch.allclose(w(x, dequant_rows=100)[100:], w(x[100:]))  # the rest on the kernel
+    rest, alone = w(x, dequant_rows=100)[100:], w(x[100:])  # the rest on the kernel
+    if kernel_path == "torch":  # torch's kernels: int4 in bfloat16, Q8_0 re-quantized per channel
+        assert (rest - alone).abs().max() <= 2e-2 * alone.abs().max()
+    else:
+        assert torch.allclose(rest, alone)
     if kernel_path == "avx512_bf16":
         assert (got - want).abs().max() > 1e-6 * want.abs().max()  # it did run in bfloat16
         for start, stop in ((0, 1), (7, 20), (137, 150)):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine.params import SamplingParams
-from tests.conftest import chat_ids
+from tests.harness.chat import chat_ids
+from tests.harness.native import NEEDS_NATIVE
 
 
 def run(engine, rid: str, prompt: list[int], params: SamplingParams, **kw) -> tuple[list[int], str]:
@@ -18,6 +19,7 @@ def run(engine, rid: str, prompt: list[int], params: SamplingParams, **kw) -> tu
     return list(seq.output_ids), text
 
 
+@NEEDS_NATIVE  # a resumed prompt is one chunk where the first worker decoded: the same bits on the C kernels only
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, seed=1234, top_p=0.9,
                                                                      frequency_penalty=0.5)])
 def test_resumed_request_continues_the_same_output(make_engine, smollm, sampling: dict) -> None:

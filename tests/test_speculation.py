@@ -14,7 +14,7 @@ from engine.params import SamplingParams
 from engine.sampling import Sampler
 from engine.sequence import Sequence
 from engine.speculation import PromptLookup, SpeculationConfig, StepCost, draft_length, kept
-from tests.conftest import chat_ids
+from tests.harness.chat import chat_ids
 
 
 def test_prompt_lookup_drafts_what_followed_the_longest_tail():

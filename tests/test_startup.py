@@ -9,7 +9,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,8 +16,10 @@ import pytest
 
 from bench.cluster import Worker, tandem_cmd
 from bus.server import EmbeddedNats
-from engine.model_files import ModelLoadError, load_text, resolve_model_path
+from engine.model_files import load_text, resolve_model_path
+from engine.model_text import ModelLoadError
 from runtime.health import WorkerHealth
+from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,17 +28,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -105,15 +95,15 @@ def test_worker_health_and_ready_on_its_metrics_port(tmp_path: Path) -> None:
                     "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1")
     base = f"http://127.0.0.1:{metrics_port}"
     try:
-        wait_for(lambda: _get(f"{base}/health"), 120, "/health")
-        not_ready = wait_for(lambda: (r := _get(f"{base}/ready")) is not None and r.json()["phase"] == "connecting"
-                             and r, 120, "the connecting phase")
+        wait_until(lambda: _get(f"{base}/health"), 120, "/health")
+        not_ready = wait_until(lambda: (r := _get(f"{base}/ready")) is not None and r.json()["phase"] == "connecting"
+                               and r, 120, "the connecting phase")
         assert not_ready.status_code == 503 and not_ready.json()["model_loaded"] is True
         assert not_ready.json()["reason"] == "not connected to NATS"
         with EmbeddedNats(port=nats_port):
             worker.wait_ready(120)
-            ready = wait_for(lambda: (r := _get(f"{base}/ready")) is not None and r.status_code == 200 and r,
-                             60, "/ready 200")
+            ready = wait_until(lambda: (r := _get(f"{base}/ready")) is not None and r.status_code == 200 and r,
+                               60, "/ready 200")
             assert ready.json()["status"] == "ready" and ready.json()["nats_connected"] is True
             assert "# HELP" in httpx.get(f"{base}/metrics", timeout=5).text
             out = worker.tail(200)

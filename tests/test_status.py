@@ -8,8 +8,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,16 +16,16 @@ from pathlib import Path
 import nats
 import pytest
 
-from bench.cluster import cpus_allowed
+from bench.cluster import MODEL, cpus_allowed, tandem_cmd
 from bus.messages import REQUEST_ID_HEADER
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
-from runtime.processes import ChildProcess
+from tests.harness.chat import chat_prompt_ids
+from tests.harness.cluster import Proc, run_cli
 
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = "smollm2-135m-instruct"
 WORKER = "s1"
 BLOCKS = 64
 PIN = max(os.sched_getaffinity(0))  # s1 runs on this core alone (`tandem serve --cpus`)
@@ -39,47 +37,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Proc(ChildProcess):
-    """A child whose stdout and stderr lines are kept apart (what the CLI prints where matters here)."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        super().__init__(cmd[3] if len(cmd) > 3 else "cli", cmd, cwd=ROOT, stderr_apart=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        self.start()
-
-    @property
-    def out(self) -> list[str]:
-        return list(self.tail)
-
-    @property
-    def err(self) -> list[str]:
-        return list(self.err_tail or ())
-
-    def wait(self, timeout: float | None = None) -> int:
-        """The exit code; kills the process and fails if it runs past ``timeout``."""
-        rc = super().wait(timeout)
-        if rc is None:
-            self.kill()
-            raise AssertionError(f"still running after {timeout}s:\n{self.text()}")
-        self.last_lines(0)  # its output is read to the end
-        return rc
-
-    def text(self) -> str:
-        return "\n".join(["--- stdout", *self.out[-60:], "--- stderr", *self.err[-60:]])
-
-
-def tandem(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tandem.cli", *args]
-
-
 @pytest.fixture(scope="module")
 def worker_proc() -> Iterator[tuple[str, int, Proc]]:
     """NATS + one prefill_and_decode worker `s1` with 64 blocks and a metrics port, pinned to core PIN."""
     with EmbeddedNats() as srv:
         metrics_port = free_port()
-        worker = Proc(tandem("--log-level", "INFO", "serve", "--pipeline-role", "prefill_and_decode",
-                             "--worker-id", WORKER, "--nats-url", srv.url, "--num-blocks", str(BLOCKS),
-                             "--metrics-port", str(metrics_port), "--cpus", str(PIN)), env={"UCX_NET_DEVICES": "lo"})
+        worker = Proc(tandem_cmd("--log-level", "INFO", "serve", "--pipeline-role", "prefill_and_decode",
+                                 "--worker-id", WORKER, "--nats-url", srv.url, "--num-blocks", str(BLOCKS),
+                                 "--metrics-port", str(metrics_port), "--cpus", str(PIN)),
+                      env={"UCX_NET_DEVICES": "lo"})
         try:
             worker.wait_for("ready", timeout=180)
             yield srv.url, metrics_port, worker
@@ -98,11 +64,6 @@ def test_cpus_pins_every_thread_of_the_worker(worker_proc: tuple[str, int, Proc]
     assert len(list(Path(f"/proc/{pid}/task").iterdir())) > 2
     assert cpus_allowed(pid) == {str(PIN)}
     assert any(f"on cores {PIN} with 1 torch threads" in line for line in worker_proc[2].err), worker_proc[2].text()
-
-
-def run_cli(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(tandem(*args), capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
 
 
 def test_status_json_lists_the_worker(cluster: tuple[str, int]) -> None:
@@ -153,20 +114,12 @@ def test_status_unreachable_nats_is_a_clear_error() -> None:
     assert time.monotonic() - t0 < 20
 
 
-def chat_prompt_ids(question: str) -> list[int]:
-    """The default model's chat-template prompt, tokenized (tokenizer and template only)."""
-    from engine.model_files import load_text
-
-    text = load_text(MODEL)
-    return text.tokenizer.encode(text.chat_template.render([{"role": "user", "content": question}]))
-
-
 def test_tail_prints_one_request_decoded(cluster: tuple[str, int]) -> None:
     url, _ = cluster
     client_id = f"chatcmpl-{uuid.uuid4().hex}"
     rid = f"{client_id}-0"  # how the gateway names a client's first choice
-    tail = Proc(tandem("tail", "--nats-url", url, "--request", client_id, "--until-done", "--timeout", "120",
-                       "--width", "0"))
+    tail = Proc(tandem_cmd("tail", "--nats-url", url, "--request", client_id, "--until-done", "--timeout", "120",
+                           "--width", "0"))
     try:
         tail.wait_for("following tandem.>", timeout=60)
         s = Subjects(MODEL)
@@ -301,7 +254,7 @@ def test_operations_doc_covers_the_flags() -> None:
 
 def test_tail_runs_until_ctrl_c() -> None:
     with EmbeddedNats() as srv:
-        tail = Proc(tandem("tail", "--nats-url", srv.url, "--no-decode"))
+        tail = Proc(tandem_cmd("tail", "--nats-url", srv.url, "--no-decode"))
         try:
             tail.wait_for("Ctrl-C to stop", timeout=60)
             time.sleep(0.3)

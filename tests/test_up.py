@@ -1,4 +1,4 @@
-"""runtime/processes.py (children, supervision) and tandem/up.py (ports, giving up on a child that cannot start).
+"""runtime/processes.py (children, supervision) and tandem/up/ (ports, giving up on a child that cannot start).
 
 The full cluster (`tandem up` serving real requests) is tested in tests/test_gateway_cluster.py; a
 worker restarted after SIGKILL in tests/test_gateway_aggregated.py; the fault suite in tests/faults/.
@@ -21,7 +21,8 @@ from collections.abc import Iterator
 
 import pytest
 
-import tandem.up
+import tandem.up.plan
+import tandem.up.ports
 from runtime.processes import (
     ChildError,
     ChildProcess,
@@ -31,7 +32,9 @@ from runtime.processes import (
     describe_exit,
     stop_all,
 )
-from tandem.up import DEFAULT_METRICS_BASE, Member, UpError, free_ports, metrics_ports, port_free
+from tandem.up import UpError
+from tandem.up.cluster import Cluster, Member
+from tandem.up.ports import DEFAULT_METRICS_BASE, free_ports, metrics_ports, port_free
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,19 +64,19 @@ def test_free_ports_are_distinct_free_and_avoid_the_taken() -> None:
 
 def test_gateway_port_default_moves_aside_an_explicit_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
     with held_port() as busy:
-        monkeypatch.setattr(tandem.up, "DEFAULT_PORT", busy)
+        monkeypatch.setattr(tandem.up.ports, "DEFAULT_PORT", busy)
         warnings: list[str] = []
-        port = tandem.up._gateway_port(argparse.Namespace(port=None, host="127.0.0.1"), warnings.append)
+        port = tandem.up.ports.gateway_port(argparse.Namespace(port=None, host="127.0.0.1"), warnings.append)
         assert port != busy and port_free(port)
         assert warnings == [f"tandem up: port {busy} is busy; the gateway takes port {port} instead"]
         with pytest.raises(UpError, match=f"port {busy} is busy; pass --port 0"):
-            tandem.up._gateway_port(argparse.Namespace(port=busy, host="127.0.0.1"), warnings.append)
-    assert tandem.up._gateway_port(argparse.Namespace(port=None, host="127.0.0.1"), warnings.append) == busy
+            tandem.up.ports.gateway_port(argparse.Namespace(port=busy, host="127.0.0.1"), warnings.append)
+    assert tandem.up.ports.gateway_port(argparse.Namespace(port=None, host="127.0.0.1"), warnings.append) == busy
 
 
 def test_metrics_ports_default_moves_aside_an_explicit_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
     with held_port() as busy:
-        monkeypatch.setattr(tandem.up, "DEFAULT_METRICS_BASE", busy)
+        monkeypatch.setattr(tandem.up.ports, "DEFAULT_METRICS_BASE", busy)
         warnings: list[str] = []
         ports = metrics_ports(None, 1, {8000}, "127.0.0.1", warnings.append)
         assert ports[0] != busy and port_free(ports[0])
@@ -308,6 +311,59 @@ def test_supervisor_restarts_with_backoff_and_gives_up_on_start_up_deaths() -> N
     assert e.value.output == "last words of w"
 
 
+def test_supervisor_says_when_it_is_due_and_counts_a_stable_run_it_never_checked() -> None:
+    """``tandem up`` sleeps until ``next_due`` or an event, so no check may come between a worker's ready
+    line and its death long after: it still ran stable, and its backoff starts over."""
+    now = [0.0]
+    said: list[str] = []
+    sup = Supervisor(RestartPolicy(delay=1.0, max_delay=8.0, stable_after=30.0), said.append, clock=lambda: now[0])
+    worker = FakeUnit("w")
+    sup.add(worker)
+    assert sup.next_due() is None
+    worker.is_ready = True
+    sup.check()
+    worker.code = 1
+    now[0] += 1
+    sup.check()
+    assert sup.next_due() == 2.0 and said[-1].endswith("restarting it in 1s (restart 1)")
+    now[0] = 2.0
+    sup.check()
+    worker.is_ready = True
+    sup.check()  # ready at 2.0; no other check until it dies at 100
+    worker.code = 1
+    now[0] = 100.0
+    sup.check()
+    assert said[-1].endswith("restarting it in 1s (restart 2)")  # not 2s: the failure count started over
+    assert sup.next_due() == 101.0
+
+
+def test_the_up_loop_wakes_on_a_child_exit_a_ready_line_and_a_signal() -> None:
+    cluster = Cluster(sys.stdout, sys.stderr, drain_timeout=1.0, stop_timeout=1.0)
+    previous = signal.signal(signal.SIGCHLD, cluster.on_child_exit)
+    try:
+        t0 = time.monotonic()
+        assert not cluster.wakeup.wait(0.05)  # nothing happened: it sleeps the whole time
+        assert time.monotonic() - t0 >= 0.05
+        child = ChildProcess("c", [sys.executable, "-c", "import time; print('c up', flush=True); time.sleep(0.5)"],
+                             ready_marker="c up")
+        member = cluster.add(child, "prefill_only")
+        assert member.wake is not None and cluster.members == [member]
+        child.start()
+        assert cluster.wakeup.wait(10.0) and child.is_ready  # the ready line
+        t0 = time.monotonic()
+        assert cluster.wakeup.wait(10.0)  # its exit (SIGCHLD), not the 10 s
+        assert time.monotonic() - t0 < 5.0
+        child.wait(5.0)
+        assert child.poll() == 0
+        cluster.on_signal(signal.SIGTERM, None)
+        assert cluster.wakeup.wait(10.0) and cluster.stop_reason == "SIGTERM"
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+        cluster.stop()
+        cluster.wakeup.close()
+    cluster.wakeup.poke()  # a reader thread's late line after the run ended is harmless
+
+
 def test_supervisor_rules_for_clean_exits_bad_config_and_never() -> None:
     said: list[str] = []
     sup = Supervisor(RestartPolicy(), said.append)
@@ -346,7 +402,7 @@ def test_plan_binds_worker_metrics_to_the_gateway_host_and_passes_names_and_defa
 
     args = build_parser().parse_args(["up", "--host", "127.0.0.2", "--port", "0", "--served-model-name", "chat",
                                       "--served-model-name", "other", "--default-temperature", "0"])
-    plan = tandem.up._plan(args, True, lambda line: None)
+    plan = tandem.up.plan.make_plan(args, True, lambda line: None)
     assert plan.serve_args[plan.serve_args.index("--metrics-host") + 1] == "127.0.0.2"
     gw = plan.gateway_args
     assert [gw[i + 1] for i, w in enumerate(gw) if w == "--served-model-name"] == ["chat", "other"]
@@ -394,6 +450,6 @@ def test_a_run_gives_each_process_its_own_credential_and_the_tools_find_it(
 
 
 def test_gateway_id_comes_from_gateway_args_when_given() -> None:
-    assert tandem.up._flag_value(["--max-queue-wait", "3", "--gateway-id", "gw-a"], "--gateway-id") == "gw-a"
-    assert tandem.up._flag_value(["--gateway-id=gw-b"], "--gateway-id") == "gw-b"
-    assert tandem.up._flag_value(["--max-queue-wait", "3"], "--gateway-id") is None
+    assert tandem.up.plan.flag_value(["--max-queue-wait", "3", "--gateway-id", "gw-a"], "--gateway-id") == "gw-a"
+    assert tandem.up.plan.flag_value(["--gateway-id=gw-b"], "--gateway-id") == "gw-b"
+    assert tandem.up.plan.flag_value(["--max-queue-wait", "3"], "--gateway-id") is None

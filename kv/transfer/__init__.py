@@ -8,15 +8,9 @@ metadata travel over NATS, which this package never imports.
 """
 
 from kv.transfer.auto import ENGINE_KINDS, AutoEngine, choose_engine, create_engine
-from kv.transfer.base import (
-    DEFAULT_TIMEOUT_S,
-    TransferEngine,
-    TransferError,
-    TransferHandle,
-    byte_ranges,
-    host_id,
-    new_incarnation,
-)
+from kv.transfer.base import TransferEngine, host_id, new_incarnation
+from kv.transfer.handles import DEFAULT_TIMEOUT_S, TransferError, TransferHandle
+from kv.transfer.ranges import byte_ranges
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

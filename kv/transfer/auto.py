@@ -30,7 +30,8 @@ import torch
 
 from kv.layout import KVLayout
 from kv.pool import KVPool
-from kv.transfer.base import TransferEngine, TransferError, TransferHandle, device_kind
+from kv.transfer.base import TransferEngine, device_kind
+from kv.transfer.handles import TransferError, TransferHandle
 
 log = logging.getLogger("kv.transfer")
 

@@ -1,4 +1,4 @@
-"""The one interface every KV transfer engine implements, and the pieces they share.
+"""The one interface every KV transfer engine implements (`TransferEngine`), and the ids its metadata carries.
 
 A worker builds one engine over its local `KVPool` at start. `metadata()` describes how peers
 reach that pool (a JSON-able dict the caller carries over NATS, at ``tandem.kv.meta.<worker>``);
@@ -20,44 +20,28 @@ Metadata shape (every engine, including ``auto``)::
      "mechanisms": {"shm": {...}, "tcp": {...}, "nixl": {...}}}
 
 ``mechanisms`` lists what a peer may use to reach this pool; a single engine lists itself,
-``auto`` lists all of its sub-engines (see `kv.transfer.auto`). Byte ranges follow the
-block-major pool: a block's bytes are contiguous, and inside a block each layer's K and V are
-contiguous, so a run of adjacent blocks is one range and a layer range of one block is one range.
+``auto`` lists all of its sub-engines (see `kv.transfer.auto`). What a write copies is a list of
+byte ranges (`kv.transfer.ranges`); a write in flight is a `kv.transfer.handles.TransferHandle`.
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
 import logging
 import os
-import secrets
 import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from kv.layout import KVLayout, LayoutMismatch
-from kv.pool import KVPool, paired_runs
+from kv.pool import KVPool
+from kv.transfer.grants import WriteGrants
+from kv.transfer.handles import DEFAULT_TIMEOUT_S, FutureHandle, TransferError, TransferHandle
+from kv.transfer.ranges import byte_ranges
 
 log = logging.getLogger("kv.transfer")
-
-# A write without an explicit deadline still ends: never a hang (DESIGN §4).
-DEFAULT_TIMEOUT_S = 60.0
-
-
-class TransferError(RuntimeError):
-    """A write that failed, stalled past its deadline or was cancelled; names engine, peer, bytes."""
-
-    def __init__(self, engine: str, peer: str, nbytes: int, reason: str):
-        super().__init__(f"KV transfer via {engine} to {peer} ({nbytes} bytes) failed: {reason}")
-        self.engine = engine
-        self.peer = peer
-        self.nbytes = nbytes
-        self.reason = reason
 
 
 def new_incarnation() -> str:
@@ -79,259 +63,6 @@ def host_id() -> str:
 def device_kind(device: Any) -> str:
     """'cpu' or 'cuda': what matters for choosing an engine."""
     return "cuda" if str(device).startswith("cuda") else "cpu"
-
-
-def byte_ranges(
-    layout: KVLayout,
-    local_blocks: list[int],
-    remote_blocks: list[int],
-    layers: tuple[int, int] | None = None,
-) -> list[tuple[int, int, int]]:
-    """(local_offset, remote_offset, nbytes) ranges for a block-to-block copy.
-
-    Adjacent blocks on both sides are coalesced into one range; with a layer range
-    ``[first, last)`` (indices inside a block: its group's layers) that is not every layer, each
-    block contributes one range (the layer slices of one block are contiguous, those of two blocks are not).
-    """
-    block, size = layout.block_bytes, layout.group_size
-    runs = paired_runs(list(local_blocks), list(remote_blocks))
-    if layers is None or (layers[0] == 0 and layers[1] == size):
-        return [(s * block, d * block, n * block) for s, d, n in runs]
-    first, last = layers
-    if not 0 <= first < last <= size:
-        raise ValueError(f"layer range {layers} outside [0, {size})")
-    per_layer = block // size
-    head, length = first * per_layer, (last - first) * per_layer
-    ranges: list[tuple[int, int, int]] = []
-    for s, d, n in runs:
-        for i in range(n):
-            ranges.append(((s + i) * block + head, (d + i) * block + head, length))
-    return ranges
-
-
-def strided_groups(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int, int, int]]:
-    """Fold equal-length ranges at constant strides: (src, dst, nbytes, count, src_stride, dst_stride).
-
-    A layer-range write of n blocks is n ranges one block apart; as one strided group it is one
-    copy call instead of n (per-call overhead dominates small ranges).
-    """
-    groups: list[list[int]] = []
-    for s, d, n in ranges:
-        if groups:
-            g = groups[-1]
-            if g[2] == n:
-                if g[3] == 1 and s - g[0] >= n and d - g[1] >= n:
-                    g[3], g[4], g[5] = 2, s - g[0], d - g[1]
-                    continue
-                if g[3] > 1 and s == g[0] + g[3] * g[4] and d == g[1] + g[3] * g[5]:
-                    g[3] += 1
-                    continue
-        groups.append([s, d, n, 1, n, n])
-    return [(g[0], g[1], g[2], g[3], g[4], g[5]) for g in groups]
-
-
-#: mechanisms whose receiver refuses a write without a live grant: once an attempt's grant is revoked, none
-#: of its bytes can land (the others, shared memory and NIXL, write without the receiver taking part)
-GRANT_CHECKED = frozenset({"tcp"})
-
-
-class WriteGrants:
-    """Which writes a pool accepts from the network: one random token per prefill attempt, for its blocks only.
-
-    Why: an engine that takes writes from anyone who can connect (TCP) must not let a stranger who
-    learnt the pool's address write into it. The decode worker grants a token for the blocks it
-    reserved for one prefill attempt, sends it in the (authenticated) prefill job, and revokes it when
-    the attempt ends, so a late or stray write is refused before a byte lands. Tokens expire at the
-    attempt's deadline (epoch seconds) in any case.
-    """
-
-    def __init__(self, block_bytes: int) -> None:
-        self.block_bytes = block_bytes
-        self._grants: dict[str, tuple[frozenset[int], float]] = {}
-        self._lock = threading.Lock()
-
-    def grant(self, blocks: list[int], deadline: float) -> str:
-        """A token allowing writes into ``blocks`` until ``deadline`` (``time.time()`` seconds)."""
-        token = secrets.token_hex(16)
-        with self._lock:
-            now = time.time()
-            for old in [k for k, (_, until) in self._grants.items() if until < now]:
-                del self._grants[old]
-            self._grants[token] = (frozenset(blocks), deadline)
-        return token
-
-    def revoke(self, token: str) -> None:
-        """No more writes with ``token`` (its attempt ended: landed, failed or given up)."""
-        with self._lock:
-            self._grants.pop(token, None)
-
-    def refusal(self, token: str, ranges: list[tuple[int, int]]) -> str:
-        """Why a write of ``ranges`` ((offset, nbytes) in this pool) with ``token`` is refused ('' when allowed)."""
-        with self._lock:
-            found = self._grants.get(token) if token else None
-        if found is None:
-            return "no valid write grant (the prefill job's token is unknown, revoked or missing)"
-        blocks, until = found
-        if time.time() > until:
-            return "the write grant expired"
-        for off, n in ranges:
-            if n and not all(b in blocks for b in range(off // self.block_bytes, (off + n - 1) // self.block_bytes + 1)):
-                return f"bytes {off}..{off + n} fall outside the blocks the grant covers"
-        return ""
-
-
-class Doorbell:
-    """A socket pair that an engine's own threads ring when notices arrive and an event loop waits on."""
-
-    def __init__(self) -> None:
-        self._read, self._write = socket.socketpair()
-        self._read.setblocking(False)
-        self._write.setblocking(False)
-
-    def fileno(self) -> int:
-        return self._read.fileno()
-
-    def ring(self) -> None:
-        try:
-            self._write.send(b"\0")
-        except (BlockingIOError, InterruptedError):
-            return  # bytes are already waiting: the bell is rung
-
-    def clear(self) -> None:
-        """Swallow the rings so far (before taking the notices, so a later ring is never lost)."""
-        try:
-            while self._read.recv(4096):
-                continue
-        except (BlockingIOError, InterruptedError):
-            return
-
-    def close(self) -> None:
-        self._read.close()
-        self._write.close()
-
-
-class TransferHandle(abc.ABC):
-    """One write in flight. `poll()` never blocks; `wait()` blocks at most until the deadline."""
-
-    def __init__(self, engine: str, peer: str, nbytes: int, deadline: float, notify: str):
-        self.engine = engine
-        self.peer = peer
-        self.nbytes = nbytes
-        self.deadline = deadline
-        self.notify = notify
-        self.started = time.monotonic()
-        self.finished: float | None = None
-        self._error: TransferError | None = None
-
-    def error(self, reason: str) -> TransferError:
-        return TransferError(self.engine, self.peer, self.nbytes, reason)
-
-    @abc.abstractmethod
-    def _check(self) -> bool:
-        """True once the bytes landed; raises TransferError on failure."""
-
-    @abc.abstractmethod
-    def _abort(self) -> None:
-        """Stop the transfer as far as the engine can (the remote blocks are then undefined)."""
-
-    def _block(self, seconds: float) -> None:
-        """Wait up to `seconds` for progress; engines with a future override this."""
-        time.sleep(min(seconds, 0.0005))
-
-    def poll(self) -> bool:
-        """True when done, False while pending; raises TransferError on failure or deadline."""
-        if self._error is not None:
-            raise self._error
-        if self.finished is not None:
-            return True
-        try:
-            done = self._check()
-        except TransferError as e:
-            self._error = e
-            raise
-        if done:
-            self.finished = time.monotonic()
-            return True
-        if time.monotonic() >= self.deadline:
-            self._fail(f"deadline passed after {time.monotonic() - self.started:.3f}s")
-        return False
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until done; a failure, the deadline or `timeout` raises TransferError (and cancels)."""
-        end = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
-        while not self.poll():
-            left = end - time.monotonic()
-            if left <= 0:
-                self._fail(f"not done within wait timeout after {time.monotonic() - self.started:.3f}s")
-            self._block(left)
-
-    async def wait_async(self) -> None:
-        """`wait()` for an event loop: the loop never blocks (engines with a future are woken by it)."""
-        await asyncio.to_thread(self.wait)
-
-    def cancel(self) -> None:
-        """Abandon the write; the destination blocks are undefined until the peer reuses them safely."""
-        if self.finished is None and self._error is None:
-            self._abort()
-            self._error = self.error("cancelled")
-
-    @property
-    def elapsed(self) -> float:
-        return (self.finished or time.monotonic()) - self.started
-
-    def _fail(self, reason: str) -> None:
-        self._abort()
-        self._error = self.error(reason)
-        raise self._error
-
-
-class FutureHandle(TransferHandle):
-    """A write run by a background thread; the thread checks `cancelled` between chunks."""
-
-    def __init__(self, engine: str, peer: str, nbytes: int, deadline: float, notify: str):
-        super().__init__(engine, peer, nbytes, deadline, notify)
-        self.future: Future[None] = Future()
-        self.cancelled = threading.Event()
-
-    def _check(self) -> bool:
-        if not self.future.done():
-            return False
-        exc = self.future.exception()
-        if exc is None:
-            return True
-        if isinstance(exc, TransferError):
-            raise exc
-        raise self.error(f"{type(exc).__name__}: {exc}") from exc
-
-    def _abort(self) -> None:
-        self.cancelled.set()
-
-    def _block(self, seconds: float) -> None:
-        try:
-            self.future.exception(timeout=seconds)
-        except FutureTimeout:
-            return
-
-    async def wait_async(self) -> None:
-        """Woken by the writing thread's future, not by polling; a failure or the deadline raises."""
-        if not self.poll():
-            await asyncio.wait([asyncio.wrap_future(self.future)],
-                               timeout=max(0.0, self.deadline - time.monotonic()))
-            if not self.poll():
-                self._fail(f"deadline passed after {time.monotonic() - self.started:.3f}s")
-
-
-class DoneHandle(TransferHandle):
-    """A write that finished inside `write()` (nothing to move, or a synchronous engine)."""
-
-    def __init__(self, engine: str, peer: str, nbytes: int, notify: str):
-        super().__init__(engine, peer, nbytes, time.monotonic() + DEFAULT_TIMEOUT_S, notify)
-
-    def _check(self) -> bool:
-        return True
-
-    def _abort(self) -> None:
-        return None
 
 
 class TransferEngine(abc.ABC):

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from kv.pool import KVPool
-from kv.transfer.base import DoneHandle, TransferEngine, TransferError, TransferHandle
+from kv.transfer.base import TransferEngine
+from kv.transfer.handles import DoneHandle, TransferError, TransferHandle
 from kv.transfer.shm import SHM_DIR, NotifyInbox, NotifyOutbox, pid_alive
 
 log = logging.getLogger("kv.transfer.cuda_ipc")

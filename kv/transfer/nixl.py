@@ -28,7 +28,9 @@ import numpy as np
 import torch
 
 from kv.pool import KVPool
-from kv.transfer.base import DoneHandle, Doorbell, TransferEngine, TransferError, TransferHandle
+from kv.transfer.base import TransferEngine
+from kv.transfer.doorbell import Doorbell
+from kv.transfer.handles import DoneHandle, TransferError, TransferHandle
 
 log = logging.getLogger("kv.transfer.nixl")
 

@@ -31,7 +31,9 @@ import torch
 
 from kv.layout import KVLayout
 from kv.pool import KVPool
-from kv.transfer.base import FutureHandle, TransferEngine, TransferError, TransferHandle, strided_groups
+from kv.transfer.base import TransferEngine
+from kv.transfer.handles import FutureHandle, TransferError, TransferHandle
+from kv.transfer.ranges import strided_groups
 
 log = logging.getLogger("kv.transfer.shm")
 

@@ -33,7 +33,9 @@ from typing import Any
 import torch
 
 from kv.pool import KVPool
-from kv.transfer.base import Doorbell, FutureHandle, TransferEngine, TransferHandle
+from kv.transfer.base import TransferEngine
+from kv.transfer.doorbell import Doorbell
+from kv.transfer.handles import FutureHandle, TransferHandle
 
 log = logging.getLogger("kv.transfer.tcp")
 

@@ -23,13 +23,15 @@ import nats
 import pytest
 
 from bench.cluster import MODEL, Worker
+from bus import nats_config as natsconf
 from bus.server import EmbeddedNats
 from bus.streams import DEFAULT_GENERATE, DEFAULT_PREFILL, StreamConfigError, ensure_streams
 from bus.subjects import Subjects
 from runtime.processes import ChildProcess
-from tandem.up import free_port
-from tests.faults.test_up_faults import assert_clear, stream_chat
-from tests.test_deploy import login_env, natsconf, password_env
+from tandem.up.ports import free_port
+from tests.harness.chat import assert_clear, stream_chat
+from tests.harness.deploy import login_env, password_env
+from tests.harness.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -115,10 +117,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsClus
             w.wait_ready(300)
         gateway.wait_ready(120)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while len([w for w in httpx.get(f"{url}/ready").json()["workers"] if w["age_s"] < 3]) < 2:
-            assert time.monotonic() < deadline, httpx.get(f"{url}/ready").text
-            time.sleep(0.25)
+        wait_until(lambda: len([w for w in httpx.get(f"{url}/ready").json()["workers"] if w["age_s"] < 3]) >= 2,
+                   60, lambda: f"both workers reporting: {httpx.get(f'{url}/ready').text}", interval=0.25)
         yield nc, url
     finally:
         for c in children:
@@ -135,10 +135,9 @@ def test_the_generate_streams_leader_dies_under_load(cluster: tuple[NatsCluster,
         async with httpx.AsyncClient(timeout=300) as client:
             tasks = [asyncio.create_task(stream_chat(client, url, f"Write a short poem number {i}.", max_tokens=120,
                                                      ignore_eos=True)) for i in range(8)]
-            deadline = time.monotonic() + 120
-            while not any(w["running"] for w in httpx.get(f"{url}/ready").json()["workers"]):
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.1)
+            await asyncio.to_thread(
+                wait_until, lambda: any(w["running"] for w in httpx.get(f"{url}/ready").json()["workers"]), 120,
+                "a worker running the streams", 0.1)
             os.kill(nats3.by_name(leader).pid, signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
@@ -148,16 +147,13 @@ def test_the_generate_streams_leader_dies_under_load(cluster: tuple[NatsCluster,
     assert all(r["status"] == 200 and r["finish"] == "length" for r in results), results
     # service continues on the other two: a new leader, and new requests are served
     survivors = NatsCluster([s for s in nats3.servers if s.server_name != leader])
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            new_leader = asyncio.run(stream_leader(survivors.urls))
-        except (nats.errors.Error, asyncio.TimeoutError, AttributeError):
-            new_leader = None
-        if new_leader and new_leader != leader:
-            break
-        assert time.monotonic() < deadline, "no new stream leader"
-        time.sleep(1.0)
+
+    def new_leader() -> str | None:
+        now = asyncio.run(stream_leader(survivors.urls))
+        return now if now and now != leader else None
+
+    wait_until(new_leader, 90, "a new stream leader", interval=1.0,
+               ignore=(nats.errors.Error, asyncio.TimeoutError, AttributeError))
 
     async def after() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(timeout=120) as client:
@@ -174,10 +170,10 @@ def test_the_generate_streams_leader_dies_under_load(cluster: tuple[NatsCluster,
             return out
 
     assert len(asyncio.run(after())) == 4
-    deadline = time.monotonic() + 60
-    while True:  # nothing left held on either worker
+
+    def nothing_held() -> bool:  # on either worker
         workers = httpx.get(f"{url}/ready").json()["workers"]
-        if len(workers) == 2 and all(w["running"] == 0 and w["free_blocks"] == w["total_blocks"] for w in workers):
-            break
-        assert time.monotonic() < deadline, workers
-        time.sleep(0.5)
+        return len(workers) == 2 and all(w["running"] == 0 and w["free_blocks"] == w["total_blocks"] for w in workers)
+
+    wait_until(nothing_held, 60, lambda: f"every block free: {httpx.get(f'{url}/ready').json()['workers']}",
+               interval=0.5)

@@ -7,9 +7,11 @@ the `nats` CLI (or a misbehaving client) would: raw JSON on the subjects the wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,8 @@ from bench.cluster import MODEL, Client, Worker, start_workers
 from bus.messages import KVDestination, PrefillJob, Replay, SamplingParams, encode
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
-from tests.conftest import chat_ids
+from tests.harness.chat import chat_ids
+from tests.harness.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -31,20 +34,14 @@ def rid() -> str:
     return uuid.uuid4().hex
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """NATS + two decode_only (d1, d2) + two prefill_only (p1, p2) workers, and d3 (drain time 2 s) to stop."""
-    logs = tmp_path_factory.mktemp("probes")
-    srv = EmbeddedNats(store_dir=logs / "nats")  # a store of our own: the NATS restart keeps it
+@contextlib.contextmanager
+def probe_cluster(logs: Path, specs: list[tuple]) -> Iterator[tuple[EmbeddedNats, dict[str, Worker]]]:
+    """NATS (with a store of its own in ``logs``: a NATS restart keeps it) and the workers of ``specs``
+    (``(role, worker id, *flags)``), ready; all stopped when the block ends."""
+    srv = EmbeddedNats(store_dir=logs / "nats")
     srv.start()
     try:
-        workers = start_workers([
-            ("decode_only", "d1", "--num-blocks", "400"),
-            ("decode_only", "d2", "--num-blocks", "400"),
-            ("prefill_only", "p1", "--num-blocks", "400"),
-            ("prefill_only", "p2", "--num-blocks", "400"),
-            ("decode_only", "d3", "--num-blocks", "200", "--drain-timeout", "2"),
-        ], srv.url, logs)
+        workers = start_workers(specs, srv.url, logs)
         try:
             yield srv, {w.worker_id: w for w in workers}
         finally:
@@ -52,6 +49,30 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 w.stop()
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """NATS + two decode_only (d1, d2) + two prefill_only (p1, p2) workers, and d3 (drain time 2 s) to stop."""
+    with probe_cluster(tmp_path_factory.mktemp("probes"), [
+        ("decode_only", "d1", "--num-blocks", "400"),
+        ("decode_only", "d2", "--num-blocks", "400"),
+        ("prefill_only", "p1", "--num-blocks", "400"),
+        ("prefill_only", "p2", "--num-blocks", "400"),
+        ("decode_only", "d3", "--num-blocks", "200", "--drain-timeout", "2"),
+    ]) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Any:
+    """NATS of the test's own (it restarts it), with d1 and d2 to stream on and p1 to prefill remotely."""
+    with probe_cluster(tmp_path, [
+        ("decode_only", "d1", "--num-blocks", "400"),
+        ("decode_only", "d2", "--num-blocks", "400"),
+        ("prefill_only", "p1", "--num-blocks", "400"),
+    ]) as cluster:
+        yield cluster
 
 
 def run(coro: Any) -> Any:
@@ -64,13 +85,8 @@ def log_lines(worker: Worker, needle: str) -> list[str]:
 
 def wait_for_line(workers: list[Worker], needle: str, timeout: float = 60.0) -> Worker:
     """The first of ``workers`` whose log shows ``needle`` (fails at the deadline)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for w in workers:
-            if log_lines(w, needle):
-                return w
-        assert time.monotonic() < deadline, f"no worker logged {needle!r}"
-        time.sleep(0.1)
+    return wait_until(lambda: next((w for w in workers if log_lines(w, needle)), None), timeout,
+                      f"a worker to log {needle!r}", interval=0.1)
 
 
 async def read_stream(sub: Any, timeout: float = 120.0, dropped: list | None = None) -> list[dict[str, Any]]:
@@ -282,11 +298,11 @@ def test_a_drain_that_runs_out_of_time_hands_the_streams_back(cluster: Any, smol
     assert msgs[-1]["code"] == "handed_back" and msgs[-1]["status"] == 503
 
 
-def test_zz_nats_restart_under_a_stream_loses_no_token_and_everyone_comes_back(cluster: Any, smollm: Any) -> None:
+def test_nats_restart_under_a_stream_loses_no_token_and_everyone_comes_back(own_cluster: Any, smollm: Any) -> None:
     """NATS restarted (same port and store) under a stream: the decode worker goes on generating, keeping what
     it sends; the client, back, asks for the rest (``Replay``) and reads the whole stream, every message once,
     to its end; afterwards every worker is back and a disaggregated request succeeds."""
-    srv, workers = cluster
+    srv, workers = own_cluster
 
     async def stream_through_a_restart() -> list[dict[str, Any]]:
         async with Client(srv.url) as c:

@@ -17,8 +17,9 @@ import httpx
 import pytest
 
 from bench.cluster import TandemUp
-from tests.conftest import NEEDS_NATIVE
-from tests.faults.test_up_faults import busy_worker, stream_chat, wait_restarted
+from tests.harness.chat import stream_chat
+from tests.harness.cluster import busy_worker, tandem_up, wait_restarted
+from tests.harness.native import NEEDS_NATIVE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), NEEDS_NATIVE]
 
@@ -28,14 +29,11 @@ PROMPT = "Write a long story about a lighthouse keeper and the sea."
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
     # the row-invariant path: the moved stream is prefilled again in another shape and must read as the uncut one
-    cluster = TandemUp(tmp_path_factory.mktemp("restart"), "--kernels", "invariant", "--decode", "1",
-                       # restarted later than the gateway gives a silent worker up (5 s): the stream must wait
-                       "--restart-delay", "7", "--stop-timeout", "10",
-                       "--worker-args", "--num-blocks 512 --local-prefill-max-tokens 64").start(300)
-    try:
+    with tandem_up(tmp_path_factory.mktemp("restart"), "--kernels", "invariant", "--decode", "1",
+                   # restarted later than the gateway gives a silent worker up (5 s): the stream must wait
+                   "--restart-delay", "7", "--stop-timeout", "10",
+                   "--worker-args", "--num-blocks 512 --local-prefill-max-tokens 64") as cluster:
         yield cluster
-    finally:
-        cluster.stop(90)
 
 
 def test_a_stream_waits_for_its_only_decode_worker_to_come_back(up: TandemUp) -> None:

@@ -3,6 +3,8 @@
 Every test drives the real gateway with real HTTP clients and checks what a user sees (each request
 completes, or ends with a clear OpenAI error — never a hang, never a cut stream), that the dead part
 comes back, and that nothing leaked afterwards (`tandem status --json`: no block used, nothing queued).
+The tests share one cluster and each waits until what it killed is back; the NATS kill runs on a cluster
+of its own, so the tests run in any order.
 """
 
 from __future__ import annotations
@@ -12,130 +14,59 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from bench.cluster import MODEL, TandemUp
-from tests.conftest import NEEDS_NATIVE
+from tests.harness.chat import assert_clear, long_prompt, stream_chat
+from tests.harness.cluster import busy_worker, status_json, tandem_up, wait_restarted
+from tests.harness.native import NEEDS_NATIVE
+from tests.harness.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), NEEDS_NATIVE]
 
-FILLER = "Tandem serves language models with prefill and decode on separate workers over a message bus. "
-
-
-def long_prompt(i: int, repeats: int = 30) -> str:
-    return f"Request {i}. " + FILLER * repeats + "Summarize the text above."
+#: the default weights on the row-invariant path: a moved stream is prefilled again in other batch shapes, and
+#: greedy decoding must repeat exactly there (on the fast paths near-ties can flip)
+UP_ARGS = ("--kernels", "invariant", "--prefill", "2", "--decode", "2", "--restart-delay", "0.5",
+           "--drain-timeout", "10", "--stop-timeout", "10",
+           "--worker-args", "--num-blocks 512 --local-prefill-max-tokens 64 --prefill-stall-budget-ms 0",
+           "--gateway-args", "--max-queue-wait 30")
+UP_ENV = {"TANDEM_LOG_LEVEL": "WARNING"}
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TandemUp]:
-    # the default weights on the row-invariant path: a moved stream is prefilled again in other batch shapes,
-    # and greedy decoding must repeat exactly there (on the fast paths near-ties can flip)
-    cluster = TandemUp(tmp_path_factory.mktemp("faults"), "--kernels", "invariant", "--prefill", "2", "--decode", "2",
-                       "--restart-delay", "0.5",
-                       "--drain-timeout", "10", "--stop-timeout", "10",
-                       "--worker-args", "--num-blocks 512 --local-prefill-max-tokens 64 --prefill-stall-budget-ms 0",
-                       "--gateway-args", "--max-queue-wait 30", env={"TANDEM_LOG_LEVEL": "WARNING"}).start(300)
-    try:
+    """The cluster the tests share: each kills a part that `tandem up` restarts, and waits until it is back."""
+    with tandem_up(tmp_path_factory.mktemp("faults"), *UP_ARGS, env=UP_ENV) as cluster:
         yield cluster
-    finally:
-        cluster.stop(90)
 
 
-def status(up: TandemUp) -> dict[str, Any]:
-    r = subprocess.run([sys.executable, "-m", "tandem.cli", "status", "--json", "--wait", "1.5",
-                        "--nats-url", up.info["nats_url"]], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+@pytest.fixture
+def own_up(tmp_path: Path) -> Iterator[TandemUp]:
+    """A cluster of the test's own, alike: for a fault that may leave it changed for whichever test comes next."""
+    with tandem_up(tmp_path, *UP_ARGS, env=UP_ENV) as cluster:
+        yield cluster
 
 
 def wait_idle(up: TandemUp, workers: int = 4, timeout: float = 90.0) -> dict[str, Any]:
     """Until every worker answers with no block used, nothing running or queued, and the pools are empty."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = status(up)
+    seen: list[dict[str, Any]] = []
+
+    def idle() -> dict[str, Any] | None:
+        st = status_json(up, "--wait", "1.5")
+        seen[:] = [st]
         ws = st["workers"]
         ok = (len(ws) == workers and all(w["used_blocks"] == 0 and w["running"] == 0 and w["queued"] == 0
                                          for w in ws)
               and all(p["pending"] == 0 and p["in_flight"] == 0 for p in st["pools"]))
-        if ok:
-            return st
-        assert time.monotonic() < deadline, json.dumps(st, indent=1)
-        time.sleep(1.0)
+        return st if ok else None
 
-
-def wait_restarted(up: TandemUp, name: str, restarts: int, timeout: float = 180.0) -> None:
-    """Until ``name`` was restarted ``restarts`` times and reports on the bus again."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if up.child_info(name)["restarts"] >= restarts:
-            rows = {w["worker_id"]: w for w in status(up)["workers"]}
-            if rows.get(name, {}).get("restarts", 0) >= restarts and rows[name]["stats_error"] is None:
-                return
-        assert up.child.running, up.output()[-3000:]
-        assert time.monotonic() < deadline, up.output()[-3000:]
-        time.sleep(0.5)
-
-
-async def stream_chat(client: httpx.AsyncClient, url: str, content: str, **body: Any) -> dict[str, Any]:
-    """One streaming chat: {'status', 'text', 'finish', 'error', 'done', 'max_gap'} (an OpenAI error body for a
-    non-200; ``max_gap``: the longest time, in seconds, between two of its SSE events from the first text on)."""
-    out: dict[str, Any] = {"status": None, "text": "", "finish": None, "error": None, "done": False, "max_gap": 0.0}
-    payload = {"model": MODEL, "messages": [{"role": "user", "content": content}], "stream": True,
-               "temperature": 0, **body}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=payload) as r:
-        out["status"] = r.status_code
-        if r.status_code != 200:
-            out["error"] = json.loads(await r.aread())["error"]
-            out["retry_after"] = r.headers.get("retry-after")
-            return out
-        last: float | None = None
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            now = time.monotonic()
-            if last is not None:
-                out["max_gap"] = max(out["max_gap"], now - last)
-            if last is not None or out["text"]:
-                last = now
-            if line == "data: [DONE]":
-                out["done"] = True
-                continue
-            d = json.loads(line[6:])
-            if "error" in d:
-                out["error"] = d["error"]
-            elif d["choices"]:
-                ch = d["choices"][0]
-                out["text"] += ch["delta"].get("content") or ""
-                out["finish"] = ch["finish_reason"] or out["finish"]
-    return out
-
-
-def assert_clear(results: list[dict[str, Any]]) -> None:
-    """Each result completed, or ended with an OpenAI error (HTTP status, or SSE error event then [DONE])."""
-    for r in results:
-        if r["status"] == 200:
-            assert r["done"], r
-            assert r["finish"] in ("stop", "length") or (r["error"] and r["error"]["message"]), r
-        else:
-            assert r["status"] in (429, 503, 504) and r["error"]["message"], r
-
-
-def busy_worker(up: TandemUp, role: str) -> str:
-    """A worker of ``role`` that reports work right now (waits for one)."""
-    deadline = time.monotonic() + 120
-    while True:
-        for w in httpx.get(f"{up.url}/ready", timeout=10).json()["workers"]:
-            if w["role"] == role and w["running"] > 0:
-                return w["worker_id"]
-        assert time.monotonic() < deadline, "no busy worker"
-        time.sleep(0.05)
+    return wait_until(idle, timeout, lambda: f"every worker idle:\n{json.dumps(seen[-1], indent=1)}", interval=1.0)
 
 
 def test_prefill_workers_killed_mid_prefill(up: TandemUp) -> None:
@@ -174,13 +105,14 @@ def test_decode_worker_killed_mid_stream_the_stream_moves_and_reads_as_if_it_had
 
     async def go() -> tuple[dict[str, Any], dict[str, Any]]:
         async with httpx.AsyncClient(timeout=300) as client:
-            reference = await stream_chat(client, up.url, question, max_tokens=160, ignore_eos=True)
+            # long enough to outlast the kill below even with drafts accepted (160 tokens ended within 1.6 s)
+            reference = await stream_chat(client, up.url, question, max_tokens=800, ignore_eos=True)
             # the reference's worker may still report it running for a heartbeat: the victim must be
             # the worker of the stream below, so wait until no worker reports work first
             await asyncio.to_thread(wait_idle, up)
-            task = asyncio.create_task(stream_chat(client, up.url, question, max_tokens=160, ignore_eos=True))
+            task = asyncio.create_task(stream_chat(client, up.url, question, max_tokens=800, ignore_eos=True))
             victim = await asyncio.to_thread(busy_worker, up, "decode_only")
-            await asyncio.sleep(1.0)  # some tokens went out
+            await asyncio.sleep(0.5)  # some tokens went out
             before = up.child_info(victim)["restarts"]
             os.kill(up.child_info(victim)["pid"], signal.SIGKILL)
             moved = await task
@@ -257,25 +189,24 @@ def test_a_killed_gateway_is_restarted_on_its_port(up: TandemUp) -> None:
     wait_idle(up)
     old = up.child_info("gateway")["pid"]
     os.kill(old, signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while True:  # the same URL answers again, from a new process
-        try:
-            r = httpx.post(f"{up.url}/v1/chat/completions", timeout=60, json={
-                "model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
-            if r.status_code == 200 and up.child_info("gateway")["pid"] != old:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline and up.child.running, up.output()[-3000:]
-        time.sleep(0.5)
+
+    def answered_by_a_new_gateway() -> bool:  # the same URL answers again, from a new process
+        assert up.child.running, up.output()[-3000:]
+        r = httpx.post(f"{up.url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
+        return r.status_code == 200 and up.child_info("gateway")["pid"] != old
+
+    wait_until(answered_by_a_new_gateway, 120, lambda: f"the gateway back on its port:\n{up.output()[-3000:]}",
+               interval=0.5, ignore=(httpx.HTTPError,))
     assert up.child_info("gateway")["restarts"] == 1
     assert f"gateway (pid {old}) killed by SIGKILL while serving; restarting it" in up.output()
 
 
-def test_zz_nats_killed_and_restarted_under_load(up: TandemUp) -> None:
+def test_nats_killed_and_restarted_under_load(own_up: TandemUp) -> None:
     """SIGKILL the embedded NATS: tandem up starts it again on the same port and store, every process
     reconnects, the streams in flight go on whole (the workers kept what the gateway missed), and new
     requests succeed soon after the restart."""
+    up = own_up  # the NATS restart is checked on a cluster no other test shares
     wait_idle(up)
 
     async def go() -> tuple[list[dict[str, Any]], float]:

@@ -22,9 +22,10 @@ import nats
 import pytest
 
 from bench.hosts import Deployment, Hosts
-from tests.conftest import NEEDS_NATIVE
-from tests.faults.test_up_faults import assert_clear, long_prompt, stream_chat
-from tests.multihost.site import DECODE_ARGS, MACHINE_ENV, Site
+from tests.harness.chat import assert_clear, long_prompt, stream_chat
+from tests.harness.native import NEEDS_NATIVE
+from tests.harness.site import DECODE_ARGS, MACHINE_ENV, Site
+from tests.harness.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), NEEDS_NATIVE]
 
@@ -120,10 +121,8 @@ def test_losing_the_machine_that_leads_the_work_queue(site: Site) -> None:
     assert elected, "no new leader for the work queue within 60 s"
     elected_s = elected[0]
     gateway = next(c for c in site.hosts.children["d"] if c.running)
-    deadline = time.monotonic() + 30
-    while not (back := re.search(r"reconnected to \S+ after ([\d.]+)s", gateway.last_lines(400))):
-        assert time.monotonic() < deadline, gateway.last_lines(400)[-3000:]
-        time.sleep(0.2)
+    back = wait_until(lambda: re.search(r"reconnected to \S+ after ([\d.]+)s", gateway.last_lines(400)), 30,
+                      lambda: f"the gateway to reconnect:\n{gateway.last_lines(400)[-3000:]}", interval=0.2)
     reconnect_s = float(back.group(1))
     survivors = {"prefill-a", "decode-b", "decode-c"} - {f"prefill-{host}", f"decode-{host}"}
     served = asyncio.run(under_load(site, lambda: None, max_tokens=8))

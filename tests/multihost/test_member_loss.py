@@ -25,9 +25,9 @@ import httpx
 import pytest
 
 from bench.hosts import Deployment, Hosts
-from tests.conftest import NEEDS_NATIVE
-from tests.faults.test_up_faults import assert_clear, long_prompt, stream_chat
-from tests.multihost.site import DECODE_ARGS, MACHINE_ENV, Site
+from tests.harness.chat import assert_clear, long_prompt, stream_chat
+from tests.harness.native import NEEDS_NATIVE
+from tests.harness.site import DECODE_ARGS, MACHINE_ENV, Site
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), NEEDS_NATIVE]
 

@@ -21,7 +21,7 @@ import pytest
 from bench.hosts import Hosts, run_walkthrough, walkthrough
 from bus.connection import user_login
 from runtime.settings import read_env_file
-from tests.conftest import NEEDS_NATIVE
+from tests.harness.native import NEEDS_NATIVE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), NEEDS_NATIVE]
 

@@ -14,6 +14,7 @@ import nats
 
 from bench.hosts import Deployment, Hosts
 from runtime.settings import read_env_file
+from tests.harness.wait import wait_until
 
 MACHINE_ENV = {"TANDEM_KERNELS": "invariant", "TANDEM_THREADS": "1", "TANDEM_NUM_BLOCKS": "256"}
 #: every prompt goes to the prefill worker while it lives (none is short enough to stay, none stalls)
@@ -33,27 +34,27 @@ class Site:
 
     def heard(self, workers: set[str], timeout: float = 60.0) -> None:
         """Until the gateway's router has fresh load reports of ``workers`` (what routing and admission use)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            rows = httpx.get(f"{self.url}/ready", timeout=10).json().get("workers", [])
-            if workers <= {w["worker_id"] for w in rows if w["age_s"] < 2}:
-                return
-            assert time.monotonic() < deadline, rows
-            time.sleep(0.2)
+        rows: list[Any] = []
+
+        def fresh() -> bool:
+            rows[:] = httpx.get(f"{self.url}/ready", timeout=10).json().get("workers", [])
+            return workers <= {w["worker_id"] for w in rows if w["age_s"] < 2}
+
+        wait_until(fresh, timeout, lambda: f"fresh reports of {sorted(workers)}: {rows}", interval=0.2)
 
     def wait_until(self, what: str, pred: Any, timeout: float = 60.0) -> float:
-        """Seconds until ``pred(cluster view)`` holds (AssertionError naming ``what`` after ``timeout``)."""
+        """Seconds until ``pred(cluster view)`` holds (AssertionError naming ``what`` and the last view after
+        ``timeout``)."""
         t0 = time.monotonic()
-        last: Any = None
-        while time.monotonic() - t0 < timeout:
-            try:
-                last = self.cluster()
-                if pred(last):
-                    return time.monotonic() - t0
-            except (httpx.HTTPError, ValueError) as e:
-                last = repr(e)
-            time.sleep(0.3)
-        raise AssertionError(f"{what}: not after {timeout:g}s; last view {last}")
+        last: list[Any] = [None]
+
+        def holds() -> bool:
+            last[0] = self.cluster()
+            return bool(pred(last[0]))
+
+        wait_until(holds, timeout, lambda: f"{what}; last view {last[0]}", interval=0.3,
+                   ignore=(httpx.HTTPError, ValueError))
+        return time.monotonic() - t0
 
     def idle(self, survivors: set[str]) -> None:
         """The survivors hold no block and run nothing, the queues are empty."""
@@ -92,8 +93,10 @@ class Site:
             finally:
                 await nc.close()
 
-        deadline = time.monotonic() + timeout
-        while (now := self.leader()) != name:
-            assert time.monotonic() < deadline, f"{name} does not lead the work queue ({now} does)"
+        def leads() -> bool:
+            if self.leader() == name:
+                return True
             asyncio.run(step_down())
-            time.sleep(1.0)
+            return False
+
+        wait_until(leads, timeout, lambda: f"{name} to lead the work queue ({self.leader()} does)", interval=1.0)

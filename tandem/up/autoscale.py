@@ -31,6 +31,8 @@ from bus.subjects import Subjects, model_token
 
 log = logging.getLogger("tandem.autoscale")
 
+#: the role ``--autoscale`` sizes each pipeline role under
+SCALED_ROLE = {"prefill_only": "prefill", "decode_only": "decode", "prefill_and_decode": "decode"}
 DEFAULT_TARGET = {"prefill": 2.0, "decode": 4.0}
 DEFAULT_ACTIVATION = {"prefill": 1.0, "decode": 0.0}
 DEFAULT_COOLDOWN_S = 30.0
