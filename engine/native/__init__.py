@@ -1,24 +1,25 @@
-"""The forward pass in C (``ops.c``): small operations, quantized matmuls, whole layers; compiled on first
-use and loaded with ctypes.
+"""The forward pass in C (``ops.c``): small operations, quantized matmuls, whole layers; built when the
+package is installed and loaded with ctypes.
 
 A decode step of the default model is ~30 layers of tiny tensors; in torch each RMSNorm, RoPE, KV write and
 decode attention is several operations of 2-20 µs dispatch each, which added up to more than the matmuls.
 Here each is one call, the int4/Q8_0 weights are multiplied as the GGUF stores them (`q4_matmul`,
-`q8_matmul`), and a layer of such weights can run as one call (`LayerStep`). The library is built with the machine's C compiler (``cc``, ``-O3 -march=native
--fopenmp``) into ``<cache>/native/`` under a key of the source, the compiler and the CPU, once per machine;
-a process that cannot build it (no compiler, ``TANDEM_NATIVE=0``) runs the torch operations instead, which
-are also the reference the tests compare with.
+`q8_matmul`), and a layer of such weights can run as one call (`LayerStep`).
+
+``setup.py`` compiles ``ops.c`` once per instruction-set variant (`engine.native.build`: ``avx512``,
+``avx2``, ``portable``); a process loads the best one its CPU runs, or the one ``TANDEM_NATIVE`` names
+(``off``/``0``: none). A library built from another ``ops.c`` is refused (rebuild: ``pip install -e .``, or
+``python setup.py build_ext --inplace``). Without one the engine runs torch's operations, which are not the
+same computation: int4 weights through torch's bfloat16 kernel, Q8_0 re-quantized to int8 per channel (the
+start-up warning says so; `kernel_path` is then ``torch``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import importlib.machinery
 import logging
 import os
-import platform
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from functools import cache
@@ -26,15 +27,13 @@ from pathlib import Path
 
 import torch
 
-from engine.model_files import cache_dir
+from engine.native.build import VARIANTS, Variant, cpu_flags, source_hash
 
 log = logging.getLogger("tandem.native")
 
-SOURCE = Path(__file__).with_name("ops.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {
+    "tq_source_hash": [],
     "tq_rms_norm": [_P, _P, _P, _I, _I, _F, _P, _C],
     "tq_silu_mul": [_P, _I, _I, _P, _C],
     "tq_argmax": [_P, _I, _I, _P, _C],
@@ -53,62 +52,84 @@ SIGNATURES = {
     "tq_probe_vnni": [_I, _C],
     "tq_probe_read": [_P, _I, _C],
 }
-RETURNS = {"tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int, "tq_decoder_layer": ctypes.c_int,
-           "tq_panel_min_rows": ctypes.c_int64,
+RETURNS = {"tq_source_hash": ctypes.c_char_p, "tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int,
+           "tq_decoder_layer": ctypes.c_int, "tq_panel_min_rows": ctypes.c_int64,
            "tq_has_bf16": ctypes.c_int, "tq_bf16_matmul": ctypes.c_int,
            "tq_probe_fma": ctypes.c_double, "tq_probe_bf16": ctypes.c_double, "tq_probe_vnni": ctypes.c_double,
            "tq_probe_read": ctypes.c_float}
+_OFF = ("0", "off", "false", "no")
+_FALLBACK = ("using torch's operations (slower decode; int4 in bfloat16 and Q8_0 re-quantized per channel: "
+             "not the native path's numbers)")
 
 
-def _cpu_key() -> str:
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
+def variant_file(variant: Variant) -> Path | None:
+    """Where ``setup.py`` put this variant's library, or None where it was not built."""
+    here = Path(__file__).parent
+    return next((f for suffix in importlib.machinery.EXTENSION_SUFFIXES
+                 if (f := here / f"{variant.module}{suffix}").exists()), None)
 
 
-def _compiler() -> str:
-    return os.environ.get("CC", "cc")
-
-
-def _build(target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        proc = subprocess.run([_compiler(), *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True,
-                              text=True, timeout=120)
-        if proc.returncode != 0:
-            raise OSError(f"{_compiler()} failed: {proc.stderr.strip()[-800:]}")
-        os.replace(out, target)  # atomic: processes starting together never load a half-written file
+def _pick_variant() -> Variant:
+    """The variant ``TANDEM_NATIVE`` names, else the best built one this CPU runs (OSError says why none)."""
+    wanted = os.environ.get("TANDEM_NATIVE", "auto").lower()
+    flags = cpu_flags()
+    if wanted not in ("auto", "1", "on", "true", "yes"):
+        variant = next((v for v in VARIANTS if v.name == wanted), None)
+        if variant is None:
+            raise ValueError(f"TANDEM_NATIVE={wanted!r}: expected auto, off or one of "
+                             f"{', '.join(v.name for v in VARIANTS)}")
+        if not variant.runs_on(flags):
+            missing = sorted(set(variant.cpu_flags) - flags)
+            raise ValueError(f"TANDEM_NATIVE={wanted}: this CPU cannot run it (it lacks {', '.join(missing)})")
+        if variant_file(variant) is None:
+            raise OSError(f"the {wanted} build of engine/native/ops.c is not installed")
+        return variant
+    runnable = [v for v in VARIANTS if v.runs_on(flags)]
+    built = [v for v in runnable if variant_file(v) is not None]
+    if not built:
+        raise OSError("no build of engine/native/ops.c is installed for this CPU (a compiler was missing at "
+                      "install time?)")
+    if built[0] is not runnable[0]:
+        log.warning("engine.native: the %s build is not installed; using the %s build", runnable[0].name,
+                    built[0].name)
+    return built[0]
 
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The compiled ops, or None (and one log line saying why) where they cannot be built here."""
-    if os.environ.get("TANDEM_NATIVE", "1").lower() in ("0", "false", "no", "off"):
+    """The compiled ops, or None (and one warning saying why) where none is installed for this CPU."""
+    if os.environ.get("TANDEM_NATIVE", "auto").lower() in _OFF:
+        log.info("engine.native: off (TANDEM_NATIVE); %s", _FALLBACK)
         return None
     try:
-        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()
-                             + _cpu_key().encode()).hexdigest()[:16]
-        target = cache_dir() / "native" / f"ops-{key}.so"
-        if not target.exists():
-            _build(target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("native ops unavailable, using torch operations (slower decode): %s", e)
+        variant = _pick_variant()
+        path = variant_file(variant)
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        log.warning("engine.native: %s; %s", e, _FALLBACK)
         return None
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, RETURNS.get(name)
+    built_from = lib.tq_source_hash().decode()
+    if built_from != source_hash():
+        log.warning("engine.native: %s was built from another ops.c (rebuild it: pip install -e . or python "
+                    "setup.py build_ext --inplace); %s", path.name, _FALLBACK)
+        return None
+    _variant[0] = variant.name
     paths = _paths(lib)
     wanted = os.environ.get("TANDEM_KERNELS", "auto")
     if wanted not in ("auto", *paths):
         raise ValueError(f"TANDEM_KERNELS={wanted!r}: this CPU and build have {', '.join(paths)} (or auto; "
                          f"TANDEM_NATIVE=0 for torch's operations)")
     _choose(lib, paths[0] if wanted == "auto" else wanted)
+    log.info("engine.native: the %s build, kernel path %s", variant.name, _chosen[0])
     return lib
+
+
+def variant() -> str:
+    """Which build of ops.c this process runs (`engine.native.build.VARIANTS`), or ``none``."""
+    return _variant[0] if library() is not None else "none"
 
 
 def available() -> bool:
@@ -118,6 +139,7 @@ def available() -> bool:
 INVARIANT = "invariant"
 KERNEL_PATHS = ("avx512_bf16", "avx2", "portable", INVARIANT)  # every path a build can have; see kernel_path
 _chosen = ["torch"]
+_variant = ["none"]
 
 
 def _paths(lib: ctypes.CDLL) -> list[str]:

@@ -15,6 +15,12 @@
 #include <immintrin.h>
 #endif
 
+#ifndef TQ_SOURCE_HASH
+#define TQ_SOURCE_HASH "unknown"
+#endif
+/* What this library was built from (engine/native/build.py source_hash): the loader refuses a stale build. */
+const char *tq_source_hash(void) { return TQ_SOURCE_HASH; }
+
 /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of n floats (x and out may alias); with a residual, x[i] +=
  * residual[i] first (in place: the residual stream's add and the next norm in one pass). */
 void tq_rms_norm(float *x, const float *residual, const float *w, int64_t m, int64_t n, float eps, float *out,

@@ -66,7 +66,7 @@ def measure(threads: int | None = None, iters: int = 2_000_000) -> Peaks:
 def main() -> None:
     """``python -m engine.native.peaks``: this CPU's peaks on one thread and on torch's threads."""
     threads = torch.get_num_threads()
-    print(f"kernel path: {native.kernel_path()}")
+    print(f"kernel path: {native.kernel_path()} ({native.variant()} build of ops.c)")
     for n in sorted({1, threads}):
         print(measure(n).describe())
 

@@ -1,0 +1,46 @@
+"""Builds engine/native/ops.c once per instruction-set variant (engine/native/build.py) at install time.
+
+A variant the compiler cannot build (an old compiler, another architecture) is left out with a warning; a
+machine where none builds installs anyway and runs torch's operations (engine.native says so at start-up).
+"""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.errors import CCompilerError, CompileError, LinkError
+
+_spec = importlib.util.spec_from_file_location("native_build", Path(__file__).parent / "engine/native/build.py")
+native_build = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = native_build  # dataclasses look their module up
+_spec.loader.exec_module(native_build)
+
+
+class BuildVariants(build_ext):
+    """Each variant compiles the same ops.c with its own flags, so each gets its own object folder."""
+
+    def build_extension(self, ext: Extension) -> None:
+        shared = self.build_temp
+        self.build_temp = os.path.join(shared, ext.name)
+        try:
+            super().build_extension(ext)
+        except (CCompilerError, CompileError, LinkError, OSError) as e:
+            self.warn(f"engine.native: cannot build {ext.name} ({e}); it is left out")
+        finally:
+            self.build_temp = shared
+
+    def get_export_symbols(self, ext: Extension) -> list[str]:
+        return []  # a library of C functions for ctypes, not a Python module
+
+
+setup(
+    ext_modules=[
+        Extension(f"engine.native.{v.module}", sources=["engine/native/ops.c"], extra_compile_args=native_build.compile_args(
+            v, Path(__file__).parent / "engine/native/ops.c"), extra_link_args=["-fopenmp"], libraries=["m"])
+        for v in native_build.VARIANTS if v.builds_here()
+    ],
+    cmdclass={"build_ext": BuildVariants},
+)
