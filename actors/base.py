@@ -118,8 +118,8 @@ class WorkerActor:
         self.recent = RecentWork(self.worker_id)  # its `recent` endpoint: transfers into its pool, decisions
         self.draining = False
         self.stop_event = asyncio.Event()
-        #: set when room may have opened or work ended (an engine step, a request or job leaving): the pull
-        #: loop and the drain look again then, instead of every few milliseconds
+        #: set when room may have opened or work ended (an engine step, an engine call, a request or job
+        #: leaving): the pull loop and the drain look again then, instead of every few milliseconds
         self.changed = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.seen = SeenIds()
@@ -141,7 +141,7 @@ class WorkerActor:
     def serve_forever(self) -> None:
         """The model loop on this (main) thread, the bus on an event loop in a second thread."""
         loop = asyncio.new_event_loop()
-        self.runner = EngineRunner(self.engine, loop, self._outputs_from_thread)
+        self.runner = EngineRunner(self.engine, loop, self._outputs_from_thread, self.changed.set)
 
         def bus() -> None:
             asyncio.set_event_loop(loop)

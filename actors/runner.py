@@ -23,10 +23,13 @@ log = logging.getLogger(__name__)
 
 class EngineRunner:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
-                 on_outputs: Callable[[list[StepOutput], float], None]):
+                 on_outputs: Callable[[list[StepOutput], float], None],
+                 on_call_done: Callable[[], None] | None = None):
         self.engine = engine
         self.loop = loop
         self.on_outputs = on_outputs
+        #: on the event loop after each call: a call (abort, free, release) may have freed blocks
+        self.on_call_done = on_call_done
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
         self.failure: BaseException | None = None
 
@@ -46,6 +49,8 @@ class EngineRunner:
         self.loop.call_soon_threadsafe(self.on_outputs, outputs, step_s)
 
     def _resolve(self, fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+        if self.on_call_done is not None:
+            self.on_call_done()
         if fut.done():
             return
         if exc is not None:

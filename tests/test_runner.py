@@ -1,0 +1,74 @@
+"""actors/runner.py: the model thread tells the event loop when something may have freed room."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+from actors.runner import EngineRunner
+
+
+class IdleEngine:
+    """An engine with nothing to step: only calls reach it."""
+
+    last_plan_size = 0
+    freed = 0
+
+    def has_work(self) -> bool:
+        return False
+
+    def step(self) -> list:
+        raise AssertionError("an idle engine is never stepped")
+
+
+def test_every_call_and_every_step_wakes_the_loop_even_without_outputs() -> None:
+    """The pull loop waits on these (no polling): a call that freed blocks (an abort, a quarantine let go)
+    must wake it as surely as a step that made outputs, and a step without outputs too (it may have placed a
+    prompt)."""
+    async def go() -> tuple[list[str], int]:
+        loop = asyncio.get_running_loop()
+        woke: list[str] = []
+        outputs: list[int] = []
+        engine = IdleEngine()
+        runner = EngineRunner(engine, loop, lambda outs, step_s: outputs.append(len(outs)),
+                              lambda: woke.append("call"))
+        thread = threading.Thread(target=runner.run, daemon=True)
+        thread.start()
+
+        def free(e: IdleEngine) -> int:
+            e.freed += 3
+            return e.freed
+
+        assert await runner.call(free) == 3
+        assert woke == ["call"]  # before the awaiting coroutine went on
+        runner.hand_out([], 0.01)  # a step with no outputs still reaches the loop
+        await asyncio.sleep(0.05)
+        runner.stop()
+        await asyncio.to_thread(thread.join, 10)
+        return woke, len(outputs)
+
+    woke, steps = asyncio.run(go())
+    assert woke == ["call"] and steps == 1
+
+
+def test_a_failed_call_wakes_the_loop_too() -> None:
+    async def go() -> list[str]:
+        woke: list[str] = []
+        runner = EngineRunner(SimpleNamespace(has_work=lambda: False, last_plan_size=0),
+                              asyncio.get_running_loop(), lambda outs, step_s: None, lambda: woke.append("call"))
+        thread = threading.Thread(target=runner.run, daemon=True)
+        thread.start()
+
+        def boom(e: object) -> None:
+            raise RuntimeError("boom")
+
+        try:
+            await runner.call(boom)
+        except RuntimeError as e:
+            assert str(e) == "boom"
+        runner.stop()
+        await asyncio.to_thread(thread.join, 10)
+        return woke
+
+    assert asyncio.run(go()) == ["call"]
