@@ -25,24 +25,17 @@ from nats.aio.msg import Msg
 
 from actors.recent import RecentWork
 from actors.runner import EngineRunner
-from bus.connection import BusConnectError, BusOptions, connect
-from bus.messages import (
-    Cancel,
-    KVMetaReply,
-    KVMetaRequest,
-    MessageError,
-    PayloadTooLarge,
-    Replay,
-    StreamMessage,
-    StreamTokens,
-    WorkerStats,
-    decode,
-    encode,
-)
+from bus.connection import connect
+from bus.control_messages import Cancel, Replay
+from bus.generate_messages import StreamMessage, StreamTokens
+from bus.options import BusConnectError, BusOptions
+from bus.prefill_messages import KVMetaReply, KVMetaRequest
 from bus.publish import publish, publish_kept, request, respond
 from bus.replay import SentLog
+from bus.stats_messages import WorkerStats
 from bus.streams import claim, ensure_streams, fetch_one, pull_subscription
 from bus.subjects import Subjects
+from bus.wire import MessageError, PayloadTooLarge, decode, encode
 from engine import native
 from engine.engine import EngineConfig, LLMEngine, StepOutput
 from engine.loader import LoadedModel

@@ -18,19 +18,12 @@ from nats.aio.msg import Msg
 from actors.base import WorkerActor, bad_messages
 from actors.prefill_choice import PrefillCosts, choose
 from actors.remote_prefill import CANCELLED, FAILED, LANDED, RemotePrefill, RemotePrefills, count_decision
+from bus.control_messages import Cancel
 from bus.demand import DEFERRED_REASONS
-from bus.messages import (
-    Cancel,
-    ErrorCode,
-    GenerateRequest,
-    StreamError,
-    StreamFinish,
-    StreamTokens,
-    Timings,
-    Usage,
-    WorkerStats,
-)
+from bus.generate_messages import GenerateRequest, StreamError, StreamFinish, StreamTokens, Timings, Usage
 from bus.publish import publish
+from bus.stats_messages import WorkerStats
+from bus.wire import ErrorCode
 from engine.engine import LLMEngine, StepOutput
 from engine.sampling import TokenLogprob
 from engine.sequence import SeqStatus

@@ -17,8 +17,10 @@ import msgspec
 from nats.aio.msg import Msg
 
 from actors.base import WorkerActor, bad_messages
-from bus.messages import ErrorCode, PrefillAccepted, PrefillDone, PrefillJob, StreamError
+from bus.generate_messages import StreamError
+from bus.prefill_messages import PrefillAccepted, PrefillDone, PrefillJob
 from bus.publish import publish, publish_kept
+from bus.wire import ErrorCode
 from engine.engine import StepOutput
 from kv.layout import KVLayout, LayoutMismatch
 from kv.transfer.handles import TransferError

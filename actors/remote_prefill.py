@@ -29,20 +29,13 @@ from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from actors.base import SeenIds, bad_messages
 from actors.runner import EngineRunner
-from bus.messages import (
-    ErrorCode,
-    GenerateRequest,
-    KVDestination,
-    MessageError,
-    PrefillAccepted,
-    PrefillDone,
-    PrefillJob,
-    Replay,
-    WorkerStats,
-    decode,
-)
+from bus.control_messages import Replay
+from bus.generate_messages import GenerateRequest
+from bus.prefill_messages import KVDestination, PrefillAccepted, PrefillDone, PrefillJob
 from bus.publish import js_publish, publish
+from bus.stats_messages import WorkerStats
 from bus.subjects import Subjects
+from bus.wire import ErrorCode, MessageError, decode
 from engine.params import SamplingParams
 from kv.layout import KVLayout
 from kv.transfer.base import TransferEngine

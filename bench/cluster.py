@@ -14,7 +14,8 @@ from typing import Any
 import nats
 import nats.errors
 
-from bus.connection import BusOptions, connect
+from bus.connection import connect
+from bus.options import BusOptions
 from bus.subjects import Subjects
 from runtime.processes import ChildProcess
 

@@ -326,7 +326,7 @@ class Deployment:
     with ``tandem nats --cluster``, workers and gateways logged in with ``--nats-user`` from one env file."""
 
     def __init__(self, hosts: Hosts, folder: Path, members: Sequence[str], env: dict[str, str] | None = None) -> None:
-        from bus.server import make_passwords
+        from bus.nats_command import make_passwords
 
         self.hosts, self.folder, self.members = hosts, folder, list(members)
         self.env = dict(env or {})
@@ -360,7 +360,7 @@ class Deployment:
 
     def login(self, user: str) -> dict[str, str]:
         """The variables a process of this deployment needs to log in as ``user``."""
-        from bus.connection import user_login
+        from bus.options import user_login
         from runtime.settings import read_env_file
 
         return {**user_login(user, read_env_file(self.env_file)), "TANDEM_NATS_URL": self.urls}

@@ -30,7 +30,7 @@ class NKeyCredential:
         return inbox_of(self.name)
 
     def env(self) -> dict[str, str]:
-        """The variables a tandem process reads to log in as this user (``bus.connection.BusOptions.from_env``)."""
+        """The variables a tandem process reads to log in as this user (``bus.options.BusOptions.from_env``)."""
         return {"TANDEM_NATS_NKEY_SEED": str(self.seed_file), "TANDEM_NATS_INBOX_PREFIX": self.inbox}
 
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from bus.messages import WorkerStats
+from bus.stats_messages import WorkerStats
 from bus.streams import pool_backlog, pool_names
 from bus.subjects import ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY, Subjects
 

@@ -180,7 +180,8 @@ async def _fill_stats(nc: Any, w: WorkerStatus, timeout: float) -> None:
     """Ask one worker's ``stats`` endpoint; on failure keep the worker, with the reason."""
     import nats.errors
 
-    from bus.messages import MessageError, WorkerStats, decode
+    from bus.stats_messages import WorkerStats
+    from bus.wire import MessageError, decode
 
     if not w.stats_subject:
         w.stats_error = "no stats endpoint"
@@ -243,8 +244,9 @@ async def _autoscale(nc: Any, namespace: str, timeout: float) -> list[dict[str, 
     import msgspec
     import nats.errors
 
-    from bus.messages import AutoscaleState, MessageError, decode
+    from bus.stats_messages import AutoscaleState
     from bus.subjects import Subjects
+    from bus.wire import MessageError, decode
 
     try:
         reply = await nc.request(Subjects("x", namespace).autoscale_state, b"", timeout=timeout)
@@ -258,7 +260,7 @@ async def collect(nc: Any, namespace: str = "tandem", wait: float = 0.5, timeout
                   model: str | None = None, pools: bool = True, autoscale: bool = True,
                   recent: bool = True) -> Status:
     """Discover the workers, fetch their stats (and recent work) and the pool backlogs (every wait bounded)."""
-    from bus.connection import redact_url
+    from bus.options import redact_url
 
     url = nc.connected_url.geturl() if nc.connected_url is not None else "?"
     status = Status(nats_url=redact_url(url), namespace=namespace)

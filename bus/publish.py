@@ -3,7 +3,7 @@
 Why: NATS drops a connection (or nats-py raises a bare ``MaxPayloadError``) when a
 message is over the server's ``max_payload``; the caller would see a hang or a vague
 error. These helpers check the size against the connected server's limit first and
-raise :class:`~bus.messages.PayloadTooLarge` naming the size and the limit.
+raise :class:`~bus.wire.PayloadTooLarge` naming the size and the limit.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from nats.aio.msg import Msg
 from nats.js.api import PubAck
 from nats.js.client import JetStreamContext
 
-from bus.messages import check_payload, decode, encode, headers
 from bus.replay import SentLog
+from bus.wire import check_payload, decode, encode, headers
 
 
 def _prepare(

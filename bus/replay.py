@@ -4,7 +4,7 @@ Why: core NATS delivers at most once. A message published while its receiver was
 member died and it failed over to another, or the sender's own connection broke with bytes still in it) is
 gone. The senders that matter keep what they sent: a decode worker every stream message of a request (its
 tokens, its end), a prefill worker its answers to a job. A receiver that sees a gap in the ``seq`` numbers,
-hears nothing for a while, or has just reconnected publishes a :class:`~bus.messages.Replay`; the sender
+hears nothing for a while, or has just reconnected publishes a :class:`~bus.control_messages.Replay`; the sender
 publishes the kept messages again, unchanged, and the receiver drops what it already had by ``seq``.
 
 A key is kept while it is open and ``keep_s`` seconds after its last message (a finish, an error, a

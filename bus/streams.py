@@ -31,8 +31,9 @@ from nats.js import api
 from nats.js.client import JetStreamContext
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
-from bus.messages import Claim, encode, headers
+from bus.control_messages import Claim
 from bus.subjects import Subjects
+from bus.wire import encode, headers
 
 log = logging.getLogger("tandem.bus.streams")
 

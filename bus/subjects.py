@@ -167,7 +167,7 @@ class Subjects:
     def replay(self, kind: str) -> str:
         """``tandem.<model>.replay.stream|prefill``: ask the decode workers (what they sent on a request's
         ``stream``) or the prefill workers (their answers to a ``prefill`` job) to publish it again
-        (``bus.messages.Replay``); every worker of that kind hears it."""
+        (``bus.control_messages.Replay``); every worker of that kind hears it."""
         if kind not in ("stream", "prefill"):
             raise ValueError(f"replay is asked for 'stream' or 'prefill' messages, not {kind!r}")
         return f"{self.namespace}.{self.model_token}.replay.{kind}"

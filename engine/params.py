@@ -1,8 +1,8 @@
 """The one request schema: sampling parameters of one sequence, and the grammar its output follows.
 
-Why here: the gateway builds it, the bus carries it (``bus.messages`` embeds it in GenerateRequest
-and PrefillJob) and the engine samples with it, so it lives in the lowest layer that all three
-import, without torch (the gateway never imports torch). It is validated twice: at the edge
+Why here: the gateway builds it, the bus carries it (``bus.generate_messages`` and ``bus.prefill_messages``
+embed it in GenerateRequest and PrefillJob) and the engine samples with it, so it lives in the lowest layer
+that all three import, without torch (the gateway never imports torch). It is validated twice: at the edge
 (the gateway, or a worker decoding a hand-written bus message) and where the engine accepts it;
 :meth:`SamplingParams.validate` is that one check, and its error names the field for an HTTP 400.
 """

@@ -35,8 +35,8 @@ from fastapi.staticfiles import StaticFiles
 from nats.js.errors import APIError as NatsAPIError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from bus.connection import BusOptions
 from bus.demand import demands
+from bus.options import BusOptions
 from bus.subjects import Subjects
 from gateway.bus_client import GatewayBus
 from gateway.cluster import ClusterView

@@ -29,22 +29,15 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import APIError, NoStreamResponseError
 
-from bus.connection import BusOptions, connect, force_reconnect, member_answers
-from bus.messages import (
-    Cancel,
-    GenerateRequest,
-    MessageError,
-    PayloadTooLarge,
-    Replay,
-    StreamMessage,
-    StreamTokens,
-    WorkerStats,
-    decode,
-    sender_of,
-)
+from bus.connection import connect, force_reconnect, member_answers
+from bus.control_messages import Cancel, Replay
+from bus.generate_messages import GenerateRequest, StreamMessage, StreamTokens, sender_of
+from bus.options import BusOptions
 from bus.publish import js_publish, publish
+from bus.stats_messages import WorkerStats
 from bus.streams import ensure_streams
 from bus.subjects import Subjects, model_token
+from bus.wire import MessageError, PayloadTooLarge, decode
 from gateway.errors import OpenAIError
 from gateway.router import WorkerRegistry
 

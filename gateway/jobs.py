@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bus.messages import Usage
+from bus.generate_messages import Usage
 from engine.params import SamplingParams
 from gateway.tools import ToolSet
 

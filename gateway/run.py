@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from bus.messages import ErrorCode, GenerateRequest, StreamError, StreamFinish, StreamTokens
+from bus.generate_messages import GenerateRequest, StreamError, StreamFinish, StreamTokens
 from bus.streams import DEFAULT_GENERATE
+from bus.wire import ErrorCode
 from gateway.bus_client import BUS_BACK, BUS_LOST, FAILOVER_WAIT_S, NoResponders, Unreadable
 from gateway.errors import OpenAIError
 from gateway.jobs import ASK_AGAIN_MAX_S, ASK_AGAIN_S, Job, Prepared

@@ -85,7 +85,7 @@ REMOTE_PREFILL_WAIT = Histogram("tandem_decode_remote_prefill_wait_seconds",
 WORKER_CANCELLED = Counter("tandem_worker_cancelled_total", "Requests stopped because their client or gateway "
                            "cancelled them", ["role"], registry=REGISTRY)
 REPLAYED = Counter("tandem_worker_replayed_messages_total", "Messages published again because a receiver asked "
-                   "(bus.messages.Replay): stream messages (decode) or prefill answers (prefill)", ["role"],
+                   "(bus.control_messages.Replay): stream messages (decode) or prefill answers (prefill)", ["role"],
                    registry=REGISTRY)
 SPEC_DRAFT_TOKENS = Counter("tandem_spec_draft_tokens_total", "Draft tokens verified (speculative decoding)",
                             registry=REGISTRY)

@@ -102,7 +102,7 @@ def load_env_file(path: str) -> None:
 
 def _apply_preamble(argv: list[str]) -> None:
     """``--env-file`` and ``--nats-user`` act before anything reads the environment (defaults, settings)."""
-    from bus.connection import user_login
+    from bus.options import user_login
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env-file", action="append", default=[])
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reached through same-host shared memory)", choices=["auto", "on", "off"])
     sv.set_defaults(func=cmd_serve)
 
-    from bus.server import build_parser as nats_parser
+    from bus.nats_command import build_parser as nats_parser
 
     n = nats_parser(sub.add_parser("nats", help="run the embedded nats-server (JetStream) alone"))
     n.set_defaults(func=cmd_nats)
@@ -252,7 +252,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_nats(args: argparse.Namespace) -> int:
-    from bus.server import run
+    from bus.nats_command import run
 
     return run(args)
 

@@ -22,9 +22,10 @@ from typing import Any
 
 from nats.aio.client import Client
 
-from bus.connection import BusConnectError, BusOptions, connect
+from bus.connection import connect
 from bus.credentials import NKeyCredential, issue_nkey, write_private
 from bus.nats_config import User, render_embedded, role_user
+from bus.options import BusConnectError, BusOptions
 from bus.subjects import ROLE_GATEWAY, ROLE_OBSERVER, Subjects
 
 #: the user of ``tandem up`` itself (creates the streams, reads demand for --autoscale): everything in the account

@@ -60,7 +60,7 @@ class Printer:
 
     def summary(self, msg: Any) -> str:
         """What one decoded tandem message says, in a few words."""
-        from bus.messages import kind_of
+        from bus.wire import kind_of
 
         k = kind_of(type(msg))
         if k == "generate_request":
@@ -115,7 +115,8 @@ class Printer:
 def describe(subject: str, data: bytes, headers: dict[str, str] | None,
              printer: Printer) -> tuple[str, str, str | None]:
     """(kind, summary, request id) of one raw NATS message; undecodable ones are shown raw."""
-    from bus.messages import REQUEST_ID_HEADER, MessageError, decode_any, kind_of
+    from bus.messages import decode_any
+    from bus.wire import REQUEST_ID_HEADER, MessageError, kind_of
 
     rid = (headers or {}).get(REQUEST_ID_HEADER)
     if not data:

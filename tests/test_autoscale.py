@@ -20,7 +20,7 @@ import pytest
 
 from bench.cluster import TandemUp
 from bus.demand import Demand, held_by, lag_from_jsz, role_demand
-from bus.messages import WorkerStats
+from bus.stats_messages import WorkerStats
 from tandem.up import UpError
 from tandem.up.autoscale import SCALED_ROLE, Decider, RolePolicy, parse_ranges, parse_role_numbers, policies
 from tandem.up.flags import configure_parser

@@ -26,10 +26,22 @@ import pytest
 from nats.js import api
 from nats.js.errors import NoStreamResponseError
 
-from bus import messages as m
-from bus.connection import BusConnectError, BusOptions, backoff_delay, connect, pick_server, redact_url
+from bus.connection import backoff_delay, connect, pick_server
+from bus.control_messages import Cancel, Claim, Replay
+from bus.generate_messages import GenerateRequest, StreamError, StreamFinish, StreamTokens, Timings, Usage
+from bus.messages import MESSAGE_TYPES, decode_any
+from bus.options import BusConnectError, BusOptions, redact_url
+from bus.prefill_messages import (
+    KVDestination,
+    KVMetaReply,
+    KVMetaRequest,
+    PrefillAccepted,
+    PrefillDone,
+    PrefillJob,
+)
 from bus.publish import js_publish, publish, request, respond
 from bus.server import EmbeddedNats, NatsServerError, find_nats_server
+from bus.stats_messages import AutoscaleState, RoleScale, WorkerStats
 from bus.streams import (
     StreamConfigError,
     WorkQueueConfig,
@@ -48,6 +60,19 @@ from bus.subjects import (
     model_token,
     safe_token,
 )
+from bus.wire import (
+    REQUEST_ID_HEADER,
+    SCHEMA_VERSION,
+    ErrorCode,
+    MessageError,
+    PayloadTooLarge,
+    check_payload,
+    decode,
+    encode,
+    kind_of,
+    request_id_of,
+)
+from engine.params import SamplingParams
 from runtime.names import check_token
 from tests.harness.wait import wait_until
 
@@ -149,7 +174,7 @@ def test_port_in_use_is_clear(server: EmbeddedNats) -> None:
 
 
 def test_main_runs_until_interrupt(tmp_path: Path) -> None:
-    code = "import sys; from bus.server import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from bus.nats_command import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "--port", "0", "--store-dir", str(tmp_path / "st")],
         cwd=ROOT,
@@ -560,7 +585,7 @@ def test_permissions_shape() -> None:
 
 
 def sample_messages() -> list[msgspec.Struct]:
-    sp = m.SamplingParams(
+    sp = SamplingParams(
         max_tokens=32,
         temperature=0.7,
         top_p=0.9,
@@ -574,7 +599,7 @@ def sample_messages() -> list[msgspec.Struct]:
         top_logprobs=3,
         ignore_eos=False,
     )
-    dst = m.KVDestination(
+    dst = KVDestination(
         engine="shm",
         worker_id="d1",
         incarnation="i1",
@@ -583,7 +608,7 @@ def sample_messages() -> list[msgspec.Struct]:
         endpoint="/tandem-d1",
     )
     return [
-        m.GenerateRequest(
+        GenerateRequest(
             request_id="r1",
             prompt_ids=[1, 2, 3],
             sampling=sp,
@@ -593,7 +618,7 @@ def sample_messages() -> list[msgspec.Struct]:
             target_endpoint="p1",
             model="smollm2",
         ),
-        m.PrefillJob(
+        PrefillJob(
             request_id="r1",
             prompt_ids=[1, 2, 3],
             sampling=sp,
@@ -605,8 +630,8 @@ def sample_messages() -> list[msgspec.Struct]:
             decode_worker_id="d1",
             attempt=1,
         ),
-        m.PrefillAccepted(request_id="r1", attempt=1, prefill_worker_id="p1"),
-        m.PrefillDone(
+        PrefillAccepted(request_id="r1", attempt=1, prefill_worker_id="p1"),
+        PrefillDone(
             request_id="r1",
             ok=True,
             first_token=42,
@@ -616,10 +641,10 @@ def sample_messages() -> list[msgspec.Struct]:
             prefill_worker_id="p1",
             cached_tokens=16,
         ),
-        m.PrefillDone(
-            request_id="r1", ok=False, error="layout mismatch: a vs b", error_code=m.ErrorCode.LAYOUT_MISMATCH
+        PrefillDone(
+            request_id="r1", ok=False, error="layout mismatch: a vs b", error_code=ErrorCode.LAYOUT_MISMATCH
         ),
-        m.StreamTokens(
+        StreamTokens(
             request_id="r1",
             seq=0,
             token_ids=[42, 43],
@@ -627,32 +652,32 @@ def sample_messages() -> list[msgspec.Struct]:
             logprobs=[-0.5, -0.1],
             top_logprobs=[[(42, -0.5)], [(43, -0.1)]],
         ),
-        m.StreamFinish(
+        StreamFinish(
             request_id="r1",
             seq=1,
             finish_reason="stop",
-            usage=m.Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1),
-            timings=m.Timings(queue=0.001, prefill=0.1, transfer=0.02, decode=0.3),
+            usage=Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1),
+            timings=Timings(queue=0.001, prefill=0.1, transfer=0.02, decode=0.3),
             prefill_mode="remote",
             prefill_worker_id="p1",
             worker_id="d1",
             incarnation="i1",
         ),
-        m.StreamError(
-            request_id="r1", seq=2, code=m.ErrorCode.DEADLINE_EXCEEDED, message="too slow", status=504
+        StreamError(
+            request_id="r1", seq=2, code=ErrorCode.DEADLINE_EXCEEDED, message="too slow", status=504
         ),
-        m.Cancel(request_id="r1", reason="client disconnected"),
-        m.Claim(key="GenerateRequest:r1", request_id="r1", worker_id="d1"),
-        m.Replay(key="r1", from_seq=3, requester="gw1"),
-        m.KVMetaRequest(worker_id="d1", engine="nixl"),
-        m.KVMetaReply(
+        Cancel(request_id="r1", reason="client disconnected"),
+        Claim(key="GenerateRequest:r1", request_id="r1", worker_id="d1"),
+        Replay(key="r1", from_seq=3, requester="gw1"),
+        KVMetaRequest(worker_id="d1", engine="nixl"),
+        KVMetaReply(
             worker_id="p1",
             incarnation="i9",
             engine="nixl",
             meta={"agent": "p1", "n": 3},
             blob=bytes(range(256)),
         ),
-        m.WorkerStats(
+        WorkerStats(
             role="decode_only",
             worker_id="d1",
             model="smollm2",
@@ -666,42 +691,42 @@ def sample_messages() -> list[msgspec.Struct]:
             max_batch=32,
             deferred_prefills=2,
         ),
-        m.AutoscaleState(scaler="up-1", model="smollm2", roles=[
-            m.RoleScale(role="decode", demand=9, lag=1, desired=2, actual=1, min=1, max=2, last_action="up")]),
+        AutoscaleState(scaler="up-1", model="smollm2", roles=[
+            RoleScale(role="decode", demand=9, lag=1, desired=2, actual=1, min=1, max=2, last_action="up")]),
     ]
 
 
 def test_every_message_round_trips() -> None:
     samples = sample_messages()
-    assert {type(x) for x in samples} == set(m.MESSAGE_TYPES)  # every type covered
+    assert {type(x) for x in samples} == set(MESSAGE_TYPES)  # every type covered
     for msg in samples:
-        data = m.encode(msg)
+        data = encode(msg)
         obj = json.loads(data)
-        assert obj["kind"] == m.kind_of(type(msg)) and obj["v"] == m.SCHEMA_VERSION
-        assert m.decode(data, type(msg)) == msg
-        assert m.decode_any(data) == msg
+        assert obj["kind"] == kind_of(type(msg)) and obj["v"] == SCHEMA_VERSION
+        assert decode(data, type(msg)) == msg
+        assert decode_any(data) == msg
 
 
 def test_decode_errors_are_clear() -> None:
-    with pytest.raises(m.MessageError, match="cannot decode GenerateRequest.*stream_subject"):
-        m.decode(b'{"request_id": "r"}', m.GenerateRequest)
-    with pytest.raises(m.MessageError, match="cannot decode StreamTokens"):
-        m.decode(b"{not json", m.StreamTokens)
-    with pytest.raises(m.MessageError, match=r"\$.seq"):
-        m.decode(b'{"request_id":"r","seq":-1,"token_ids":[]}', m.StreamTokens)
-    with pytest.raises(m.MessageError, match="kind"):
-        m.decode(m.encode(m.Cancel(request_id="r")), m.StreamTokens)
-    with pytest.raises(m.MessageError, match="newer"):
-        m.decode(b'{"kind":"cancel","v":99,"request_id":"r"}', m.Cancel)
-    with pytest.raises(m.MessageError, match="temperature"):  # types are the bus's check
-        m.decode(b'{"request_id":"r","stream_subject":"s","sampling":{"temperature":"hot"}}', m.GenerateRequest)
+    with pytest.raises(MessageError, match="cannot decode GenerateRequest.*stream_subject"):
+        decode(b'{"request_id": "r"}', GenerateRequest)
+    with pytest.raises(MessageError, match="cannot decode StreamTokens"):
+        decode(b"{not json", StreamTokens)
+    with pytest.raises(MessageError, match=r"\$.seq"):
+        decode(b'{"request_id":"r","seq":-1,"token_ids":[]}', StreamTokens)
+    with pytest.raises(MessageError, match="kind"):
+        decode(encode(Cancel(request_id="r")), StreamTokens)
+    with pytest.raises(MessageError, match="newer"):
+        decode(b'{"kind":"cancel","v":99,"request_id":"r"}', Cancel)
+    with pytest.raises(MessageError, match="temperature"):  # types are the bus's check
+        decode(b'{"request_id":"r","stream_subject":"s","sampling":{"temperature":"hot"}}', GenerateRequest)
     # ranges are the one schema's own check (engine.params), which the worker runs on what it takes
-    bad = m.decode(b'{"request_id":"r","stream_subject":"s","sampling":{"temperature":-1}}', m.GenerateRequest)
+    bad = decode(b'{"request_id":"r","stream_subject":"s","sampling":{"temperature":-1}}', GenerateRequest)
     with pytest.raises(ValueError, match="temperature") as e:
         bad.sampling.validate()
     assert e.value.args[1] == "temperature"
     # hand-written JSON (nats CLI): kind optional for a known type, unknown fields ignored
-    req = m.decode(b'{"request_id":"r","prompt":"Hello","stream_subject":"s","extra":1}', m.GenerateRequest)
+    req = decode(b'{"request_id":"r","prompt":"Hello","stream_subject":"s","extra":1}', GenerateRequest)
     assert req.prompt == "Hello" and req.sampling.max_tokens == 256
 
 
@@ -720,11 +745,11 @@ def test_raw_subscriber_sees_json_and_request_id_header(server: EmbeddedNats) ->
             for msg in samples:
                 got = await sub.next_msg(timeout=10)
                 body = json.loads(got.data)
-                assert body["kind"] == m.kind_of(type(msg))
+                assert body["kind"] == kind_of(type(msg))
                 rid = getattr(msg, "request_id", None)
                 if rid is not None:
-                    assert got.headers is not None and got.headers[m.REQUEST_ID_HEADER] == rid
-                    assert m.request_id_of(got) == rid
+                    assert got.headers is not None and got.headers[REQUEST_ID_HEADER] == rid
+                    assert request_id_of(got) == rid
         finally:
             await raw.close()
             await nc.close()
@@ -738,16 +763,16 @@ def test_request_reply_helpers(server: EmbeddedNats) -> None:
         s = Subjects(model="m")
 
         async def handler(msg: Any) -> None:
-            req = m.decode(msg.data, m.KVMetaRequest)
+            req = decode(msg.data, KVMetaRequest)
             await respond(
-                nc, msg, m.KVMetaReply(worker_id="p1", incarnation="i", meta={"for": req.worker_id})
+                nc, msg, KVMetaReply(worker_id="p1", incarnation="i", meta={"for": req.worker_id})
             )
 
         await nc.subscribe(s.kv_meta("p1"), cb=handler)
-        reply = await request(nc, s.kv_meta("p1"), m.KVMetaRequest(worker_id="d1"), m.KVMetaReply, timeout=10)
+        reply = await request(nc, s.kv_meta("p1"), KVMetaRequest(worker_id="d1"), KVMetaReply, timeout=10)
         assert reply.meta == {"for": "d1"}
         with pytest.raises(nats.errors.NoRespondersError):  # unknown worker: immediate error, no hang
-            await request(nc, s.kv_meta("ghost"), m.KVMetaRequest(worker_id="d1"), m.KVMetaReply, timeout=10)
+            await request(nc, s.kv_meta("ghost"), KVMetaRequest(worker_id="d1"), KVMetaReply, timeout=10)
         await nc.close()
 
     run(go())
@@ -759,9 +784,9 @@ def test_request_reply_helpers(server: EmbeddedNats) -> None:
 
 
 def test_check_payload_unit() -> None:
-    assert m.check_payload(b"x" * 10, 100) == 10
-    with pytest.raises(m.PayloadTooLarge) as ei:
-        m.check_payload(b"x" * 90, 100, "tandem.a", {"Tandem-Request-Id": "r"})
+    assert check_payload(b"x" * 10, 100) == 10
+    with pytest.raises(PayloadTooLarge) as ei:
+        check_payload(b"x" * 90, 100, "tandem.a", {"Tandem-Request-Id": "r"})
     e = ei.value
     assert e.limit == 100 and e.size > 100 and "max_payload of 100 bytes" in str(e) and str(e.size) in str(e)
 
@@ -777,20 +802,20 @@ def test_oversize_refused_before_sending(tmp_path: Path) -> None:
             assert nc.max_payload == limit
             s = Subjects(model="m")
             sub = await nc.subscribe(s.generate_worker("d1"))
-            big = m.GenerateRequest(request_id="r-big", prompt_ids=list(range(20_000)), stream_subject="x")
-            size = len(m.encode(big))
-            with pytest.raises(m.PayloadTooLarge) as ei:
+            big = GenerateRequest(request_id="r-big", prompt_ids=list(range(20_000)), stream_subject="x")
+            size = len(encode(big))
+            with pytest.raises(PayloadTooLarge) as ei:
                 await publish(nc, s.generate_worker("d1"), big)
             text = str(ei.value)
             assert str(limit) in text and str(ei.value.size) in text and ei.value.size >= size
             assert s.generate_worker("d1") in text
             await ensure_streams(nc, s)
-            with pytest.raises(m.PayloadTooLarge):
+            with pytest.raises(PayloadTooLarge):
                 await js_publish(nc, s.generate_pool, big)
-            small = m.GenerateRequest(request_id="r-ok", prompt_ids=[1, 2], stream_subject="x")
+            small = GenerateRequest(request_id="r-ok", prompt_ids=[1, 2], stream_subject="x")
             await publish(nc, s.generate_worker("d1"), small)
             got = await sub.next_msg(timeout=10)  # the connection is still healthy
-            assert m.decode(got.data, m.GenerateRequest).request_id == "r-ok"
+            assert decode(got.data, GenerateRequest).request_id == "r-ok"
             with pytest.raises(nats.errors.TimeoutError):
                 await sub.next_msg(timeout=0.2)  # the big one never went out
             await nc.close()
@@ -873,7 +898,7 @@ def test_pool_message_pulled_once_and_targeted_not_captured(server: EmbeddedNats
         w2 = await pull_subscription(nc, s, "generate")
         assert await fetch_one(w1, timeout=0.2) is None  # empty queue: None after the timeout
 
-        req = m.GenerateRequest(request_id="r-pool", prompt_ids=[1], stream_subject=s.stream("g", "r-pool"))
+        req = GenerateRequest(request_id="r-pool", prompt_ids=[1], stream_subject=s.stream("g", "r-pool"))
         ack = await js_publish(nc, s.generate_pool, req, msg_id="r-pool:0")
         assert ack.stream == s.generate_stream
         dup = await js_publish(nc, s.generate_pool, req, msg_id="r-pool:0")  # retried publish: stored once
@@ -881,8 +906,8 @@ def test_pool_message_pulled_once_and_targeted_not_captured(server: EmbeddedNats
         assert (await pool_backlog(nc, s, "generate"))[0] == 1
 
         got = await fetch_one(w1, timeout=10)
-        assert got is not None and m.request_id_of(got) == "r-pool"
-        assert m.decode(got.data, m.GenerateRequest) == req
+        assert got is not None and request_id_of(got) == "r-pool"
+        assert decode(got.data, GenerateRequest) == req
         assert await fetch_one(w2, timeout=0.3) is None  # the other worker does not get it
         await got.ack_sync(timeout=10)
         info = await nc.jetstream().stream_info(s.generate_stream)
@@ -892,7 +917,7 @@ def test_pool_message_pulled_once_and_targeted_not_captured(server: EmbeddedNats
         # a targeted request is core request-reply, not swallowed by the stream
         tsub = await nc.subscribe(s.generate_worker("d1"))
         await publish(nc, s.generate_worker("d1"), req)
-        assert m.decode((await tsub.next_msg(timeout=10)).data, m.GenerateRequest) == req
+        assert decode((await tsub.next_msg(timeout=10)).data, GenerateRequest) == req
         info = await nc.jetstream().stream_info(s.generate_stream)
         assert info.state.messages == 0
         await tsub.unsubscribe()
@@ -903,7 +928,7 @@ def test_pool_message_pulled_once_and_targeted_not_captured(server: EmbeddedNats
         assert job_ack.stream == s.prefill_stream
         pw = await pull_subscription(nc, s, "prefill")
         job = await fetch_one(pw, timeout=10)
-        assert job is not None and isinstance(m.decode_any(job.data), m.PrefillJob)
+        assert job is not None and isinstance(decode_any(job.data), PrefillJob)
         await job.ack()
         assert await fetch_one(w1, timeout=0.2) is None
         await nc.close()
@@ -919,7 +944,7 @@ def test_unacked_message_is_redelivered(server: EmbeddedNats) -> None:
             nc, s, generate=WorkQueueConfig(ack_wait=0.5, max_deliver=2, duplicate_window=1.0)
         )
         w = await pull_subscription(nc, s, "generate")
-        await js_publish(nc, s.generate_pool, m.Cancel(request_id="r-x"))
+        await js_publish(nc, s.generate_pool, Cancel(request_id="r-x"))
         first = await fetch_one(w, timeout=10)
         assert first is not None and first.metadata.num_delivered == 1
         again = await fetch_one(w, timeout=10)  # not acked: back after ack_wait
@@ -962,16 +987,16 @@ def test_role_permissions_on_real_server(tmp_path: Path, caplog: pytest.LogCaptu
             await js_publish(admin, s.prefill_pool, job)
             psub = await pull_subscription(worker, s, "prefill")
             got = await fetch_one(psub, timeout=10)
-            assert got is not None and m.decode(got.data, m.PrefillJob).request_id == job.request_id
+            assert got is not None and decode(got.data, PrefillJob).request_id == job.request_id
             await got.ack_sync(timeout=10)
             await publish(
-                worker, s.prefill_done("d1", "r1"), m.PrefillDone(request_id="r1", ok=True, first_token=1)
+                worker, s.prefill_done("d1", "r1"), PrefillDone(request_id="r1", ok=True, first_token=1)
             )
-            assert m.decode((await done_sub.next_msg(timeout=10)).data, m.PrefillDone).ok
+            assert decode((await done_sub.next_msg(timeout=10)).data, PrefillDone).ok
             # not allowed for a prefill worker: enqueue generate requests, write to a gateway stream
             spy = await admin.subscribe(s.stream("g", "r1"))
-            await publish(worker, s.stream("g", "r1"), m.Cancel(request_id="r1"))
-            await publish(worker, s.generate_pool, m.Cancel(request_id="r1"))
+            await publish(worker, s.stream("g", "r1"), Cancel(request_id="r1"))
+            await publish(worker, s.generate_pool, Cancel(request_id="r1"))
             await worker.flush(timeout=10)
             with pytest.raises(nats.errors.TimeoutError):
                 await spy.next_msg(timeout=0.3)

@@ -26,10 +26,15 @@ import nkeys
 import pytest
 
 from bench.cluster import MODEL, TandemUp
-from bus import messages as m
 from bus import nats_config as natsconf
+from bus.control_messages import Cancel
+from bus.generate_messages import GenerateRequest, StreamMessage, StreamTokens
+from bus.prefill_messages import KVMetaRequest, PrefillDone
 from bus.publish import publish
+from bus.stats_messages import WorkerStats
 from bus.subjects import ROLE_DECODE_ONLY, ROLE_GATEWAY, ROLE_OBSERVER, ROLE_PREFILL_ONLY, Subjects
+from bus.wire import decode as decode_msg
+from bus.wire import encode
 from tests.harness.cluster import tandem_up
 from tests.harness.gateway import dropped_counts
 from tests.harness.native import NEEDS_NATIVE
@@ -91,7 +96,7 @@ class Login:
 
 async def none_arrives(sub: Any, sent: list[Any], wait: float = 0.5) -> None:
     """None of the ``sent`` messages reaches ``sub`` (which also hears the cluster's own traffic)."""
-    forged = {m.encode(msg) for msg in sent}
+    forged = {encode(msg) for msg in sent}
     deadline = asyncio.get_running_loop().time() + wait
     while (left := deadline - asyncio.get_running_loop().time()) > 0:
         try:
@@ -153,17 +158,17 @@ def test_the_debug_credential_watches_and_cannot_publish(up: TandemUp) -> None:
             await answer
             spy = await owner.nc.subscribe(S.all)
             await owner.nc.flush()
-            req = m.GenerateRequest(request_id="dbg", prompt_ids=[1, 2], stream_subject=S.stream("gw-x", "dbg"))
+            req = GenerateRequest(request_id="dbg", prompt_ids=[1, 2], stream_subject=S.stream("gw-x", "dbg"))
             sent = [(S.generate_pool, req), (S.generate_worker("decode-1"), req),
-                    (S.stream("gw-x", "dbg"), m.StreamTokens(request_id="dbg", seq=1, token_ids=[1])),
-                    (S.cancel("dbg"), m.Cancel(request_id="dbg")),
-                    (S.prefill_done("decode-1", "dbg"), m.PrefillDone(request_id="dbg", ok=False)),
-                    (S.stats(ROLE_DECODE_ONLY, "decode-1"), m.WorkerStats(role=ROLE_DECODE_ONLY, worker_id="decode-1",
-                                                                         uptime=1e6))]
+                    (S.stream("gw-x", "dbg"), StreamTokens(request_id="dbg", seq=1, token_ids=[1])),
+                    (S.cancel("dbg"), Cancel(request_id="dbg")),
+                    (S.prefill_done("decode-1", "dbg"), PrefillDone(request_id="dbg", ok=False)),
+                    (S.stats(ROLE_DECODE_ONLY, "decode-1"), WorkerStats(role=ROLE_DECODE_ONLY, worker_id="decode-1",
+                                                                       uptime=1e6))]
             for subject, msg in sent:
                 await publish(debug.nc, subject, msg)
             with pytest.raises(nats.errors.Error):  # no transfer metadata for it either
-                await debug.nc.request(S.kv_meta("decode-1"), m.encode(m.KVMetaRequest()), timeout=2)
+                await debug.nc.request(S.kv_meta("decode-1"), encode(KVMetaRequest()), timeout=2)
             await debug.violations(7)
             await none_arrives(spy, [msg for _, msg in sent])
 
@@ -195,20 +200,20 @@ def test_each_process_may_publish_and_read_only_its_own_subjects(up: TandemUp) -
                 Login(up, "decode-1") as decode, Login(up, gw_id) as gw:
             spy = await owner.nc.subscribe(S.all)
             await owner.nc.flush()
-            req = m.GenerateRequest(request_id="x", prompt_ids=[1], stream_subject=S.stream(gw_id, "x"))
-            tokens = m.StreamTokens(request_id="x", seq=1, token_ids=[1])
+            req = GenerateRequest(request_id="x", prompt_ids=[1], stream_subject=S.stream(gw_id, "x"))
+            tokens = StreamTokens(request_id="x", seq=1, token_ids=[1])
             sent = [
                 # a prefill worker: no tokens into answers, no requests, no load report in another's name
                 (prefill, S.stream(gw_id, "x"), tokens), (prefill, S.generate_pool, req),
                 (prefill, S.stats(ROLE_PREFILL_ONLY, "prefill-2"),
-                 m.WorkerStats(role=ROLE_PREFILL_ONLY, worker_id="prefill-2")),
+                 WorkerStats(role=ROLE_PREFILL_ONLY, worker_id="prefill-2")),
                 # a decode worker: no prefill results, no requests, not another worker's reports
-                (decode, S.prefill_done("decode-2", "x"), m.PrefillDone(request_id="x", ok=True)),
+                (decode, S.prefill_done("decode-2", "x"), PrefillDone(request_id="x", ok=True)),
                 (decode, S.generate_pool, req),
-                (decode, S.stats(ROLE_DECODE_ONLY, "decode-2"), m.WorkerStats(role=ROLE_DECODE_ONLY,
-                                                                             worker_id="decode-2", uptime=1e6)),
+                (decode, S.stats(ROLE_DECODE_ONLY, "decode-2"), WorkerStats(role=ROLE_DECODE_ONLY,
+                                                                           worker_id="decode-2", uptime=1e6)),
                 # the gateway: no tokens, no prefill jobs
-                (gw, S.stream(gw_id, "x"), tokens), (gw, S.prefill_pool, m.Cancel(request_id="x"))]
+                (gw, S.stream(gw_id, "x"), tokens), (gw, S.prefill_pool, Cancel(request_id="x"))]
             for who, subject, msg in sent:
                 await publish(who.nc, subject, msg)
             await prefill.violations(3)
@@ -251,8 +256,8 @@ def test_injected_tokens_never_reach_the_client(up: TandemUp) -> None:
             answer = asyncio.create_task(asyncio.to_thread(chat, up))
             while True:  # the answer's admission notice names its decode worker and process
                 msg = await streams.next_msg(timeout=60)
-                first = m.decode(msg.data, m.StreamMessage)
-                if isinstance(first, m.StreamTokens):
+                first = decode_msg(msg.data, StreamMessage)
+                if isinstance(first, StreamTokens):
                     break
             holder = first.worker_id
             other = "decode-2" if holder == "decode-1" else "decode-1"
@@ -260,11 +265,11 @@ def test_injected_tokens_never_reach_the_client(up: TandemUp) -> None:
                 sent = 0
                 for seq in range(first.seq + 1, first.seq + 40):
                     for who, incarnation in ((other, "x"), (holder, "forged")):
-                        await publish(rogue.nc, msg.subject, m.StreamTokens(
+                        await publish(rogue.nc, msg.subject, StreamTokens(
                             request_id=first.request_id, seq=seq, token_ids=[42], text=" INJECTED",
                             worker_id=who, incarnation=incarnation))
                         sent += 1
-                await publish(prefill.nc, msg.subject, m.StreamTokens(
+                await publish(prefill.nc, msg.subject, StreamTokens(
                     request_id=first.request_id, seq=first.seq + 1, token_ids=[42], text=" INJECTED",
                     worker_id=holder, incarnation=first.incarnation))
                 await prefill.violations(1)

@@ -18,19 +18,12 @@ import pytest
 from actors.base import SeenIds
 from actors.decode import DecodeActor, Request
 from actors.remote_prefill import CANCELLED, LANDED, PrefillWorkers, RemotePrefills
-from bus.messages import (
-    ErrorCode,
-    GenerateRequest,
-    PrefillAccepted,
-    PrefillDone,
-    PrefillJob,
-    StreamError,
-    WorkerStats,
-    decode,
-    encode,
-)
+from bus.generate_messages import GenerateRequest, StreamError
+from bus.prefill_messages import PrefillAccepted, PrefillDone, PrefillJob
 from bus.replay import SentLog
+from bus.stats_messages import WorkerStats
 from bus.subjects import Subjects
+from bus.wire import ErrorCode, decode, encode
 from kv.layout import KVLayout
 from kv.transfer import create_engine
 from runtime.settings import Settings

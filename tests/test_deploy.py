@@ -28,21 +28,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bus import nats_config as natsconf
+from bus.control_messages import Cancel
 from bus.demand import lag_from_jsz, pool_lag
-from bus.messages import (
-    Cancel,
-    GenerateRequest,
-    KVDestination,
-    KVMetaReply,
-    KVMetaRequest,
-    PrefillDone,
-    PrefillJob,
-    WorkerStats,
-    encode,
-)
-from bus.messages import decode as decode_msg
+from bus.generate_messages import GenerateRequest
+from bus.prefill_messages import KVDestination, KVMetaReply, KVMetaRequest, PrefillDone, PrefillJob
 from bus.publish import js_publish, publish
 from bus.server import EmbeddedNats, find_nats_server
+from bus.stats_messages import WorkerStats
 from bus.streams import ensure_streams, fetch_one, pull_subscription
 from bus.subjects import (
     GENERATE_CONSUMER,
@@ -53,6 +45,8 @@ from bus.subjects import (
     ROLE_PREFILL_ONLY,
     Subjects,
 )
+from bus.wire import decode as decode_msg
+from bus.wire import encode
 from engine.model_files import DEFAULT_MODEL, model_name
 from runtime.processes import ChildProcess
 from runtime.settings import read_env_file
@@ -473,7 +467,7 @@ def parse_tandem(cmd: list[str]) -> Any:
 #: TANDEM_* variables read by something other than runtime.settings.Settings.
 OTHER_ENV = {
     "TANDEM_NATS_USER", "TANDEM_NATS_PASSWORD", "TANDEM_NATS_TOKEN", "TANDEM_NATS_NKEY_SEED", "TANDEM_NATS_CREDS",
-    "TANDEM_NATS_TLS_CA", "TANDEM_NATS_TLS_CERT", "TANDEM_NATS_TLS_KEY", "TANDEM_NATS_INBOX_PREFIX",  # bus/connection.py
+    "TANDEM_NATS_TLS_CA", "TANDEM_NATS_TLS_CERT", "TANDEM_NATS_TLS_KEY", "TANDEM_NATS_INBOX_PREFIX",  # bus/options.py
     "TANDEM_GATEWAY_ID", "TANDEM_API_KEYS", "TANDEM_CACHE_DIR",  # runtime/settings.py, engine/loader.py
     "TANDEM_STREAMS_TIMEOUT",  # deploy/k8s/init-streams.py
     "TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT",  # tandem/cli.py
@@ -689,7 +683,7 @@ def test_the_emulated_machines_members_and_kubernetes_come_from_one_template(
     the template Kubernetes' StatefulSet runs: the same text but for the member's ports, routes and address."""
     import argparse
 
-    from bus.server import cluster_config, make_passwords
+    from bus.nats_command import cluster_config, make_passwords
 
     for line in make_passwords().splitlines():
         name, _, value = line.partition("=")

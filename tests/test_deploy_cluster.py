@@ -19,9 +19,9 @@ import pytest
 
 from bench.cluster import MODEL, Client, tandem_cmd
 from bus import nats_config as natsconf
-from bus.messages import REQUEST_ID_HEADER
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
+from bus.wire import REQUEST_ID_HEADER
 from tests.harness.chat import chat_prompt_ids
 from tests.harness.cluster import Proc, run_cli
 from tests.harness.deploy import login_env, password_env, render

@@ -27,12 +27,16 @@ import nats.errors
 import openai
 import pytest
 
-from bus import messages as m
+from bus.control_messages import Cancel
+from bus.generate_messages import StreamError, StreamFinish, StreamMessage, StreamTokens
 from bus.publish import publish
 from bus.server import EmbeddedNats
+from bus.stats_messages import WorkerStats
 from bus.streams import ensure_streams
 from bus.subjects import ROLE_PREFILL_AND_DECODE, Subjects
+from bus.wire import decode
 from engine.model_files import DEFAULT_MODEL
+from engine.params import SamplingParams
 from gateway.app import create_app
 from gateway.router import Route, WorkerRegistry
 from gateway.textmodel import TextModel, TokenBytes, load_text_model
@@ -130,9 +134,9 @@ def test_registry_prefers_cached_prefix_then_least_loaded() -> None:
     now = [100.0]
     reg = WorkerRegistry("m", clock=lambda: now[0], rng=random.Random(0))
 
-    def stats(wid: str, running: int = 0, free: int = 100, role: str = ROLE_PREFILL_AND_DECODE) -> m.WorkerStats:
-        return m.WorkerStats(role=role, worker_id=wid, running=running, free_blocks=free, total_blocks=100,
-                             max_batch=4)
+    def stats(wid: str, running: int = 0, free: int = 100, role: str = ROLE_PREFILL_AND_DECODE) -> WorkerStats:
+        return WorkerStats(role=role, worker_id=wid, running=running, free_blocks=free, total_blocks=100,
+                           max_batch=4)
 
     assert reg.choose([], 1).worker_id is None  # nothing known: the pool
     reg.observe(stats("a", running=2))
@@ -169,8 +173,8 @@ def test_registry_sends_a_prefix_again_only_where_it_is_cached() -> None:
     nothing on a prompt it served before: routing is by load alone there."""
     reg = WorkerRegistry("m", rng=random.Random(0))
     for wid in ("a", "b"):
-        reg.observe(m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id=wid, free_blocks=100, total_blocks=100,
-                                  max_batch=8, prefix_cache=False))
+        reg.observe(WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id=wid, free_blocks=100, total_blocks=100,
+                                max_batch=8, prefix_cache=False))
     hashes = prefix_hashes(list(range(64)), 16)
     reg.dispatched("a", hashes, 4)
     assert reg.choose(hashes, 4) == Route("b", "least loaded", 0)
@@ -181,9 +185,9 @@ def test_registry_pause_does_not_count_the_gateways_own_outage() -> None:
     when the link went down, so none is judged lost for the outage, and a worker silent before it stays so."""
     now = [100.0]
     reg = WorkerRegistry("m", clock=lambda: now[0], alive_after=3.0)
-    reg.observe(m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="quiet", max_batch=4))
+    reg.observe(WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="quiet", max_batch=4))
     now[0] = 102.0
-    reg.observe(m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="fresh", max_batch=4))
+    reg.observe(WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="fresh", max_batch=4))
     assert reg.last_heard() == 102.0
     now[0] = 112.0  # ten seconds away
     assert not reg.is_alive("fresh")
@@ -195,10 +199,10 @@ def test_registry_pause_does_not_count_the_gateways_own_outage() -> None:
 
 def test_registry_restart_forgets_cache() -> None:
     reg = WorkerRegistry("m")
-    s = m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="a", incarnation="one", max_batch=4)
+    s = WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="a", incarnation="one", max_batch=4)
     reg.observe(s)
     reg.remember("a", [b"x"])
-    reg.observe(m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="a", incarnation="two", max_batch=4))
+    reg.observe(WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="a", incarnation="two", max_batch=4))
     assert reg.workers["a"].blocks == {}
 
 
@@ -211,8 +215,8 @@ def test_routing_weighs_load_against_cached_prefix(text_model: TextModel) -> Non
     reg = WorkerRegistry("m", rng=random.Random(0))
 
     def report(wid: str, used: int = 0) -> None:
-        reg.observe(m.WorkerStats(role="decode_only", worker_id=wid, running=0, free_blocks=1000 - used,
-                                  total_blocks=1000, max_batch=64))
+        reg.observe(WorkerStats(role="decode_only", worker_id=wid, running=0, free_blocks=1000 - used,
+                                total_blocks=1000, max_batch=64))
 
     def route(ids: list[int], rid: str) -> Route:
         hashes = prefix_hashes(ids, bs)
@@ -986,17 +990,17 @@ def test_only_the_worker_holding_a_request_is_heard(gw: ServerThread, nats_srv: 
             sub = await nc.subscribe("tandem.stream.>")
             while True:  # the real stream's first tokens: its subject and the next sequence number
                 msg = await sub.next_msg(timeout=30)
-                real = m.decode(msg.data, m.StreamMessage)
-                if isinstance(real, m.StreamTokens) and real.token_ids:
+                real = decode(msg.data, StreamMessage)
+                if isinstance(real, StreamTokens) and real.token_ids:
                     break
             nxt, rid = real.seq + 1, real.request_id
             for label, fake in (
-                ("other_worker", m.StreamTokens(request_id=rid, seq=nxt, token_ids=[42], text=" INJECTED",
-                                                worker_id="fake-2", incarnation=worker.incarnation)),
-                ("other_process", m.StreamTokens(request_id=rid, seq=nxt, token_ids=[42], text=" INJECTED",
-                                                 worker_id=worker.worker_id, incarnation="a-forged-process")),
-                ("unsigned", m.StreamError(request_id=rid, seq=nxt, message="INJECTED failure", status=500)),
-                ("unsigned", m.StreamFinish(request_id=rid, seq=nxt, finish_reason="stop", text=" INJECTED")),
+                ("other_worker", StreamTokens(request_id=rid, seq=nxt, token_ids=[42], text=" INJECTED",
+                                              worker_id="fake-2", incarnation=worker.incarnation)),
+                ("other_process", StreamTokens(request_id=rid, seq=nxt, token_ids=[42], text=" INJECTED",
+                                               worker_id=worker.worker_id, incarnation="a-forged-process")),
+                ("unsigned", StreamError(request_id=rid, seq=nxt, message="INJECTED failure", status=500)),
+                ("unsigned", StreamFinish(request_id=rid, seq=nxt, finish_reason="stop", text=" INJECTED")),
             ):
                 await publish(nc, msg.subject, fake)
                 forged.append(label)
@@ -1132,17 +1136,17 @@ def test_handed_back_request_is_resent(nats_srv: EmbeddedNats, subjects: Subject
 
 def test_registry_routes_nothing_new_to_a_draining_worker() -> None:
     reg = WorkerRegistry("m", rng=random.Random(0))
-    idle_but_draining = m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="d", running=0, max_batch=4,
-                                      total_blocks=100, free_blocks=100, draining=True)
-    busy = m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="b", running=3, max_batch=4,
-                         total_blocks=100, free_blocks=100)
+    idle_but_draining = WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="d", running=0, max_batch=4,
+                                    total_blocks=100, free_blocks=100, draining=True)
+    busy = WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="b", running=3, max_batch=4,
+                       total_blocks=100, free_blocks=100)
     reg.observe(idle_but_draining)
     reg.observe(busy)
     assert reg.choose([], 1).worker_id == "b"  # less loaded, but leaving
     assert [w.worker_id for w in reg.alive()] == ["b"]
     assert reg.is_alive("d")  # its running requests are still watched, not given up
-    reg.observe(m.WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="b", running=4, max_batch=4,
-                              total_blocks=100, free_blocks=100))
+    reg.observe(WorkerStats(role=ROLE_PREFILL_AND_DECODE, worker_id="b", running=4, max_batch=4,
+                            total_blocks=100, free_blocks=100))
     assert reg.choose([], 1) == Route(None, "every worker is full")
 
 
@@ -1157,18 +1161,18 @@ def test_tokens_nobody_waits_for_are_cancelled(gw: ServerThread, nats_srv: Embed
         try:
             cancels = await nc.subscribe(subjects.cancel_all)
             await nc.flush()
-            for rid, msg in (("orphan-1", m.StreamTokens(request_id="orphan-1", seq=3, token_ids=[5], text="x")),
-                             ("orphan-1", m.StreamTokens(request_id="orphan-1", seq=4, token_ids=[6], text="y")),
-                             ("ended-1", m.StreamFinish(request_id="ended-1", seq=9, finish_reason="stop"))):
+            for rid, msg in (("orphan-1", StreamTokens(request_id="orphan-1", seq=3, token_ids=[5], text="x")),
+                             ("orphan-1", StreamTokens(request_id="orphan-1", seq=4, token_ids=[6], text="y")),
+                             ("ended-1", StreamFinish(request_id="ended-1", seq=9, finish_reason="stop"))):
                 await publish(nc, subjects.stream(gateway_id, rid), msg)
             seen: list[str] = []
             deadline = time.monotonic() + 10
             while "orphan-1" not in seen and time.monotonic() < deadline:
                 with contextlib.suppress(nats.errors.TimeoutError):
-                    seen.append(m.decode((await cancels.next_msg(timeout=1)).data, m.Cancel).request_id)
+                    seen.append(decode((await cancels.next_msg(timeout=1)).data, Cancel).request_id)
             with contextlib.suppress(nats.errors.TimeoutError):  # then until 1.5 s pass without one
                 while True:
-                    seen.append(m.decode((await cancels.next_msg(timeout=1.5)).data, m.Cancel).request_id)
+                    seen.append(decode((await cancels.next_msg(timeout=1.5)).data, Cancel).request_id)
             return seen
         finally:
             await nc.close()
@@ -1242,7 +1246,7 @@ def test_sampling_defaults_fill_what_a_request_leaves_out(nats_srv: EmbeddedNats
                                                           text_model: TextModel) -> None:
     """The model's defaults (the default model's card: temperature 0.2, top_p 0.9) apply to fields a request
     leaves out, the --default-* flags override them, and a field the request sets wins over both."""
-    def sent(url: str, **kw: Any) -> m.SamplingParams:
+    def sent(url: str, **kw: Any) -> SamplingParams:
         before = len(worker.requests)
         r = httpx.post(f"{url}/v1/chat/completions", json=chat_body("x", max_tokens=3, **kw), timeout=30)
         assert r.status_code == 200, r.text
@@ -1278,7 +1282,7 @@ def test_default_max_tokens_and_the_models_own_repetition_penalty(nats_srv: Embe
     out, shown in /v1/models beside the cap."""
     import dataclasses
 
-    def sent(url: str, content: str = "x", **kw: Any) -> m.SamplingParams:
+    def sent(url: str, content: str = "x", **kw: Any) -> SamplingParams:
         before = len(worker.requests)
         r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(content, **kw), timeout=30)
         assert r.status_code == 200, r.text

@@ -14,8 +14,9 @@ import msgspec
 import actors.prefill
 from actors.base import SeenIds
 from actors.prefill import MAX_CONCURRENT_JOBS, PrefillActor
-from bus.messages import KVDestination, PrefillDone, PrefillJob, SamplingParams
+from bus.prefill_messages import KVDestination, PrefillDone, PrefillJob
 from bus.replay import SentLog
+from engine.params import SamplingParams
 
 
 def job(n: int = 1) -> PrefillJob:

@@ -17,9 +17,9 @@ import nats
 import pytest
 
 from bench.cluster import MODEL, cpus_allowed, tandem_cmd
-from bus.messages import REQUEST_ID_HEADER
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
+from bus.wire import REQUEST_ID_HEADER
 from tests.harness.chat import chat_prompt_ids
 from tests.harness.cluster import Proc, run_cli
 
@@ -169,36 +169,47 @@ def test_tail_count_stops(cluster: tuple[str, int]) -> None:
 
 
 def test_tail_summaries_of_every_kind() -> None:
-    from bus import messages as m
+    from bus.control_messages import Cancel
+    from bus.generate_messages import GenerateRequest, StreamError, StreamFinish, StreamTokens, Usage
+    from bus.prefill_messages import (
+        KVDestination,
+        KVMetaReply,
+        KVMetaRequest,
+        PrefillAccepted,
+        PrefillDone,
+        PrefillJob,
+    )
+    from bus.stats_messages import WorkerStats
+    from bus.wire import encode, kind_of
     from tandem.tail import Printer, describe, format_line
 
     p = Printer(lambda ids: "".join(f"<{i}>" for i in ids), width=20)
-    dst = m.KVDestination(engine="tcp", worker_id="d1", incarnation="i", block_ids=[4, 5], first_token_index=16)
+    dst = KVDestination(engine="tcp", worker_id="d1", incarnation="i", block_ids=[4, 5], first_token_index=16)
     cases = [
-        (m.GenerateRequest(request_id="r", prompt_ids=[1, 2], stream_subject="tandem.stream.g.r"),
+        (GenerateRequest(request_id="r", prompt_ids=[1, 2], stream_subject="tandem.stream.g.r"),
          ["2 prompt tokens", '"<1><2>"', "-> tandem.stream.g.r"]),
-        (m.PrefillJob(request_id="r", prompt_ids=[1, 2, 3], layout_fingerprint="f", dst=dst, reply_subject="x"),
+        (PrefillJob(request_id="r", prompt_ids=[1, 2, 3], layout_fingerprint="f", dst=dst, reply_subject="x"),
          ["3 prompt tokens", "from token 16", "2 blocks of d1 via tcp"]),
-        (m.PrefillAccepted(request_id="r", attempt=1, prefill_worker_id="p2"), ["taken by p2, attempt 1"]),
-        (m.PrefillDone(request_id="r", ok=True, first_token=9, prefill_worker_id="p1", timings={"compute": 0.5}),
+        (PrefillAccepted(request_id="r", attempt=1, prefill_worker_id="p2"), ["taken by p2, attempt 1"]),
+        (PrefillDone(request_id="r", ok=True, first_token=9, prefill_worker_id="p1", timings={"compute": 0.5}),
          ["ok by p1", 'first token 9 "<9>"', "compute=500.0ms"]),
-        (m.PrefillDone(request_id="r", ok=False, error="boom", error_code="internal", prefill_worker_id="p1"),
+        (PrefillDone(request_id="r", ok=False, error="boom", error_code="internal", prefill_worker_id="p1"),
          ["FAILED by p1 (internal): boom"]),
-        (m.StreamTokens(request_id="r", seq=3, token_ids=[7, 8]), ["seq 3 [7, 8]", '"<7><8>"']),
-        (m.StreamFinish(request_id="r", seq=4, finish_reason="length", prefill_mode="remote", prefill_worker_id="p1",
-                        worker_id="d1", usage=m.Usage(prompt_tokens=5, completion_tokens=2, cached_tokens=1)),
+        (StreamTokens(request_id="r", seq=3, token_ids=[7, 8]), ["seq 3 [7, 8]", '"<7><8>"']),
+        (StreamFinish(request_id="r", seq=4, finish_reason="length", prefill_mode="remote", prefill_worker_id="p1",
+                      worker_id="d1", usage=Usage(prompt_tokens=5, completion_tokens=2, cached_tokens=1)),
          ["seq 4 length", "5 prompt (1 cached), 2 completion", "prefill remote by p1 decode by d1"]),
-        (m.StreamError(request_id="r", code="deadline_exceeded", message="late", status=504),
+        (StreamError(request_id="r", code="deadline_exceeded", message="late", status=504),
          ["504 deadline_exceeded: late"]),
-        (m.Cancel(request_id="r", reason="client gone"), ["cancel (client gone)"]),
-        (m.KVMetaRequest(worker_id="p1"), ["from p1"]),
-        (m.KVMetaReply(worker_id="d1", incarnation="i9", engine="shm"), ["d1 engine shm incarnation i9"]),
-        (m.WorkerStats(role="decode_only", worker_id="d1", running=2, max_batch=8, free_blocks=3, total_blocks=9,
-                       prefix_hit_rate=0.25), ["d1 (decode_only) running 2/8", "free 3/9", "hit 25%"]),
+        (Cancel(request_id="r", reason="client gone"), ["cancel (client gone)"]),
+        (KVMetaRequest(worker_id="p1"), ["from p1"]),
+        (KVMetaReply(worker_id="d1", incarnation="i9", engine="shm"), ["d1 engine shm incarnation i9"]),
+        (WorkerStats(role="decode_only", worker_id="d1", running=2, max_batch=8, free_blocks=3, total_blocks=9,
+                     prefix_hit_rate=0.25), ["d1 (decode_only) running 2/8", "free 3/9", "hit 25%"]),
     ]
     for msg, needles in cases:
-        kind, summary, rid = describe("tandem.x", m.encode(msg), None, p)
-        assert kind == m.kind_of(type(msg))
+        kind, summary, rid = describe("tandem.x", encode(msg), None, p)
+        assert kind == kind_of(type(msg))
         assert rid == getattr(msg, "request_id", None)
         for n in needles:
             assert n in summary, (kind, n, summary)

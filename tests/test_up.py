@@ -1,4 +1,5 @@
-"""runtime/processes.py (children, supervision) and tandem/up/ (ports, giving up on a child that cannot start).
+"""runtime/processes.py (children), runtime/supervisor.py (supervision) and tandem/up/ (ports, giving up on a
+child that cannot start).
 
 The full cluster (`tandem up` serving real requests) is tested in tests/test_gateway_cluster.py; a
 worker restarted after SIGKILL in tests/test_gateway_aggregated.py; the fault suite in tests/faults/.
@@ -23,15 +24,8 @@ import pytest
 
 import tandem.up.plan
 import tandem.up.ports
-from runtime.processes import (
-    ChildError,
-    ChildProcess,
-    GiveUp,
-    RestartPolicy,
-    Supervisor,
-    describe_exit,
-    stop_all,
-)
+from runtime.processes import ChildError, ChildProcess, describe_exit, stop_all
+from runtime.supervisor import GiveUp, RestartPolicy, Supervisor
 from tandem.up import UpError
 from tandem.up.cluster import Cluster, Member
 from tandem.up.ports import DEFAULT_METRICS_BASE, free_ports, metrics_ports, port_free

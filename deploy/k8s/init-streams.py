@@ -20,7 +20,8 @@ from dataclasses import replace
 
 import nats.errors
 
-from bus.connection import BusConnectError, BusOptions, connect
+from bus.connection import connect
+from bus.options import BusConnectError, BusOptions
 from bus.streams import DEFAULT_GENERATE, DEFAULT_PREFILL, StreamConfigError, ensure_streams
 from bus.subjects import Subjects
 from engine.model_files import DEFAULT_MODEL, model_name

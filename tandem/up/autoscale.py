@@ -24,10 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bus.connection import BusOptions
 from bus.demand import SCALED_ROLES, Demand, pool_lag, role_demand
-from bus.messages import AutoscaleState, RoleScale, WorkerStats, decode, encode
+from bus.options import BusOptions
+from bus.stats_messages import AutoscaleState, RoleScale, WorkerStats
 from bus.subjects import Subjects, model_token
+from bus.wire import decode, encode
 
 log = logging.getLogger("tandem.autoscale")
 

@@ -12,7 +12,8 @@ from types import FrameType
 from typing import Any, TextIO
 
 from runtime.health import METRICS_AT
-from runtime.processes import ChildProcess, GiveUp, RestartPolicy, Supervisor, stop_all
+from runtime.processes import ChildProcess, stop_all
+from runtime.supervisor import GiveUp, RestartPolicy, Supervisor
 from tandem.local_run import LocalRun
 
 

@@ -14,9 +14,11 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TextIO
 
-from bus.connection import BusOptions, connect
+from bus.connection import connect
+from bus.options import BusOptions
 from bus.subjects import Subjects
-from runtime.processes import ChildError, RestartPolicy
+from runtime.processes import ChildError
+from runtime.supervisor import RestartPolicy
 from tandem.local_run import OWNER, LocalRun
 from tandem.up import UpError
 from tandem.up.announce import announce, write_ready_file
@@ -39,7 +41,7 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
     """Start the cluster, wait for /ready, supervise; 0 after Ctrl-C, 1 when it had to give up."""
     import httpx
 
-    from bus.connection import BusConnectError
+    from bus.options import BusConnectError
     from bus.server import EmbeddedNats, NatsServerError
     from bus.streams import StreamConfigError
     from engine.model_files import load_text

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bus.connection import BusOptions
+from bus.options import BusOptions
 from bus.subjects import Subjects
 from runtime.metrics import AutoscaleMetrics
 from runtime.processes import ChildProcess, describe_exit

@@ -19,9 +19,12 @@ import nats
 import pytest
 
 from bench.cluster import MODEL, Client, Worker, start_workers
-from bus.messages import KVDestination, PrefillJob, Replay, SamplingParams, encode
+from bus.control_messages import Replay
+from bus.prefill_messages import KVDestination, PrefillJob
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
+from bus.wire import encode
+from engine.params import SamplingParams
 from tests.harness.chat import chat_ids
 from tests.harness.wait import wait_until
 

@@ -30,11 +30,14 @@ import nats
 import nats.errors
 from nats.aio.msg import Msg
 
-from bus import messages as m
+from bus.control_messages import Cancel, Replay
+from bus.generate_messages import GenerateRequest, StreamError, StreamFinish, StreamTokens, Usage
 from bus.publish import publish, publish_kept
 from bus.replay import SentLog
+from bus.stats_messages import WorkerStats
 from bus.streams import ensure_streams, fetch_one, pull_subscription
 from bus.subjects import ROLE_PREFILL_AND_DECODE, Subjects
+from bus.wire import ErrorCode, decode, encode, headers
 from gateway.textmodel import TextModel
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
@@ -73,7 +76,7 @@ class FakeWorker:
         self.pull_pool = pull_pool
         self.max_batch = max_batch
         self.admit = admit
-        self.requests: list[tuple[str, m.GenerateRequest]] = []  # (how it arrived: "pool"|"direct", request)
+        self.requests: list[tuple[str, GenerateRequest]] = []  # (how it arrived: "pool"|"direct", request)
         self.cancels: list[str] = []
         self.active: set[str] = set()
         self.report = True  # publish stats
@@ -87,7 +90,7 @@ class FakeWorker:
         self._tasks: list[asyncio.Task[Any]] = []
         self._cancelled: set[str] = set()
         self.sent = SentLog()  # as a real decode worker keeps its streams for replay requests
-        self.replays: list[m.Replay] = []
+        self.replays: list[Replay] = []
 
     async def start(self) -> None:
         self.nc = await nats.connect(self.url, name=f"fake-{self.worker_id}", max_reconnect_attempts=-1,
@@ -115,7 +118,7 @@ class FakeWorker:
         asyncio.get_running_loop().create_task(self._publish_stats())
 
     async def _publish_stats(self) -> None:
-        stats = m.WorkerStats(
+        stats = WorkerStats(
             role=self.role, worker_id=self.worker_id, model=self.subjects.model,
             running=len(self.active) if self.fake_running is None else self.fake_running,
             queued=0, free_blocks=1000, total_blocks=1024, max_batch=self.max_batch, incarnation=self.incarnation,
@@ -143,30 +146,30 @@ class FakeWorker:
         self._take(msg, "direct")
 
     async def _cancel(self, msg: Msg) -> None:
-        c = m.decode(msg.data, m.Cancel)
+        c = decode(msg.data, Cancel)
         self.cancels.append(c.request_id)
         self._cancelled.add(c.request_id)
 
     async def _replay(self, msg: Msg) -> None:
-        ask = m.decode(msg.data, m.Replay)
+        ask = decode(msg.data, Replay)
         self.replays.append(ask)
         kept = self.sent.since(ask.key, ask.from_seq)
         for subject, data, hdrs in kept[0] if kept else []:
             await self.nc.publish(subject, data, headers=hdrs)
 
     def _take(self, msg: Msg, how: str) -> None:
-        req = m.decode(msg.data, m.GenerateRequest)
+        req = decode(msg.data, GenerateRequest)
         self.requests.append((how, req))
         seq = 0
         if self.admit:
             seq = 1
-            asyncio.get_running_loop().create_task(self._send(req.stream_subject, m.StreamTokens(
+            asyncio.get_running_loop().create_task(self._send(req.stream_subject, StreamTokens(
                 request_id=req.request_id, seq=0, token_ids=[])))
         if self.mute:
             return
         if self.hands_back:
-            asyncio.get_running_loop().create_task(self._send(req.stream_subject, m.StreamError(
-                request_id=req.request_id, seq=seq, code=m.ErrorCode.HANDED_BACK, status=503,
+            asyncio.get_running_loop().create_task(self._send(req.stream_subject, StreamError(
+                request_id=req.request_id, seq=seq, code=ErrorCode.HANDED_BACK, status=503,
                 message=f"worker {self.worker_id} is draining; the request was handed back")))
             return
         self.active.add(req.request_id)
@@ -174,7 +177,7 @@ class FakeWorker:
         task.add_done_callback(lambda _t, rid=req.request_id: self.active.discard(rid))
 
     # ---- generation ----------------------------------------------------------------------
-    def _reply(self, req: m.GenerateRequest, prompt: str) -> str:
+    def _reply(self, req: GenerateRequest, prompt: str) -> str:
         if "[utf8]" in prompt:
             return UTF8_REPLY
         if "[slow]" in prompt:
@@ -189,12 +192,12 @@ class FakeWorker:
         """Publish (and keep) a stream message; ``lost``: keep it only, as if NATS had dropped it."""
         msg.worker_id, msg.incarnation = self.worker_id, self.incarnation
         if lost:
-            self.sent.record(msg.request_id, subject, msg.seq, m.encode(msg), m.headers(msg.request_id))
+            self.sent.record(msg.request_id, subject, msg.seq, encode(msg), headers(msg.request_id))
             return
         await publish_kept(self.nc, self.sent, msg.request_id, msg.seq, subject, msg,
-                           end=not isinstance(msg, m.StreamTokens))
+                           end=not isinstance(msg, StreamTokens))
 
-    async def _serve(self, req: m.GenerateRequest, seq: int) -> None:
+    async def _serve(self, req: GenerateRequest, seq: int) -> None:
         tok = self.text.tokenizer
         prompt = tok.decode(list(req.prompt_ids), skip_special=False)
         rid, subj = req.request_id, req.stream_subject
@@ -204,15 +207,15 @@ class FakeWorker:
                                                     "incarnation": self.incarnation}).encode())
             return
         if req.target_endpoint is not None and req.target_endpoint not in ("prefill-1",):
-            await self._send(subj, m.StreamError(request_id=rid, code=m.ErrorCode.UNKNOWN_TARGET, status=400,
-                                                 message=f"unknown target_endpoint {req.target_endpoint!r}"))
+            await self._send(subj, StreamError(request_id=rid, code=ErrorCode.UNKNOWN_TARGET, status=400,
+                                               message=f"unknown target_endpoint {req.target_endpoint!r}"))
             return
-        for word, status, code in (("[error400]", 400, m.ErrorCode.BAD_REQUEST),
-                                   ("[busy]", 503, m.ErrorCode.OVERLOADED),
-                                   ("[queuefull]", 429, m.ErrorCode.OVERLOADED)):
+        for word, status, code in (("[error400]", 400, ErrorCode.BAD_REQUEST),
+                                   ("[busy]", 503, ErrorCode.OVERLOADED),
+                                   ("[queuefull]", 429, ErrorCode.OVERLOADED)):
             if word in prompt:
-                await self._send(subj, m.StreamError(request_id=rid, code=code, status=status,
-                                                     message=f"fake worker says {word}"))
+                await self._send(subj, StreamError(request_id=rid, code=code, status=status,
+                                                   message=f"fake worker says {word}"))
                 return
         if "[hang]" in prompt:
             while rid not in self._cancelled:
@@ -221,7 +224,7 @@ class FakeWorker:
         if "[flood]" in prompt:
             chunk = "flood " * 1365
             while rid not in self._cancelled and seq < 2000:  # 16 MiB: more than the sockets buffer
-                await self._send(subj, m.StreamTokens(request_id=rid, seq=seq, token_ids=[7], text=chunk))
+                await self._send(subj, StreamTokens(request_id=rid, seq=seq, token_ids=[7], text=chunk))
                 seq += 1
                 await asyncio.sleep(0.001 if seq % 20 == 0 else 0)
             while rid not in self._cancelled:
@@ -240,11 +243,11 @@ class FakeWorker:
             if self.dead:  # killed: not a word more, not even a finish
                 return
             if rid in self._cancelled:
-                await self._send(subj, m.StreamFinish(request_id=rid, seq=seq, finish_reason="cancelled"))
+                await self._send(subj, StreamFinish(request_id=rid, seq=seq, finish_reason="cancelled"))
                 return
             if "[failmid]" in prompt and i == 3:
-                await self._send(subj, m.StreamError(request_id=rid, seq=seq, code=m.ErrorCode.INTERNAL, status=500,
-                                                     message="fake worker failed mid-stream"))
+                await self._send(subj, StreamError(request_id=rid, seq=seq, code=ErrorCode.INTERNAL, status=500,
+                                                   message="fake worker failed mid-stream"))
                 return
             out.append(tid)
             text = tok.decode(out)
@@ -269,8 +272,8 @@ class FakeWorker:
                 tops = [[(tid, lps[0]), (min(tid + 1, 49151), -3.0)][: s.top_logprobs]]
             hole = "[hole]" in prompt and seq == 3
             if not hole:
-                await self._send(subj, m.StreamTokens(request_id=rid, seq=seq, token_ids=[tid], text=delta,
-                                                      logprobs=lps, top_logprobs=tops),
+                await self._send(subj, StreamTokens(request_id=rid, seq=seq, token_ids=[tid], text=delta,
+                                                    logprobs=lps, top_logprobs=tops),
                                  lost="[gap]" in prompt and seq == 3)
             seq += 1
             if stopped:
@@ -283,8 +286,8 @@ class FakeWorker:
         else:
             tail = tok.decode(out)[emitted:]
             if tail:
-                await self._send(subj, m.StreamTokens(request_id=rid, seq=seq, token_ids=[], text=tail))
+                await self._send(subj, StreamTokens(request_id=rid, seq=seq, token_ids=[], text=tail))
                 seq += 1
-        usage = m.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(out), cached_tokens=0)
-        await self._send(subj, m.StreamFinish(request_id=rid, seq=seq, finish_reason=finish, usage=usage,
-                                              prefill_mode="aggregate"))
+        usage = Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(out), cached_tokens=0)
+        await self._send(subj, StreamFinish(request_id=rid, seq=seq, finish_reason=finish, usage=usage,
+                                            prefill_mode="aggregate"))

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from bench.hosts import Hosts, run_walkthrough, walkthrough
-from bus.connection import user_login
+from bus.options import user_login
 from runtime.settings import read_env_file
 from tests.harness.native import NEEDS_NATIVE
 
