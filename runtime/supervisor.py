@@ -139,16 +139,19 @@ class Supervisor:
                     if w.ready_since is None:
                         w.ready_since = now
                         w.start_failures = 0
-                    elif now - w.ready_since >= self.policy.stable_after:
-                        w.failures = 0
+                    self._forget_failures_if_stable(w, now)
                 continue
             self._died(w, code, now)
+
+    def _forget_failures_if_stable(self, w: _Watch, now: float) -> None:
+        """A unit that has been ready ``stable_after`` seconds starts its backoff over."""
+        if w.ready_since is not None and now - w.ready_since >= self.policy.stable_after:
+            w.failures = 0
 
     def _died(self, w: _Watch, code: int, now: float) -> None:
         unit, p = w.unit, self.policy
         was_ready = w.ready_since is not None or unit.is_ready
-        if w.ready_since is not None and now - w.ready_since >= p.stable_after:
-            w.failures = 0  # it ran stable, though no check came by to say so before it died
+        self._forget_failures_if_stable(w, now)  # no check need have come by since it became stable
         w.ready_since = None
         w.last_exit = describe_exit(code)
         stage = "while serving" if was_ready else "during start-up"

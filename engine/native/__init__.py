@@ -69,8 +69,9 @@ def variant_file(variant: Variant) -> Path | None:
                  if (f := here / f"{variant.module}{suffix}").exists()), None)
 
 
-def _pick_variant() -> Variant:
-    """The variant ``TANDEM_NATIVE`` names, else the best built one this CPU runs (OSError says why none)."""
+def _pick_variant() -> tuple[Variant, Path]:
+    """The variant ``TANDEM_NATIVE`` names, else the best built one this CPU runs, and its library file
+    (OSError says why none)."""
     wanted = os.environ.get("TANDEM_NATIVE", "auto").lower()
     flags = cpu_flags()
     if wanted not in ("auto", "1", "on", "true", "yes"):
@@ -81,17 +82,18 @@ def _pick_variant() -> Variant:
         if not variant.runs_on(flags):
             missing = sorted(set(variant.cpu_flags) - flags)
             raise ValueError(f"TANDEM_NATIVE={wanted}: this CPU cannot run it (it lacks {', '.join(missing)})")
-        if variant_file(variant) is None:
+        path = variant_file(variant)
+        if path is None:
             raise OSError(f"the {wanted} build of engine/native/ops.c is not installed")
-        return variant
+        return variant, path
     runnable = [v for v in VARIANTS if v.runs_on(flags)]
-    built = [v for v in runnable if variant_file(v) is not None]
+    built = [(v, path) for v in runnable if (path := variant_file(v)) is not None]
     if not built:
         raise OSError("no build of engine/native/ops.c is installed for this CPU (a compiler was missing at "
                       "install time?)")
-    if built[0] is not runnable[0]:
+    if built[0][0] is not runnable[0]:
         log.warning("engine.native: the %s build is not installed; using the %s build", runnable[0].name,
-                    built[0].name)
+                    built[0][0].name)
     return built[0]
 
 
@@ -102,8 +104,7 @@ def library() -> ctypes.CDLL | None:
         log.info("engine.native: off (TANDEM_NATIVE); %s", _FALLBACK)
         return None
     try:
-        variant = _pick_variant()
-        path = variant_file(variant)
+        variant, path = _pick_variant()
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         log.warning("engine.native: %s; %s", e, _FALLBACK)

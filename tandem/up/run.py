@@ -147,9 +147,9 @@ def run_up(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys
             if ready_file is not None and snapshot(cluster) != seen:
                 seen = snapshot(cluster)
                 write_ready_file(ready_file, cluster, plan, url, nats_url)
-            due = [t for t in (cluster.supervisor.next_due() if cluster.supervisor else None,
-                               scaling.next_due() if scaling is not None else None) if t is not None]
-            cluster.sleep(min([*due, time.monotonic() + IDLE_CHECK_S]) - time.monotonic())
+            due = [time.monotonic() + IDLE_CHECK_S, cluster.supervisor.next_due(),
+                   scaling.next_due() if scaling is not None else None]
+            cluster.sleep(min(t for t in due if t is not None) - time.monotonic())
         cluster.say(f"tandem up: {cluster.stop_reason}; stopping")
         return 0
     except (UpError, NatsServerError, ChildError, ValueError, OverflowError) as e:
@@ -211,6 +211,7 @@ def ready(url: str, expected: set[str], client: Any) -> tuple[bool, str, dict[st
 async def unless_stopped(cluster: Cluster, work: Coroutine[Any, Any, Any], timeout: float) -> bool:
     """Run ``work`` (deadline ``timeout``); False, abandoning it, as soon as Ctrl-C/SIGTERM arrives."""
     if cluster.stop_reason:
+        work.close()  # never started: no "never awaited" warning
         return False
     loop = asyncio.get_running_loop()
     stopped = loop.create_future()
