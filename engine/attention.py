@@ -1,4 +1,5 @@
-"""Attention through the paged KV pool: prompt chunks with torch's SDPA, engine.native's paged attention on a CPU,
+"""Attention through the paged KV pool: long prompt chunks with engine.native's bfloat16 kernel or torch's SDPA,
+short chunks and decode rows with engine.native's paged attention on a CPU,
 and batched decode attention grouped by context length."""
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ class PagedAttention:
     of up to `KERNELS.kernel_max_chunk` tokens: row r reads the first lens[r] tokens of its sequence straight
     from the pool through its block table (no gather, padding or mask), and a short chunk's rows run the
     same code as decode rows, so such a token computes the same either way (as it does in the linear
-    layers). Longer chunks are GEMM-shaped: torch's SDPA (`span_attention`) is many times faster there."""
+    layers). Longer chunks are GEMM-shaped: with `bf16` (a quantized model, whose long chunks multiply on
+    bfloat16 panels too) on kernel path avx512_bf16 `native.bf16_attention` (bfloat16 operands, 2.5-3x torch's
+    float32 SDPA), elsewhere torch's SDPA (`span_attention`), many times faster there than one query row at a
+    time."""
 
-    def __init__(self, batch: ForwardBatch, heads: int, scale: float):
-        self.heads, self.scale = heads, scale
+    def __init__(self, batch: ForwardBatch, heads: int, scale: float, bf16: bool = False):
+        self.heads, self.scale, self.bf16 = heads, scale, bf16
         long_chunk = KERNELS.long_chunk()
         self.long_spans = [s for s in batch.prefills if s.length > long_chunk]
         short = [s for s in batch.prefills if s.length <= long_chunk]
@@ -89,8 +93,13 @@ class PagedAttention:
         out = torch.empty(n, q_size, dtype=qkv.dtype)
         qh, kh = q.view(n, self.heads, d), qkv[:, q_size:q_size + kv_heads * d].view(n, kv_heads, d)
         vh = qkv[:, q_size + kv_heads * d:].view(n, kv_heads, d)
+        in_bf16 = self.bf16 and native.kernel_path() == "avx512_bf16" and d % 64 == 0
         for span in self.long_spans:
-            span_attention(qh, kh, vh, kc, vc, span, out.view(n, self.heads, d), self.scale, window)
+            if in_bf16:
+                native.bf16_attention(qkv, span.start, span.length, span.context, span.blocks, kc, vc, self.heads,
+                                      self.scale, window, out)
+            else:
+                span_attention(qh, kh, vh, kc, vc, span, out.view(n, self.heads, d), self.scale, window)
         if self.rows is not None:
             out.index_copy_(0, self.rows, self._paged(q.index_select(0, self.rows), kc, vc, window))
         return out

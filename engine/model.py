@@ -94,6 +94,10 @@ class DecoderModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.fused = self._fused_layers()
+        # long prompt chunks may attend in bfloat16 (as their matmuls run on bfloat16 panels); float weights keep
+        # float32 throughout, the reference the quality bench measures against
+        self.quantized = any(isinstance(w, Int4Weight | Q8Weight) for layer in self.layers
+                             for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
         # called before each layer of the per-operation path: a worker moving its threads on or off borrowed
         # cores (runtime/borrowing.py)
         self.before_layer: Callable[[], None] | None = None
@@ -137,7 +141,7 @@ class DecoderModel:
             h.mul_(cfg.embed_scale)
         by_group = [batch.group(g) for g in range(pool.layout.num_groups)]
         if self.native and pool.tensor.dtype == torch.float32:
-            paged = [PagedAttention(b, cfg.num_heads, cfg.softmax_scale) for b in by_group]
+            paged = [PagedAttention(b, cfg.num_heads, cfg.softmax_scale, self.quantized) for b in by_group]
             if self.fused is not None and len(paged) == 1 and batch.dequant_rows == 0 and not paged[0].long_spans:
                 self._fused_forward(h, batch, paged[0], pool, layer_done)
             else:

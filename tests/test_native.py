@@ -333,3 +333,69 @@ def test_the_peaks_probe_measures_what_the_cpu_has():
     if p.bf16_flops:  # twice the multiply-adds per instruction, but not always twice the rate (one port on
         assert p.bf16_flops > 0.25 * p.fp32_flops  # some Xeons: 0.5x float32's FMA there)
     assert "float32 FMA" in p.describe() and "read" in p.describe()
+
+
+BF16 = pytest.mark.skipif("avx512_bf16" not in kernel_paths(), reason="this CPU or build has no AVX-512 BF16")
+
+
+@BF16
+@pytest.mark.parametrize("length, context, heads, kv_heads, d, window", [
+    (256, 256, 9, 3, 64, 0),  # a whole prompt in one chunk (SmolLM2's heads)
+    (199, 199, 9, 3, 64, 0),  # rows not a multiple of the 6-row tile, keys not of the 64-key block
+    (131, 500, 9, 3, 64, 0),  # a later chunk: 369 tokens cached
+    (300, 700, 4, 1, 256, 128),  # Gemma 3's heads and a sliding window reaching back into the cache
+    (257, 257, 9, 3, 64, 100),  # a window inside the chunk: early blocks hidden from late rows
+])
+def test_bf16_attention_of_a_long_chunk_is_float32_sdpa_to_bfloat16_rounding(length, context, heads, kv_heads, d,
+                                                                             window):
+    """A long prompt chunk's attention on kernel path avx512_bf16 is the float32 SDPA of the same rows over the
+    same pool blocks (scattered, as the pool hands them out) to bfloat16 rounding, and writes its rows only."""
+    g = torch.Generator().manual_seed(length)
+    nblocks = (context + BLOCK - 1) // BLOCK
+    kc, vc = torch.randn(nblocks + 9, BLOCK, kv_heads, d, generator=g), torch.randn(nblocks + 9, BLOCK, kv_heads, d, generator=g)
+    blocks = torch.randperm(nblocks + 9, generator=g)[:nblocks]
+    first = 2  # the chunk's rows in the flat batch: other rows before and after it
+    qkv = torch.randn(first + length + 3, (heads + 2 * kv_heads) * d, generator=g)
+    out = torch.zeros(qkv.shape[0], heads * d)
+    native.bf16_attention(qkv, first, length, context, blocks, kc, vc, heads, 0.125, window, out)
+    q = qkv[first:first + length, :heads * d].view(length, heads, d).transpose(0, 1).unsqueeze(0)
+    ks = kc[blocks].flatten(0, 1)[:context].transpose(0, 1).unsqueeze(0)
+    vs = vc[blocks].flatten(0, 1)[:context].transpose(0, 1).unsqueeze(0)
+    pos = torch.arange(context - length, context).unsqueeze(1)
+    key = torch.arange(context).unsqueeze(0)
+    mask = (key <= pos) & ((key > pos - window) if window else True)
+    want = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=0.125, enable_gqa=True)
+    want = want.squeeze(0).transpose(0, 1).reshape(length, heads * d)
+    got = out[first:first + length]
+    err = (got - want).abs().max().item()
+    assert 1e-6 < err < 0.02 * want.abs().max().item()  # bfloat16 operands: close, and not float32's bits
+    assert not out[:first].any() and not out[first + length:].any()
+
+
+@BF16
+def test_a_long_prompt_attends_in_bf16_only_where_its_matmuls_do(smollm, monkeypatch):
+    """A quantized model's long prompt chunk attends with the bfloat16 kernel on kernel path avx512_bf16 and with
+    float32 SDPA on avx2; float weights (`none`, the quality reference) keep float32 on every path. The first
+    token's logits agree across the two to bfloat16 rounding."""
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.loader import load_model
+    from engine.model_files import DEFAULT_MODEL
+
+    calls = []
+    real = native.bf16_attention
+    monkeypatch.setattr(native, "bf16_attention", lambda *a: calls.append(a[2]) or real(*a))
+    prompt = torch.randint(100, 30000, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    here = native.kernel_path()
+    logits = {}
+    try:
+        for loaded in (smollm, load_model(DEFAULT_MODEL, "float32", "none")):
+            engine = LLMEngine(loaded, EngineConfig(num_blocks=64, max_step_tokens=512, enable_prefix_cache=False))
+            for path in ("avx512_bf16", "avx2"):
+                native.use_kernel_path(path)
+                calls.clear()
+                logits[loaded.quantization, path] = engine.prompt_logits(prompt, [])[-1]
+                assert calls == ([300] * 30 if (path, loaded.quantization) == ("avx512_bf16", "auto:int4+q8_0") else [])
+    finally:
+        native.use_kernel_path(here)
+    a, b = logits["auto:int4+q8_0", "avx512_bf16"], logits["auto:int4+q8_0", "avx2"]
+    assert (a - b).abs().max() < 0.05 * b.abs().max()

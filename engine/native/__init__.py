@@ -47,6 +47,7 @@ SIGNATURES = {
     "tq_set_row_invariant": [_C],
     "tq_has_bf16": [],
     "tq_bf16_matmul": [_C, _P, _P, _I, _I, _P, _I, _P, _C],
+    "tq_bf16_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _C, _C, _C, _C, _F, _I, _P, _I, _C],
     "tq_probe_fma": [_I, _C],
     "tq_probe_bf16": [_I, _C],
     "tq_probe_vnni": [_I, _C],
@@ -54,7 +55,7 @@ SIGNATURES = {
 }
 RETURNS = {"tq_source_hash": ctypes.c_char_p, "tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int,
            "tq_decoder_layer": ctypes.c_int, "tq_panel_min_rows": ctypes.c_int64,
-           "tq_has_bf16": ctypes.c_int, "tq_bf16_matmul": ctypes.c_int,
+           "tq_has_bf16": ctypes.c_int, "tq_bf16_matmul": ctypes.c_int, "tq_bf16_attention": ctypes.c_int,
            "tq_probe_fma": ctypes.c_double, "tq_probe_bf16": ctypes.c_double, "tq_probe_vnni": ctypes.c_double,
            "tq_probe_read": ctypes.c_float}
 _OFF = ("0", "off", "false", "no")
@@ -312,6 +313,25 @@ def bf16_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tenso
         raise MemoryError(f"{kind} bfloat16 matmul of {m}x{k} by {n}x{k}: out of memory") if rc == -1 else \
             RuntimeError("this build has no AVX-512 BF16")
     return out
+
+
+def bf16_attention(qkv: torch.Tensor, start: int, length: int, context: int, blocks: torch.Tensor,
+                   keys: torch.Tensor, values: torch.Tensor, heads: int, scale: float, window: int,
+                   out: torch.Tensor) -> None:
+    """Causal attention of the prompt chunk in rows [start, start + length) of `qkv` (float32, contiguous, query
+    heads first) over the last `context` tokens' K/V in the pool (`keys`/`values` [blocks, block_size,
+    kv_heads, d], through `blocks`), into the same rows of `out` [rows, heads * d]: q, k, v and the softmax
+    weights in bfloat16, sums in float32 (kernel path avx512_bf16; d a multiple of 64)."""
+    if qkv.dtype != torch.float32 or not qkv.is_contiguous() or not out.is_contiguous() or blocks.dtype != torch.long:
+        raise ValueError("bf16_attention takes contiguous float32 qkv and out, int64 blocks")
+    _, block_size, kv_heads, d = keys.shape
+    rc = library().tq_bf16_attention(qkv[start:].data_ptr(), qkv.stride(0), keys.data_ptr(), values.data_ptr(),
+                                     keys.stride(0), blocks.contiguous().data_ptr(), length, context, heads,
+                                     kv_heads, d, block_size, scale, window, out[start:].data_ptr(), out.stride(0),
+                                     _threads())
+    if rc:
+        raise {-1: MemoryError(f"bfloat16 attention of {length} rows over {context} tokens: out of memory"),
+               -2: RuntimeError("this build has no AVX-512 BF16")}.get(rc, ValueError(f"head size {d}: not a multiple of 64"))
 
 
 def int4_dequantize(qs: torch.Tensor, dm: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
