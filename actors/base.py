@@ -97,6 +97,7 @@ class WorkerActor:
             dtype=settings.dtype, device=settings.device, block_size=settings.block_size,
             num_blocks=settings.num_blocks, max_batch=settings.max_batch, max_step_tokens=settings.max_step_tokens,
             enable_prefix_cache=settings.enable_prefix_cache, speculative=settings.speculative,
+            kv_dtype=settings.kv_dtype,
         )
         layout = LLMEngine.layout_for(loaded, cfg)
         self.transfer = create_engine(

@@ -22,6 +22,8 @@ def span_attention(q, k, v, kc, vc, span: PrefillSpan, out: torch.Tensor, scale:
     lo = 0  # the first token any row of the chunk sees: past the window of its first row, from its block on
     if span.context == span.length:  # nothing cached: attend to the chunk itself
         ks, vs = k[sl], v[sl]
+        if kc.dtype != q.dtype:  # as the pool holds it (rounded), so a whole prompt computes what its chunks do
+            ks, vs = ks.to(kc.dtype).to(q.dtype), vs.to(vc.dtype).to(q.dtype)
     else:
         bs = kc.shape[1]
         first = max(0, past + 1 - window) // bs if window else 0

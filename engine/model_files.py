@@ -31,6 +31,7 @@ _ALIAS_SAMPLING = {DEFAULT_MODEL: {"temperature": 0.2, "top_p": 0.9},
                    "gemma3-270m": {"temperature": 1.0, "top_k": 64, "top_p": 0.95}}
 #: how the weights may be held (``engine.quant``): none, fp16, int8, int4, or auto (the file's own)
 QUANTIZATIONS = ("none", "fp16", "int8", "int4", "auto")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")  # how a worker holds its KV cache (auto: as --dtype)
 
 
 def _assembled(alias: str) -> Path:

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS
+from engine.model_files import DEFAULT_MODEL, KV_DTYPES, QUANTIZATIONS
 from engine.speculation import MODES as SPECULATIVE_MODES
 from runtime.names import check_token
 from runtime.placement import check_device, format_cpus, parse_cpus
@@ -62,6 +62,7 @@ class Settings:
     max_step_tokens: int = 0
     enable_prefix_cache: bool = True
     speculative: str = "ngram"  # decode: draft tokens by prompt lookup and verify them in one step, or "off"
+    kv_dtype: str = "auto"  # the KV cache's element type (engine.engine.kv_dtype_for); peers must agree
     # Prefill ships each layer's KV while the next layer computes: "on", "off", or "auto" = on unless the
     # peer is reached through same-host shared memory, where a whole-prompt copy is cheaper (docs/benchmarks.md).
     layerwise_transfer: str = "auto"
@@ -112,6 +113,8 @@ class Settings:
             raise ValueError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"--speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.remote_prefill_fallback not in ("local", "error"):
             raise ValueError("--remote-prefill-fallback must be local or error")
         check_token(self.worker_id, "worker id")

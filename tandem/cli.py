@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from engine.model_files import DEFAULT_MODEL, QUANTIZATIONS
+from engine.model_files import DEFAULT_MODEL, KV_DTYPES, QUANTIZATIONS
 from engine.model_text import ModelLoadError
 from runtime.settings import KERNEL_CHOICES, KERNELS_HELP, ROLES, SPECULATIVE_MODES, Settings, read_env_file
 
@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--pipeline-role", "the worker's role", dest="role", choices=list(ROLES))
     opt("--model", "alias, .gguf file or Hugging Face directory")
     opt("--dtype", "activations and KV cache", choices=["float32", "bfloat16", "float16"])
+    opt("--kv-dtype", "the KV cache's element type (auto: --dtype's); prefill and decode workers must agree",
+        choices=list(KV_DTYPES))
     opt("--quantization", "how the weights are held: auto keeps a GGUF's own Q4_0/Q4_1 as int4, its other "
         "quantized types as int8, float weights dense", choices=QUANTIZATIONS)
     opt("--device", "cpu, cuda or cuda:N")
@@ -237,7 +239,7 @@ _SERVE_FIELDS = ("role", "model", "dtype", "quantization", "kernels", "device", 
                  "metrics_port", "metrics_host", "metrics_port_fallback", "advertise_host", "kv_tcp_host",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",
                  "local_prefill_max_tokens", "prefill_stall_budget_ms", "remote_prefill_fallback", "prefill_timeout", "enable_prefix_cache",
-                 "speculative", "layerwise_transfer", "drain_timeout")
+                 "speculative", "kv_dtype", "layerwise_transfer", "drain_timeout")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

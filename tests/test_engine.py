@@ -375,3 +375,34 @@ def test_bad_requests_name_the_field(smollm, make_engine, kw, param):
         engine.add_request("bad", chat_ids(smollm, "hi"), SamplingParams(**kw))
     assert err.value.args[1] == param
     assert not engine.has_work()
+
+
+def test_a_float16_kv_cache_holds_half_the_bytes_and_answers_alike(smollm, make_engine):
+    """The default model's KV cache is float16 (`--kv-dtype auto` beside quantized weights): the layout (which
+    peers must match) says so, a block takes half the bytes of `--kv-dtype float32`'s, and a prompt's logits
+    (long chunk and decode rows) stay within float16's rounding of the float32 cache's; the greedy answer is
+    the same. Float weights keep a float32 cache."""
+    import torch
+
+    from engine.engine import EngineConfig, kv_dtype_for
+
+    wide, narrow = make_engine(kv_dtype="float32"), make_engine()
+    assert (wide.layout.dtype, narrow.layout.dtype) == ("float32", "float16")
+    assert narrow.layout != wide.layout
+    assert 2 * narrow.pool.nbytes == wide.pool.nbytes
+    prompt = chat_ids(smollm, "Describe the water cycle in detail, step by step, for a curious child. " * 8)
+    assert len(prompt) > 150  # a long chunk, then decode rows
+    cuts = [len(prompt) - 3, len(prompt) - 2, len(prompt) - 1]
+    a, b = wide.prompt_logits(prompt, cuts), narrow.prompt_logits(prompt, cuts)
+    assert 0 < (a - b).abs().max() < 0.02 * a.abs().max()
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    question = chat_ids(smollm, "What is the capital of France?")
+    assert wide.generate([question], params)[0].output_ids == narrow.generate([question], params)[0].output_ids
+    with pytest.raises(ValueError, match="kv dtype"):
+        make_engine(kv_dtype="int3")
+    assert [kv_dtype_for(q, EngineConfig(dtype=d)) for q, d in (
+        ("none", "float32"), ("fp16", "float32"), ("auto:none", "float32"), ("int8", "float32"),
+        ("auto:int4+q8_0", "float32"), ("int4", "bfloat16"))] \
+        == ["float32", "float32", "float32", "float16", "float16", "bfloat16"]
+    assert kv_dtype_for("none", EngineConfig(kv_dtype="float16")) == "float16"

@@ -51,6 +51,36 @@ def test_rope_store_rotates_q_and_k_and_writes_k_and_v_to_their_slots():
     assert torch.equal(vc[blocks, offsets], qkv[:, (HEADS + KV_HEADS) * D:].view(n, KV_HEADS, D))
 
 
+@pytest.mark.parametrize("d", [64, 40, 120, 128, 12])  # value sums of 64, 32, 16 and 8 floats; 12: no vectors
+def test_a_float16_pool_attends_as_float32_holding_the_same_values(d):
+    """A float16 KV pool (`--kv-dtype float16`: half the bytes a decode step reads) computes the same bits as a
+    float32 pool holding those values: its elements are widened exactly before the same float32 arithmetic.
+    rope_store writes each k and v rounded to nearest even, as torch's .half()."""
+    kc, vc = _pool(d=d)
+    kh, vh = kc.half(), vc.half()
+    g = torch.Generator().manual_seed(1)
+    tables = torch.stack([torch.randperm(40, generator=g)[:8] for _ in range(3)])
+    row_table, lens = torch.tensor([0, 1, 2, 2]), torch.tensor([33, 128, 70, 3])
+    q = torch.randn(4, HEADS * d, generator=g)
+    for window in (0, 20):
+        want = native.paged_attention(q, kh.float(), vh.float(), tables, row_table, lens, HEADS, 0.3, window)
+        got = native.paged_attention(q, kh, vh, tables, row_table, lens, HEADS, 0.3, window)
+        assert torch.equal(got, want), window
+    n, width = 5, (HEADS + 2 * KV_HEADS) * d
+    qkv = torch.randn(n, width, generator=g)
+    positions, blocks, offsets = torch.arange(n), torch.tensor([4, 9, 2, 30, 30]), torch.tensor([3, 13, 6, 0, 1])
+    angles = torch.outer(torch.arange(8.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    cos, sin = torch.cat([angles.cos(), angles.cos()], -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    as32, as16 = qkv.clone(), qkv.clone()
+    native.rope_store(as32, positions, cos, sin, HEADS, KV_HEADS, kc, vc, blocks, offsets)
+    native.rope_store(as16, positions, cos, sin, HEADS, KV_HEADS, kh, vh, blocks, offsets)
+    assert torch.equal(as16, as32)  # q, k and v rows themselves stay float32
+    assert torch.equal(kh[blocks, offsets], kc[blocks, offsets].half())
+    assert torch.equal(vh[blocks, offsets], vc[blocks, offsets].half())
+    with pytest.raises(ValueError, match="float32 or float16"):
+        native.paged_attention(q, kc.bfloat16(), vc.bfloat16(), tables, row_table, lens, HEADS, 0.3)
+
+
 @pytest.mark.parametrize("d", [64, 40, 120, 128])  # the value sums run 64, 32, 16 and 8 floats at a time
 def test_paged_attention_matches_sdpa_over_each_sequences_own_blocks(d):
     """Decode rows (one query each) and a prompt chunk's rows (causal, after cached tokens) in one call."""
@@ -249,9 +279,11 @@ def test_the_model_decodes_the_same_with_native_and_torch_operations():
         assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) < 1e-3
 
 
-def test_one_call_per_layer_computes_what_the_operations_do(smollm):
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_one_call_per_layer_computes_what_the_operations_do(smollm, kv_dtype):
     """The default model's layers are all int4/Q8_0: a decode step runs each layer as one `tq_decoder_layer`
-    call; its tokens and logprobs are bit for bit those of the same step run one operation at a time."""
+    call; its tokens and logprobs are bit for bit those of the same step run one operation at a time, with
+    either KV pool."""
     from engine.engine import EngineConfig, LLMEngine
     from engine.params import SamplingParams
 
@@ -259,7 +291,8 @@ def test_one_call_per_layer_computes_what_the_operations_do(smollm):
     prompts = [chat_ids(smollm, q) for q in ("What is the capital of France?", "Write a haiku about rain.")]
     outputs = []
     for fused in (True, False):
-        engine = LLMEngine(smollm, EngineConfig(num_blocks=64, enable_prefix_cache=False))
+        engine = LLMEngine(smollm, EngineConfig(num_blocks=64, enable_prefix_cache=False, kv_dtype=kv_dtype))
+        assert engine.pool.tensor.dtype == getattr(torch, kv_dtype)
         assert engine.model.fused is not None
         if not fused:
             engine.model.fused = None
@@ -358,6 +391,12 @@ def test_bf16_attention_of_a_long_chunk_is_float32_sdpa_to_bfloat16_rounding(len
     qkv = torch.randn(first + length + 3, (heads + 2 * kv_heads) * d, generator=g)
     out = torch.zeros(qkv.shape[0], heads * d)
     native.bf16_attention(qkv, first, length, context, blocks, kc, vc, heads, 0.125, window, out)
+    from_half = torch.zeros_like(out)  # a float16 pool: the same bits as float32 holding its values
+    native.bf16_attention(qkv, first, length, context, blocks, kc.half(), vc.half(), heads, 0.125, window, from_half)
+    exact = torch.zeros_like(out)
+    native.bf16_attention(qkv, first, length, context, blocks, kc.half().float(), vc.half().float(), heads, 0.125,
+                          window, exact)
+    assert torch.equal(from_half, exact)
     q = qkv[first:first + length, :heads * d].view(length, heads, d).transpose(0, 1).unsqueeze(0)
     ks = kc[blocks].flatten(0, 1)[:context].transpose(0, 1).unsqueeze(0)
     vs = vc[blocks].flatten(0, 1)[:context].transpose(0, 1).unsqueeze(0)

@@ -37,8 +37,8 @@ SIGNATURES = {
     "tq_rms_norm": [_P, _P, _P, _I, _I, _F, _P, _C],
     "tq_silu_mul": [_P, _I, _I, _P, _C],
     "tq_argmax": [_P, _I, _I, _P, _C],
-    "tq_rope_store": [_P, _I, _I, _P, _P, _P, _C, _C, _C, _P, _P, _I, _P, _P, _C],
-    "tq_paged_attention": [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _C, _C, _C, _C, _F, _I, _P, _C],
+    "tq_rope_store": [_P, _I, _I, _P, _P, _P, _C, _C, _C, _P, _P, _I, _P, _P, _C, _C],
+    "tq_paged_attention": [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _C, _C, _C, _C, _F, _I, _P, _C, _C],
     "tq_q8_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
     "tq_q4_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
     "tq_int4_dequant": [_P, _P, _I, _I, _I, _P, _C],
@@ -47,7 +47,7 @@ SIGNATURES = {
     "tq_set_row_invariant": [_C],
     "tq_has_bf16": [],
     "tq_bf16_matmul": [_C, _P, _P, _I, _I, _P, _I, _P, _C],
-    "tq_bf16_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _C, _C, _C, _C, _F, _I, _P, _I, _C],
+    "tq_bf16_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _C, _C, _C, _C, _F, _I, _P, _I, _C, _C],
     "tq_probe_fma": [_I, _C],
     "tq_probe_bf16": [_I, _C],
     "tq_probe_vnni": [_I, _C],
@@ -243,16 +243,27 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+KV_DTYPES = (torch.float32, torch.float16)  # the pool dtypes the C attention reads
+
+
+def kv_half(keys: torch.Tensor) -> int:
+    """1 for a float16 pool, 0 for float32 (what ops.c's K/V readers and writers take)."""
+    if keys.dtype not in KV_DTYPES:
+        raise ValueError(f"engine.native's attention reads a float32 or float16 KV pool, not {keys.dtype}")
+    return int(keys.dtype == torch.float16)
+
+
 def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                kv_heads: int, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor,
                offsets: torch.Tensor) -> None:
     """RoPE on the q and k heads of `qkv` [m, (heads + 2 kv_heads) d] in place, then each row's k and v
-    written to slot (blocks[i], offsets[i]) of the pool's `keys`/`values` [blocks, block_size, kv_heads, d]."""
+    written to slot (blocks[i], offsets[i]) of the pool's `keys`/`values` [blocks, block_size, kv_heads, d]
+    (float32, or float16 rounded to nearest even)."""
     m, width = qkv.shape
     d = cos.shape[-1]
     library().tq_rope_store(qkv.data_ptr(), m, width, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), heads,
                             kv_heads, d, keys.data_ptr(), values.data_ptr(), keys.stride(0), blocks.data_ptr(),
-                            offsets.data_ptr(), _threads())
+                            offsets.data_ptr(), kv_half(keys), _threads())
 
 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
@@ -267,7 +278,7 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, t
     out = torch.empty(rows, heads * d, dtype=torch.float32)
     library().tq_paged_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(0),
                                  tables.data_ptr(), tables.stride(0), row_table.data_ptr(), lens.data_ptr(), rows,
-                                 heads, kv_heads, d, block_size, scale, window, out.data_ptr(), _threads())
+                                 heads, kv_heads, d, block_size, scale, window, out.data_ptr(), kv_half(keys), _threads())
     return out
 
 
@@ -328,7 +339,7 @@ def bf16_attention(qkv: torch.Tensor, start: int, length: int, context: int, blo
     rc = library().tq_bf16_attention(qkv[start:].data_ptr(), qkv.stride(0), keys.data_ptr(), values.data_ptr(),
                                      keys.stride(0), blocks.contiguous().data_ptr(), length, context, heads,
                                      kv_heads, d, block_size, scale, window, out[start:].data_ptr(), out.stride(0),
-                                     _threads())
+                                     kv_half(keys), _threads())
     if rc:
         raise {-1: MemoryError(f"bfloat16 attention of {length} rows over {context} tokens: out of memory"),
                -2: RuntimeError("this build has no AVX-512 BF16")}.get(rc, ValueError(f"head size {d}: not a multiple of 64"))
@@ -362,7 +373,7 @@ class _LayerStep(ctypes.Structure):
                                      "cos_t", "sin_t")] \
         + [(name, _I64) for name in ("heads", "kv_heads", "d", "block_size", "block_stride")] \
         + [("tables", _PTR), ("row_table", _PTR), ("lens", _PTR), ("table_stride", _I64), ("eps", _F32),
-           ("scale", _F32), ("has_res", _I64), ("threads", _I64)]
+           ("scale", _F32), ("has_res", _I64), ("threads", _I64), ("kv_half", _I64)]
 
 
 def linear(kind: str, w: torch.Tensor, scales: torch.Tensor) -> Linear:
@@ -395,7 +406,7 @@ class LayerStep:
         self.s = _LayerStep(m, hidden, heads * d, width, ffn, h.data_ptr(), *(b[k].data_ptr() for k in b),
                             positions.data_ptr(), blocks.data_ptr(), offsets.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                             heads, kv_heads, d, block_size, keys.stride(0), tables.data_ptr(), row_table.data_ptr(),
-                            lens.data_ptr(), tables.stride(0), eps, scale, 0, _threads())
+                            lens.data_ptr(), tables.stride(0), eps, scale, 0, _threads(), kv_half(keys))
 
     def run(self, layer: Layer, keys: torch.Tensor, values: torch.Tensor) -> None:
         if library().tq_decoder_layer(ctypes.byref(layer), ctypes.byref(self.s), keys.data_ptr(), values.data_ptr()):

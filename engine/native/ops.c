@@ -21,6 +21,16 @@
 /* What this library was built from (engine/native/build.py source_hash): the loader refuses a stale build. */
 const char *tq_source_hash(void) { return TQ_SOURCE_HASH; }
 
+/* The pool's K/V elements: float32, or float16 where `half` (half the bytes a decode step reads; rounded to
+ * nearest even where written). Offsets are in elements. */
+static inline float kv_at(const void *p, int64_t i, const int half) {
+    return half ? (float)((const _Float16 *)p)[i] : ((const float *)p)[i];
+}
+
+static inline const char *kv_address(const void *p, int64_t i, const int half) {
+    return (const char *)p + i * (half ? 2 : 4);
+}
+
 /* This thread's number in the enclosing OpenMP team (0 outside one, or without OpenMP). */
 static inline int thread_num(void) {
 #ifdef _OPENMP
@@ -57,8 +67,8 @@ void tq_rms_norm(float *x, const float *residual, const float *w, int64_t m, int
  * key and value views (a block is `block_size` tokens of kv_heads * d floats; blocks are block_stride apart).
  * cos/sin: [positions, d] tables, sin with the sign of rotate_half folded in ([-sin, sin]). */
 void tq_rope_store(float *qkv, int64_t m, int64_t width, const int64_t *positions, const float *cos_t,
-                   const float *sin_t, int heads, int kv_heads, int d, float *keys, float *values,
-                   int64_t block_stride, const int64_t *blocks, const int64_t *offsets, int threads) {
+                   const float *sin_t, int heads, int kv_heads, int d, void *keys, void *values,
+                   int64_t block_stride, const int64_t *blocks, const int64_t *offsets, int kv_half, int threads) {
     int half = d / 2, rot = heads + kv_heads;
     int64_t kv = (int64_t)kv_heads * d;
     #pragma omp parallel for num_threads(threads) schedule(static) if (m > 8)
@@ -75,8 +85,17 @@ void tq_rope_store(float *qkv, int64_t m, int64_t width, const int64_t *position
             }
         }
         int64_t slot = blocks[i] * block_stride + offsets[i] * kv;
-        memcpy(keys + slot, row + (int64_t)heads * d, kv * sizeof(float));
-        memcpy(values + slot, row + (int64_t)rot * d, kv * sizeof(float));
+        const float *k = row + (int64_t)heads * d, *v = row + (int64_t)rot * d;
+        if (kv_half) {
+            _Float16 *kd = (_Float16 *)keys + slot, *vd = (_Float16 *)values + slot;
+            for (int64_t j = 0; j < kv; j++) {
+                kd[j] = (_Float16)k[j];
+                vd[j] = (_Float16)v[j];
+            }
+        } else {
+            memcpy((float *)keys + slot, k, kv * sizeof(float));
+            memcpy((float *)values + slot, v, kv * sizeof(float));
+        }
     }
 }
 
@@ -102,41 +121,54 @@ static inline __m256 exp_neg(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-static inline float dot_d(const float *a, const float *b, int d) {
+/* 8 of the pool's K/V elements from offset i, as float32 (F16C converts float16). */
+static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int64_t i, const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* a . (the pool's d elements from offset b) */
+static inline __attribute__((always_inline)) float dot_d(const float *a, const void *kv, int64_t b, int d,
+                                                          const int half) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int j = 0;
     for (; j + 16 <= d; j += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), s1);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), kv_load8(kv, b + j, half), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), kv_load8(kv, b + j + 8, half), s1);
     }
-    if (j < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+    if (j < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), kv_load8(kv, b + j, half), s0);
     __m256 v = _mm256_add_ps(s0, s1);
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
-/* q . k for 8 consecutive tokens (rows k_stride apart) at once: 8 sums reduced together (hadd, not 8 hsums). */
-static inline __m256 dot8_tokens(const float *q, const float *k, int64_t k_stride, int d) {
+/* q . k for 8 consecutive tokens (the pool's rows from offset k, k_stride apart) at once: 8 sums reduced
+ * together (hadd, not 8 hsums). */
+static inline __attribute__((always_inline)) __m256 dot8_tokens(const float *q, const void *kv, int64_t k,
+                                                                 int64_t k_stride, int d, const int half) {
     __m256 acc[8];
     for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
     for (int j = 0; j < d; j += 8) {
         __m256 qv = _mm256_loadu_ps(q + j);
-        for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * k_stride + j), acc[t]);
+        for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, kv_load8(kv, k + t * k_stride + j, half), acc[t]);
     }
     __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* o[0:width] += sum_t p[t] inv v_t[0:width] over `count` tokens of one block (v: its first token's columns, token
- * rows kv apart; `width` a constant <= 64 after inlining: the sums stay in registers, over t in order). */
+/* o[0:width] += sum_t p[t] inv v_t[0:width] over `count` tokens of one block (v: the pool's offset of its first
+ * token's columns, token rows kv apart; `width` a constant <= 64 after inlining: the sums stay in registers,
+ * over t in order). */
 static inline __attribute__((always_inline)) void weigh_values(const int width, const float *p, float inv,
-                                                               const float *v, int64_t kv, int64_t count, float *o) {
+                                                               const void *values, int64_t v, int64_t kv,
+                                                               int64_t count, float *o, const int half) {
     __m256 acc[8];
     for (int j = 0; j < width / 8; j++) acc[j] = _mm256_loadu_ps(o + 8 * j);
     for (int64_t i = 0; i < count; i++) {
         __m256 w = _mm256_set1_ps(p[i] * inv);
-        for (int j = 0; j < width / 8; j++) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i * kv + 8 * j), acc[j]);
+        for (int j = 0; j < width / 8; j++)
+            acc[j] = _mm256_fmadd_ps(w, kv_load8(values, v + i * kv + 8 * j, half), acc[j]);
     }
     for (int j = 0; j < width / 8; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
 }
@@ -159,9 +191,10 @@ static inline float hmax8(__m256 v) {
  * what is left is memory (the same calls with one layer's K/V in cache take 0.3x), 295 MB of float32 K/V a
  * step at ~16 GB/s. */
 #define AHEAD 2 /* blocks prefetched ahead (1-8 measured the same) */
-static void attend_row(const float *qr, const float *keys, const float *values, int64_t block_stride,
-                       const int64_t *table, int64_t len, int g0, int g1, int group, int d, int64_t kv,
-                       int block_size, float scale, int64_t window, float *scores, float *outr) {
+static inline __attribute__((always_inline)) void attend_row(
+    const float *qr, const void *keys, const void *values, int64_t block_stride, const int64_t *table, int64_t len,
+    int g0, int g1, int group, int d, int64_t kv, int block_size, float scale, int64_t window, float *scores,
+    float *outr, const int half) {
     int nh = (g1 - g0) * group; /* query heads of this item: h = g0 * group + x */
     int64_t first = window > 0 && len > window ? len - window : 0, b0 = first / block_size;
     const float *qh0 = qr + (int64_t)g0 * group * d;
@@ -169,24 +202,24 @@ static void attend_row(const float *qr, const float *keys, const float *values, 
     float mx[256], inv[256]; /* up to 256 query heads */
     for (int x = 0; x < nh; x++) mx[x] = -INFINITY;
     for (int64_t start = b0 * block_size, b = b0; start < len; start += block_size, b++) {
-        const float *kb = keys + table[b] * block_stride + (int64_t)g0 * d;
+        int64_t kb = table[b] * block_stride + (int64_t)g0 * d; /* offset of the block's first key */
         int64_t count = len - start < block_size ? len - start : block_size, i = 0;
 #ifdef __AVX2__
         int64_t span = (int64_t)(g1 - g0) * d; /* floats of a token row this item reads */
         for (int64_t a = b == b0 ? b : b + AHEAD; a <= b + AHEAD && a * block_size < len; a++) {
-            const float *nk = keys + table[a] * block_stride + (int64_t)g0 * d;
-            const float *nv = values + table[a] * block_stride + (int64_t)g0 * d;
+            int64_t at = table[a] * block_stride + (int64_t)g0 * d;
             for (int64_t t = 0; t < block_size; t++)
-                for (int64_t j = 0; j < span; j += 16) {
-                    _mm_prefetch((const char *)(nk + t * kv + j), _MM_HINT_T1);
-                    _mm_prefetch((const char *)(nv + t * kv + j), _MM_HINT_T1);
+                for (int64_t j = 0; j < span; j += half ? 32 : 16) { /* a 64-byte line at a time */
+                    _mm_prefetch(kv_address(keys, at + t * kv + j, half), _MM_HINT_T1);
+                    _mm_prefetch(kv_address(values, at + t * kv + j, half), _MM_HINT_T1);
                 }
         }
         if (ATTN_VECTOR(d)) /* whole runs of 8 tokens (a token's run depends only on len: same in any batch) */
             for (; i + 8 <= count; i += 8)
                 for (int x = 0; x < nh; x++) {
-                    const float *k = kb + (int64_t)(x / group) * d + i * kv;
-                    __m256 sv = _mm256_mul_ps(dot8_tokens(qh0 + (int64_t)x * d, k, kv, d), _mm256_set1_ps(scale));
+                    int64_t k = kb + (int64_t)(x / group) * d + i * kv;
+                    __m256 sv = _mm256_mul_ps(dot8_tokens(qh0 + (int64_t)x * d, keys, k, kv, d, half),
+                                              _mm256_set1_ps(scale));
                     if (start + i < first) { /* the run starts before the window: its early tokens count not */
                         __m256 at = _mm256_add_ps(_mm256_set1_ps((float)(start + i)),
                                                   _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
@@ -200,16 +233,17 @@ static void attend_row(const float *qr, const float *keys, const float *values, 
 #endif
         for (; i < count; i++)
             for (int x = 0; x < nh; x++) {
-                const float *k = kb + (int64_t)(x / group) * d + i * kv, *qh = qh0 + (int64_t)x * d;
+                int64_t k = kb + (int64_t)(x / group) * d + i * kv;
+                const float *qh = qh0 + (int64_t)x * d;
                 float s = 0.f;
 #ifdef __AVX2__
                 if (ATTN_VECTOR(d)) {
-                    s = dot_d(qh, k, d);
+                    s = dot_d(qh, keys, k, d, half);
                 } else
 #endif
                 {
                     #pragma omp simd reduction(+ : s)
-                    for (int j = 0; j < d; j++) s += qh[j] * k[j];
+                    for (int j = 0; j < d; j++) s += qh[j] * kv_at(keys, k + j, half);
                 }
                 s = start + i < first ? -INFINITY : s * scale;
                 scores[x * len + start + i] = s;
@@ -238,36 +272,37 @@ static void attend_row(const float *qr, const float *keys, const float *values, 
     }
     for (int x = 0; x < nh * d; x++) oh0[x] = 0.f;
     for (int64_t start = b0 * block_size, b = b0; start < len; start += block_size, b++) {
-        const float *vb = values + table[b] * block_stride + (int64_t)g0 * d;
+        int64_t vb = table[b] * block_stride + (int64_t)g0 * d; /* offset of the block's first value */
         int64_t count = len - start < block_size ? len - start : block_size;
 #ifdef __AVX2__
         if (ATTN_VECTOR(d)) {
             for (int x = 0; x < nh; x++) { /* the head's sums in registers over the block, 64 floats at a time */
-                const float *p = scores + x * len + start, *v = vb + (int64_t)(x / group) * d;
+                const float *p = scores + x * len + start;
+                int64_t v = vb + (int64_t)(x / group) * d;
                 float *oh = oh0 + (int64_t)x * d;
                 int j = 0;
-                for (; j + 64 <= d; j += 64) weigh_values(64, p, inv[x], v + j, kv, count, oh + j);
+                for (; j + 64 <= d; j += 64) weigh_values(64, p, inv[x], values, v + j, kv, count, oh + j, half);
                 if (j + 32 <= d) {
-                    weigh_values(32, p, inv[x], v + j, kv, count, oh + j);
+                    weigh_values(32, p, inv[x], values, v + j, kv, count, oh + j, half);
                     j += 32;
                 }
                 if (j + 16 <= d) {
-                    weigh_values(16, p, inv[x], v + j, kv, count, oh + j);
+                    weigh_values(16, p, inv[x], values, v + j, kv, count, oh + j, half);
                     j += 16;
                 }
                 if (j < d) /* d is a multiple of 8 (ATTN_VECTOR) */
-                    weigh_values(8, p, inv[x], v + j, kv, count, oh + j);
+                    weigh_values(8, p, inv[x], values, v + j, kv, count, oh + j, half);
             }
             continue;
         }
 #endif
         for (int64_t i = 0; i < count; i++)
             for (int x = 0; x < nh; x++) {
-                const float *v = vb + i * kv + (int64_t)(x / group) * d;
+                int64_t v = vb + i * kv + (int64_t)(x / group) * d;
                 float p = scores[x * len + start + i] * inv[x];
                 float *o = oh0 + (int64_t)x * d;
                 #pragma omp simd
-                for (int j = 0; j < d; j++) o[j] += p * v[j];
+                for (int j = 0; j < d; j++) o[j] += p * kv_at(values, v + j, half);
             }
     }
 }
@@ -279,10 +314,10 @@ static void attend_row(const float *qr, const float *keys, const float *values, 
  * whether it was computed in a prompt or one at a time, in any batch. q and out: [rows, heads * d], q's rows
  * q_stride apart. The K/V of every row must already be in the pool (tq_rope_store). With window > 0 a row sees
  * only its last `window` tokens (a sliding-window layer): blocks before them are not read. */
-void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, const float *values,
+void tq_paged_attention(const float *q, int64_t q_stride, const void *keys, const void *values,
                         int64_t block_stride, const int64_t *tables, int64_t table_stride, const int64_t *row_table,
                         const int64_t *lens, int64_t rows, int heads, int kv_heads, int d, int block_size,
-                        float scale, int64_t window, float *out, int threads) {
+                        float scale, int64_t window, float *out, int kv_half, int threads) {
     int group = heads / kv_heads;
     int64_t kv = (int64_t)kv_heads * d, total = 0;
     for (int64_t r = 0; r < rows; r++) total += lens[r];
@@ -302,8 +337,15 @@ void tq_paged_attention(const float *q, int64_t q_stride, const float *keys, con
                 cap = len;
                 scores = (float *)malloc((size_t)(cap * heads) * sizeof(float));
             }
-            attend_row(q + r * q_stride, keys, values, block_stride, tables + row_table[r] * table_stride, len, g0,
-                       g1, group, d, kv, block_size, scale, window, scores, out + r * heads * d);
+            const float *qr = q + r * q_stride;
+            const int64_t *table = tables + row_table[r] * table_stride;
+            float *outr = out + r * heads * d;
+            if (kv_half)
+                attend_row(qr, keys, values, block_stride, table, len, g0, g1, group, d, kv, block_size, scale, window,
+                           scores, outr, 1);
+            else
+                attend_row(qr, keys, values, block_stride, table, len, g0, g1, group, d, kv, block_size, scale, window,
+                           scores, outr, 0);
         }
         free(scores);
     }
@@ -989,37 +1031,42 @@ static inline __m512 exp2_neg(__m512 x) {
 /* Keys [k0, k0 + FA_KEYS) of KV head g from the pool into its pair panels (zeros outside [first, context):
  * a sliding-window layer's blocks before `first` may be gone). Rows are rounded 32 floats at a time; k's pairs
  * go through a [key][d / 2] table in L1 and are transposed from there. */
-static void pack_kv_block(const float *keys, const float *values, int64_t block_stride, const int64_t *blocks,
+static inline __m512 kv_load16(const void *row, int i, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)))
+                : _mm512_loadu_ps((const float *)row + i);
+}
+
+static void pack_kv_block(const void *keys, const void *values, int64_t block_stride, const int64_t *blocks,
                           int block_size, int kv_heads, int d, int g, int64_t k0, int64_t first, int64_t context,
-                          uint16_t *kp, uint16_t *vp) {
+                          int half, uint16_t *kp, uint16_t *vp) {
     static const float zeros[FA_MAX_D] = {0};
     const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     uint32_t pairs[FA_KEYS * FA_MAX_D / 2];
     int64_t kv = (int64_t)kv_heads * d;
-    int half = d / 2;
+    int npairs = d / 2;
     for (int j = 0; j < FA_KEYS; j += 2) {
-        const float *k[2], *v[2];
+        const void *k[2], *v[2];
         for (int e = 0; e < 2; e++) {
             int64_t t = k0 + j + e;
             int64_t at = t >= first && t < context
                              ? blocks[t / block_size] * block_stride + (t % block_size) * kv + (int64_t)g * d : -1;
-            k[e] = at < 0 ? zeros : keys + at;
-            v[e] = at < 0 ? zeros : values + at;
+            k[e] = at < 0 ? (const void *)zeros : kv_address(keys, at, half); /* zeros: 0 in either format */
+            v[e] = at < 0 ? (const void *)zeros : kv_address(values, at, half);
         }
         for (int i = 0; i < d; i += 32)
             for (int e = 0; e < 2; e++)
-                _mm512_storeu_si512(pairs + (j + e) * half + i / 2,
-                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(k[e] + i + 16),
-                                                                 _mm512_loadu_ps(k[e] + i)));
+                _mm512_storeu_si512(pairs + (j + e) * npairs + i / 2,
+                                    (__m512i)_mm512_cvtne2ps_pbh(kv_load16(k[e], i + 16, half),
+                                                                 kv_load16(k[e], i, half)));
         for (int i = 0; i < d; i += 16) /* v[j][i], v[j + 1][i] side by side */
             _mm512_storeu_si512(vp + ((int64_t)(j / 2) * d + i) * 2,
                                 _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(
-                                    _mm512_loadu_ps(v[1] + i), _mm512_loadu_ps(v[0] + i))));
+                                    kv_load16(v[1], i, half), kv_load16(v[0], i, half))));
     }
     uint32_t *kp32 = (uint32_t *)kp;
-    for (int i = 0; i < half; i++)
-        for (int j = 0; j < FA_KEYS; j++) kp32[i * FA_KEYS + j] = pairs[j * half + i];
+    for (int i = 0; i < npairs; i++)
+        for (int j = 0; j < FA_KEYS; j++) kp32[i * FA_KEYS + j] = pairs[j * npairs + i];
 }
 
 /* acc[r][c] += a[r] . b[c] for FA_ROWS rows: a[r] the bfloat16 pair at a + r * a_stride (broadcast), b the 4 x 32
@@ -1137,10 +1184,10 @@ static void attention_tile(const float *q, int64_t q_stride, const uint16_t *kp,
  * in the pool through `blocks`) in bfloat16, as above; q [length, q_stride] (query head h at column h * d),
  * out [length, out_stride]; window > 0: each row sees its last `window` tokens. -1 without memory, -2 where the
  * build has no AVX-512 BF16, -3 where d is not a multiple of 64 up to 256. */
-int tq_bf16_attention(const float *q, int64_t q_stride, const float *keys, const float *values,
+int tq_bf16_attention(const float *q, int64_t q_stride, const void *keys, const void *values,
                       int64_t block_stride, const int64_t *blocks, int64_t length, int64_t context, int heads,
                       int kv_heads, int d, int block_size, float scale, int64_t window, float *out,
-                      int64_t out_stride, int threads) {
+                      int64_t out_stride, int kv_half, int threads) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (d % 64 || d > FA_MAX_D)
         return -3;
@@ -1167,7 +1214,7 @@ int tq_bf16_attention(const float *q, int64_t q_stride, const float *keys, const
             int64_t b = b0 + w % (nb - b0);
             uint16_t *kp = panels + (int64_t)g * nb * span * 2;
             pack_kv_block(keys, values, block_stride, blocks, block_size, kv_heads, d, g, b * FA_KEYS, first, context,
-                          kp + b * span, kp + nb * span + b * span);
+                          kv_half, kp + b * span, kp + nb * span + b * span);
         }
         int tid = thread_num();
         char *mine = scratch + per_thread * tid;
@@ -1193,7 +1240,7 @@ int tq_bf16_attention(const float *q, int64_t q_stride, const float *keys, const
 #else
     (void)q, (void)q_stride, (void)keys, (void)values, (void)block_stride, (void)blocks, (void)length,
         (void)context, (void)heads, (void)kv_heads, (void)d, (void)block_size, (void)scale, (void)window, (void)out,
-        (void)out_stride, (void)threads;
+        (void)out_stride, (void)kv_half, (void)threads;
     return -2;
 #endif
 }
@@ -1281,6 +1328,7 @@ typedef struct {
     float eps, scale;
     int64_t has_res; /* res holds the last sublayer's output, not yet added to h */
     int64_t threads;
+    int64_t kv_half; /* the pool holds float16 */
 } LayerStep;
 
 static int linear(const Linear *l, const float *x, int64_t m, float *out, int threads) {
@@ -1288,15 +1336,16 @@ static int linear(const Linear *l, const float *x, int64_t m, float *out, int th
 }
 
 /* h += res (pending), then the layer; leaves its MLP output in res (pending). Nonzero without memory. */
-int tq_decoder_layer(const Layer *l, LayerStep *s, float *keys, float *values) {
+int tq_decoder_layer(const Layer *l, LayerStep *s, void *keys, void *values) {
     int t = (int)s->threads;
     int64_t m = s->m;
     tq_rms_norm(s->h, s->has_res ? s->res : NULL, l->attn_norm, m, s->hidden, s->eps, s->x, t);
     if (linear(&l->wqkv, s->x, m, s->qkv, t)) return -1;
     tq_rope_store(s->qkv, m, s->width, s->positions, s->cos_t, s->sin_t, (int)s->heads, (int)s->kv_heads, (int)s->d,
-                  keys, values, s->block_stride, s->blocks, s->offsets, t);
+                  keys, values, s->block_stride, s->blocks, s->offsets, (int)s->kv_half, t);
     tq_paged_attention(s->qkv, s->width, keys, values, s->block_stride, s->tables, s->table_stride, s->row_table,
-                       s->lens, m, (int)s->heads, (int)s->kv_heads, (int)s->d, (int)s->block_size, s->scale, 0, s->attn, t);
+                       s->lens, m, (int)s->heads, (int)s->kv_heads, (int)s->d, (int)s->block_size, s->scale, 0, s->attn,
+                       (int)s->kv_half, t);
     if (linear(&l->wo, s->attn, m, s->res, t)) return -1;
     tq_rms_norm(s->h, s->res, l->ffn_norm, m, s->hidden, s->eps, s->x, t);
     if (linear(&l->gate_up, s->x, m, s->gu, t)) return -1;

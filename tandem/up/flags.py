@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from engine.model_files import KV_DTYPES
 from gateway.server import add_sampling_default_flags
 from runtime.settings import KERNEL_CHOICES, KERNELS_HELP, SPECULATIVE_MODES
 from tandem.up.ports import DEFAULT_METRICS_BASE, DEFAULT_PORT
@@ -39,6 +40,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="how workers hold the weights (TANDEM_QUANTIZATION; default auto: the GGUF's own)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] for the workers (default cpu)")
     p.add_argument("--kernels", default=None, choices=list(KERNEL_CHOICES), help=f"how workers multiply int4/Q8_0 weights (TANDEM_KERNELS; default auto): {KERNELS_HELP}")
+    p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
+                   help="the KV cache's element type (TANDEM_KV_DTYPE; default auto: --dtype's)")
     p.add_argument("--speculative", default=None, choices=list(SPECULATIVE_MODES),
                    help="decode: draft tokens by prompt lookup (ngram) and verify them in one step, or off "
                         "(TANDEM_SPECULATIVE; default ngram)")

@@ -124,6 +124,8 @@ def make_plan(args: argparse.Namespace, own_nats: bool, warn: Callable[[str], No
         serve_args += ["--kernels", args.kernels]
     if args.speculative:
         serve_args += ["--speculative", args.speculative]
+    if args.kv_dtype:
+        serve_args += ["--kv-dtype", args.kv_dtype]
     # workers' /metrics, /health and /ready listen where the gateway does (127.0.0.1 by default)
     serve_args += ["--metrics-host", args.host, "--drain-timeout", f"{args.drain_timeout:g}",
                    *shlex.split(args.worker_args)]
