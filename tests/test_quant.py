@@ -228,3 +228,27 @@ def test_long_chunk_rows_on_each_kernel_path(cls, kernel_path):
         assert (got - want).abs().max() > 1e-6 * want.abs().max()  # it did run in bfloat16
         for start, stop in ((0, 1), (7, 20), (137, 150)):
             assert torch.equal(w(x[start:stop], dequant_rows=stop - start), got[start:stop])
+
+
+@pytest.mark.parametrize("cls", [Int4Weight, Q8Weight])
+def test_any_number_of_threads_computes_the_same_bits(cls, kernel_path):
+    """Each thread starts on its own range of a matmul's tiles or panels and, once done, takes chunks from the back
+    of the others' (ops.c `share_next`). With more threads than cores some are preempted and their chunks taken
+    by others: every output must still be computed once, the same way, so 1 to 4 threads give the same bits, again
+    and again (batch 1's 1 x 2 tiles, R x 1 tiles, float32 panels, and a long chunk's bfloat16 panels)."""
+    if kernel_path == "torch":
+        pytest.skip("torch's kernels: their threads are torch's business")
+    w = cls.quantize(torch.randn(224, 576) * 0.05) if cls is Int4Weight else q8_weight(200, 576)
+    shapes = [(1, 0), (5, 0), (40, 0)] + ([(40, 40)] if kernel_path == "avx512_bf16" else [])
+    before = torch.get_num_threads()
+    try:
+        for rows, dequant_rows in shapes:
+            x = torch.randn(rows, 576)
+            torch.set_num_threads(1)
+            want = w(x, dequant_rows)
+            for threads in (2, 3, 4):
+                torch.set_num_threads(threads)
+                for _ in range(10):
+                    assert torch.equal(w(x, dequant_rows), want), (rows, dequant_rows, threads)
+    finally:
+        torch.set_num_threads(before)

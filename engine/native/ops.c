@@ -40,6 +40,52 @@ static inline int thread_num(void) {
 #endif
 }
 
+/* ---------------------------------------------------------------- work a thread may not finish
+ * A matmul's items (weight tiles or panels) start as one contiguous range per thread: each streams its weights in
+ * address order, which the hardware prefetcher follows (64 interleaved chunks per matmul ran 0.6x as fast). A
+ * thread done with its range takes chunks from the back of another's. One the OS takes the core from (the gateway,
+ * nats-server and the client share the cores with an aggregated worker; a prefill worker's second thread runs at
+ * idle priority on the decode worker's core) then holds its matmul up by a chunk, not by the rest of its share. */
+typedef struct {
+    int64_t range; /* lo | hi << 32: the items not yet taken */
+    char pad[56];  /* one cache line each */
+} Share;
+
+static Share *shares_new(int64_t count) { return (Share *)aligned_alloc(64, (size_t)count * sizeof(Share)); }
+
+/* `items` split into `threads` ranges in s[0..threads) */
+static void shares_init(Share *s, int threads, int64_t items) {
+    for (int t = 0; t < threads; t++)
+        s[t].range = items * t / threads | (items * (t + 1) / threads) << 32;
+}
+
+/* The next chunk [*b, *e) for thread `tid` (up to `chunk` items): from the front of its own range, else from the back
+ * of another's; 0 when every range is empty. Each item is taken once, by whichever thread gets there first. */
+static int share_next(Share *s, int threads, int tid, int64_t chunk, int64_t *b, int64_t *e) {
+    for (int i = 0; i < threads; i++) {
+        Share *o = s + (tid + i) % threads;
+        int64_t old = __atomic_load_n(&o->range, __ATOMIC_RELAXED);
+        for (;;) {
+            int64_t lo = old & 0xffffffff, hi = (int64_t)((uint64_t)old >> 32);
+            if (lo >= hi) break;
+            int64_t n = hi - lo < chunk ? hi - lo : chunk;
+            int64_t next = i == 0 ? (lo + n) | hi << 32 : lo | (hi - n) << 32;
+            if (__atomic_compare_exchange_n(&o->range, &old, next, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+                *b = i == 0 ? lo : hi - n;
+                *e = *b + n;
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* A thread's chunk: a sixteenth of its range, so a thief waits on at most that much of another's. */
+static inline int64_t share_chunk(int64_t items, int threads) {
+    int64_t c = items / ((int64_t)threads * 16);
+    return c > 1 ? c : 1;
+}
+
 /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of n floats (x and out may alias); with a residual, x[i] +=
  * residual[i] first (in place: the residual stream's add and the next norm in one pass). */
 void tq_rms_norm(float *x, const float *residual, const float *w, int64_t m, int64_t n, float eps, float *out,
@@ -640,7 +686,18 @@ typedef struct {
     int64_t n, k, m;
     QuantizedRows a;
     float *out;
+    Share *shares; /* per block of rows (tile_rows), `threads` ranges of tiles */
+    int threads;
 } Matmul;
+
+/* Rows a block of share_tiles holds (their int16 codes stay in L1), and weight rows a tile holds. */
+static int64_t tile_rows(int64_t k) {
+    int64_t rblock = (8192 / k) / TILE_R * TILE_R;
+    return rblock < TILE_R ? TILE_R : rblock;
+}
+static int tile_cols(int kind, int64_t m, int64_t k) {
+    return m == 1 && k < 1024 && kind == KIND_Q4 ? TILE_C : 1; /* Q8_0 rows: 1 x 2 ran 0.55-0.6x of 1 x 1 */
+}
 
 /* This thread's share of the tiles (an orphaned `omp for`: call it inside a parallel region). Batch 1 runs
  * int4 tiles of 1 x TILE_C where rows are short (k < 1024); larger batches and Q8_0 tiles of TILE_R x 1, in blocks of rows
@@ -649,13 +706,14 @@ typedef struct {
 static inline __attribute__((always_inline)) void share_tiles(const int kind, Matmul mm, float *ds) {
     int64_t n = mm.n, k = mm.k, m = mm.m, groups = k / Q8_GROUP;
     int64_t row_bytes = kind == KIND_Q4 ? k / 2 : k, scale_stride = kind == KIND_Q4 ? 2 * groups : groups;
-    int64_t rblock = (8192 / k) / TILE_R * TILE_R;
-    rblock = rblock < TILE_R ? TILE_R : rblock;
-    int cols = m == 1 && k < 1024 && kind == KIND_Q4 ? TILE_C : 1; /* Q8_0 rows: 1 x 2 ran 0.55-0.6x of 1 x 1 */
+    int64_t rblock = tile_rows(k);
+    int cols = tile_cols(kind, m, k), tid = thread_num();
+    int64_t tiles = (n + cols - 1) / cols, chunk = share_chunk(tiles, mm.threads);
     for (int64_t r0 = 0; r0 < m; r0 += rblock) {
         int64_t r1 = r0 + rblock < m ? r0 + rblock : m;
-        #pragma omp for schedule(static) nowait
-        for (int64_t jb = 0; jb < (n + cols - 1) / cols; jb++) {
+        Share *sh = mm.shares + r0 / rblock * mm.threads;
+        for (int64_t b, e; share_next(sh, mm.threads, tid, chunk, &b, &e);)
+        for (int64_t jb = b; jb < e; jb++) {
             int64_t j = jb * cols;
             const void *wj = (const uint8_t *)mm.w + j * row_bytes;
             const uint16_t *sj = mm.scales + j * scale_stride;
@@ -789,16 +847,22 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
 
 /* This thread's share of the panels (an orphaned `omp for`), in blocks of rows whose activations stay in
  * L2; `kind` a constant, as in share_tiles. panel: this thread's PANEL k floats. */
+static inline int64_t panel_rows(int64_t k) {
+    int64_t rblock = (65536 / k) / PANEL_R * PANEL_R;
+    return rblock < PANEL_R ? PANEL_R : rblock;
+}
+
 static inline __attribute__((always_inline)) void share_panels(const int kind, const void *w,
                                                                const uint16_t *scales, int64_t n, int64_t k,
                                                                const float *x, int64_t m, float *out,
-                                                               float *panel) {
-    int64_t rblock = (65536 / k) / PANEL_R * PANEL_R;
-    rblock = rblock < PANEL_R ? PANEL_R : rblock;
+                                                               float *panel, Share *shares, int threads) {
+    int64_t rblock = panel_rows(k), panels = (n + PANEL - 1) / PANEL, chunk = share_chunk(panels, threads);
+    int tid = thread_num();
     for (int64_t r0 = 0; r0 < m; r0 += rblock) {
         int64_t r1 = r0 + rblock < m ? r0 + rblock : m;
-        #pragma omp for schedule(static) nowait
-        for (int64_t j = 0; j < n; j += PANEL) {
+        Share *sh = shares + r0 / rblock * threads;
+        for (int64_t b, e; share_next(sh, threads, tid, chunk, &b, &e);)
+        for (int64_t j = b * PANEL; j < e * PANEL && j < n; j += PANEL) {
             int cols = n - j < PANEL ? (int)(n - j) : PANEL;
             dequant_panel(kind, w, scales, n, k, j, panel);
             int64_t r = r0;
@@ -818,27 +882,35 @@ static inline __attribute__((always_inline)) void share_panels(const int kind, c
 }
 
 static void share_panels_q4(const void *w, const uint16_t *s, int64_t n, int64_t k, const float *x, int64_t m,
-                            float *out, float *panel) {
-    share_panels(KIND_Q4, w, s, n, k, x, m, out, panel);
+                            float *out, float *panel, Share *shares, int threads) {
+    share_panels(KIND_Q4, w, s, n, k, x, m, out, panel, shares, threads);
 }
 static void share_panels_q8(const void *w, const uint16_t *s, int64_t n, int64_t k, const float *x, int64_t m,
-                            float *out, float *panel) {
-    share_panels(KIND_Q8, w, s, n, k, x, m, out, panel);
+                            float *out, float *panel, Share *shares, int threads) {
+    share_panels(KIND_Q8, w, s, n, k, x, m, out, panel, shares, threads);
 }
 
 static int panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
                         int64_t m, float *out, int threads) {
     int64_t per_thread = PANEL * k; /* floats; a multiple of 16, so each thread's panel starts a cache line */
     float *scratch = (float *)aligned_alloc(64, (size_t)(threads * per_thread) * sizeof(float));
-    if (!scratch) return -1;
+    int64_t blocks = (m + panel_rows(k) - 1) / panel_rows(k);
+    Share *shares = shares_new(blocks * threads);
+    if (!scratch || !shares) {
+        free(scratch);
+        free(shares);
+        return -1;
+    }
+    for (int64_t b = 0; b < blocks; b++) shares_init(shares + b * threads, threads, (n + PANEL - 1) / PANEL);
     #pragma omp parallel num_threads(threads)
     {
         int tid = thread_num();
         if (kind == KIND_Q4)
-            share_panels_q4(w, scales, n, k, x, m, out, scratch + tid * per_thread);
+            share_panels_q4(w, scales, n, k, x, m, out, scratch + tid * per_thread, shares, threads);
         else
-            share_panels_q8(w, scales, n, k, x, m, out, scratch + tid * per_thread);
+            share_panels_q8(w, scales, n, k, x, m, out, scratch + tid * per_thread, shares, threads);
     }
+    free(shares);
     free(scratch);
     return 0;
 }
@@ -911,11 +983,13 @@ static void rows_to_bf16(const float *x, int64_t m, int64_t m_pad, int64_t k, ui
 static inline __attribute__((always_inline)) void share_bf16_panels(const int kind, const void *w,
                                                                     const uint16_t *scales, int64_t n, int64_t k,
                                                                     const uint16_t *x16, int64_t m, float *out,
-                                                                    float *f32, uint16_t *bp, float *spill) {
+                                                                    float *f32, uint16_t *bp, float *spill,
+                                                                    Share *shares, int threads) {
     /* each panel is dequantized once and meets every row (rows in blocks that stayed in L2 dequantized it once a
      * block: 0.83-0.88x at 256 rows, measured on the model's four shapes) */
-    #pragma omp for schedule(static) nowait
-    for (int64_t j = 0; j < n; j += BF_PANEL) {
+    int64_t panels = (n + BF_PANEL - 1) / BF_PANEL;
+    for (int64_t b, e; share_next(shares, threads, thread_num(), share_chunk(panels, threads), &b, &e);)
+    for (int64_t j = b * BF_PANEL; j < e * BF_PANEL && j < n; j += BF_PANEL) {
         int cols = n - j < BF_PANEL ? (int)(n - j) : BF_PANEL;
         dequant_panel(kind, w, scales, n, k, j, f32);
         dequant_panel(kind, w, scales, n, k, j + PANEL, f32 + PANEL * k);
@@ -931,12 +1005,14 @@ static inline __attribute__((always_inline)) void share_bf16_panels(const int ki
 }
 
 static void share_bf16_panels_q4(const void *w, const uint16_t *s, int64_t n, int64_t k, const uint16_t *x16,
-                                 int64_t m, float *out, float *f32, uint16_t *bp, float *spill) {
-    share_bf16_panels(KIND_Q4, w, s, n, k, x16, m, out, f32, bp, spill);
+                                 int64_t m, float *out, float *f32, uint16_t *bp, float *spill, Share *shares,
+                                 int threads) {
+    share_bf16_panels(KIND_Q4, w, s, n, k, x16, m, out, f32, bp, spill, shares, threads);
 }
 static void share_bf16_panels_q8(const void *w, const uint16_t *s, int64_t n, int64_t k, const uint16_t *x16,
-                                 int64_t m, float *out, float *f32, uint16_t *bp, float *spill) {
-    share_bf16_panels(KIND_Q8, w, s, n, k, x16, m, out, f32, bp, spill);
+                                 int64_t m, float *out, float *f32, uint16_t *bp, float *spill, Share *shares,
+                                 int threads) {
+    share_bf16_panels(KIND_Q8, w, s, n, k, x16, m, out, f32, bp, spill, shares, threads);
 }
 
 static int bf16_panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
@@ -946,11 +1022,14 @@ static int bf16_panel_matmul(int kind, const void *w, const uint16_t *scales, in
     int64_t per_thread = 2 * PANEL * k * 4 + BF_PANEL * k * 2 + BF_R * BF_PANEL * 4;
     uint16_t *x16 = (uint16_t *)aligned_alloc(64, (size_t)(m_pad * k) * sizeof(uint16_t));
     char *scratch = (char *)aligned_alloc(64, (size_t)(threads * per_thread));
-    if (!x16 || !scratch) {
+    Share *shares = shares_new(threads);
+    if (!x16 || !scratch || !shares) {
         free(x16);
         free(scratch);
+        free(shares);
         return -1;
     }
+    shares_init(shares, threads, (n + BF_PANEL - 1) / BF_PANEL);
     rows_to_bf16(x, m, m_pad, k, x16, threads);
     #pragma omp parallel num_threads(threads)
     {
@@ -960,10 +1039,11 @@ static int bf16_panel_matmul(int kind, const void *w, const uint16_t *scales, in
         uint16_t *bp = (uint16_t *)(mine + 2 * PANEL * k * 4);
         float *spill = (float *)(mine + 2 * PANEL * k * 4 + BF_PANEL * k * 2);
         if (kind == KIND_Q4)
-            share_bf16_panels_q4(w, scales, n, k, x16, m, out, f32, bp, spill);
+            share_bf16_panels_q4(w, scales, n, k, x16, m, out, f32, bp, spill, shares, threads);
         else
-            share_bf16_panels_q8(w, scales, n, k, x16, m, out, f32, bp, spill);
+            share_bf16_panels_q8(w, scales, n, k, x16, m, out, f32, bp, spill, shares, threads);
     }
+    free(shares);
     free(scratch);
     free(x16);
     return 0;
@@ -1257,15 +1337,19 @@ static int quantized_matmul(int kind, const void *w, const uint16_t *scales, int
 #ifdef __AVX2__
     if (!row_invariant && m >= PANEL_MIN_ROWS(kind)) return panel_matmul(kind, w, scales, n, k, x, m, out, threads);
 #endif
-    int64_t groups = k / Q8_GROUP;
+    int64_t groups = k / Q8_GROUP, blocks = (m + tile_rows(k) - 1) / tile_rows(k);
+    int cols = tile_cols(kind, m, k);
     int16_t *codes = (int16_t *)malloc((size_t)(m * k) * sizeof(int16_t));
     float *floats = (float *)malloc((size_t)(2 * m * groups + threads * TILE_R * TILE_C * groups) * sizeof(float));
-    if (!codes || !floats) {
+    Share *shares = shares_new(blocks * threads);
+    if (!codes || !floats || !shares) {
         free(codes);
         free(floats);
+        free(shares);
         return -1;
     }
-    Matmul mm = {w, scales, n, k, m, {codes, floats, floats + m * groups}, out};
+    for (int64_t b = 0; b < blocks; b++) shares_init(shares + b * threads, threads, (n + cols - 1) / cols);
+    Matmul mm = {w, scales, n, k, m, {codes, floats, floats + m * groups}, out, shares, threads};
     quantize_rows(x, m, k, mm.a, threads);
     #pragma omp parallel num_threads(threads)
     {
@@ -1276,6 +1360,7 @@ static int quantized_matmul(int kind, const void *w, const uint16_t *scales, int
         else
             share_tiles_q8(mm, ds);
     }
+    free(shares);
     free(floats);
     free(codes);
     return 0;
