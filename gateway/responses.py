@@ -7,10 +7,11 @@ parser reads; they must agree with each other and with OpenAI's, so they are wri
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 from gateway.jobs import Job, Prepared
 from gateway.run import Event, Run
@@ -18,11 +19,12 @@ from gateway.textmodel import TokenBytes
 from gateway.tools import CallStream, parse_calls
 
 DONE = "data: [DONE]\n\n"
+_json = msgspec.json.Encoder().encode
 
 
 def sse(obj: Any) -> str:
-    """One server-sent event holding ``obj`` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One server-sent event holding ``obj`` as JSON (compact, UTF-8: what ``json.dumps`` wrote, ~5x faster)."""
+    return f"data: {_json(obj).decode()}\n\n"
 
 
 # ---- logprobs ---------------------------------------------------------------------------

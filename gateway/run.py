@@ -39,6 +39,8 @@ _FROM_WORKERS = (StreamTokens, StreamFinish, StreamError, Unreadable)
 #: a gap in a stream's sequence numbers is asked for at once and again each second; one not filled for this
 #: long (its worker keeps reporting but does not have the messages any more) fails the request
 GAP_WAIT_S = 10.0
+#: what a Run's wake-up timer puts in its queue: the reader looks at its deadlines and workers again
+_WAKE = object()
 
 
 def _not_from_holder(job: Job, msg: StreamTokens | StreamFinish | StreamError | Unreadable) -> str:
@@ -89,6 +91,8 @@ class Run:
         self._next_check = time.monotonic() + 1.0
         self.closed = False
         self._deadline_timer: asyncio.TimerHandle | None = None
+        self._wake: asyncio.TimerHandle | None = None
+        self._wake_at = 0.0
 
     # ---- dispatch ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -188,10 +192,10 @@ class Run:
                 if now >= idle_until:
                     return None
                 wait = min(wait, idle_until - now)
-            try:
-                idx, msg = await asyncio.wait_for(self.queue.get(), wait)
-            except asyncio.TimeoutError:
+            item = await self._get(wait)
+            if item is None:
                 continue
+            idx, msg = item
             if isinstance(msg, OpenAIError):  # abort(): this run ends here
                 raise msg
             job = self.jobs[idx]
@@ -399,6 +403,26 @@ class Run:
             await reg.wait_for(lambda: other_alive() or restarted(), wait)
         return frozenset() if restarted() and not other_alive() else frozenset({lost})
 
+    async def _get(self, wait: float) -> tuple[int, Any] | None:
+        """The queue's next item, or None after about ``wait`` seconds. One timer wakes the reader, re-armed
+        only when it must ring sooner: ``wait_for`` made a task and a timer for every token streamed."""
+        try:
+            return self.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            pass
+        wake_at = time.monotonic() + wait
+        if self._wake is None or self._wake_at > wake_at:
+            if self._wake is not None:
+                self._wake.cancel()
+            self._wake_at = wake_at
+            self._wake = asyncio.get_running_loop().call_later(wait, self._ring)
+        item = await self.queue.get()
+        return None if item[1] is _WAKE else item
+
+    def _ring(self) -> None:
+        self._wake = None
+        self.queue.put_nowait((-2, _WAKE))
+
     async def collect(self) -> None:
         """Wait until every job ended (raises the first error)."""
         while not self.finished:
@@ -416,6 +440,8 @@ class Run:
         self.gw.runs.discard(self)
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
+        if self._wake is not None:
+            self._wake.cancel()
         for job in self.jobs:
             if job.request_id and not job.done:
                 self.gw.bus.cancel_soon(job.request_id, reason)

@@ -188,7 +188,7 @@ def main(args: argparse.Namespace) -> int:
     server = gateway_server(
         app, config, host=args.host, port=args.port,
         log_level=level if level in ("critical", "error", "warning", "info", "debug") else "warning",
-        timeout_graceful_shutdown=5, access_log=False,
+        timeout_graceful_shutdown=5, access_log=False, http="httptools", loop="uvloop",
     )
     said = describe_defaults(config.default_max_tokens, {**text.sampling_defaults, **config.sampling_overrides()})
     print(f"tandem gateway {config.gateway_id}: http://{args.host}:{args.port}/v1 (model {text.name}, "

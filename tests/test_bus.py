@@ -40,7 +40,7 @@ from bus.prefill_messages import (
     PrefillJob,
 )
 from bus.publish import js_publish, publish, request, respond
-from bus.server import EmbeddedNats, NatsServerError, find_nats_server
+from bus.server import GO_THREADS, EmbeddedNats, NatsServerError, find_nats_server
 from bus.stats_messages import AutoscaleState, RoleScale, WorkerStats
 from bus.streams import (
     StreamConfigError,
@@ -139,6 +139,20 @@ def test_start_stop_free_port_and_store(tmp_path: Path) -> None:
     assert store.exists()  # a given store dir is kept
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # the process is gone (reaped)
+
+
+def test_the_server_runs_one_go_thread_unless_its_environment_names_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GOMAXPROCS=1 (GO_THREADS): Go's idle threads spin for work, on cores the workers' threads fill."""
+    def go_threads(**kw: Any) -> str:
+        with EmbeddedNats(**kw) as srv:
+            env = Path(f"/proc/{srv.pid}/environ").read_bytes().split(b"\0")
+        return next(v.decode().split("=", 1)[1] for v in env if v.startswith(b"GOMAXPROCS="))
+
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    assert go_threads() == GO_THREADS == "1"
+    monkeypatch.setenv("GOMAXPROCS", "3")
+    assert go_threads() == "3"
+    assert go_threads(env={"PATH": os.environ["PATH"], "GOMAXPROCS": "2"}) == "2"
 
 
 def test_temp_store_removed_and_async_context() -> None:

@@ -366,6 +366,33 @@ def test_stream_raw_sse_ends_with_done(gw: ServerThread) -> None:
     assert all(ln.startswith("data: ") for ln in lines)
 
 
+def test_a_quiet_stream_gets_keep_alives_between_its_tokens(nats_srv: EmbeddedNats, worker: FakeWorker,
+                                                           text_model: TextModel, gw: ServerThread) -> None:
+    """A worker 0.1 s between tokens, a gateway that keeps a stream alive after 0.03 s of silence: comments
+    between the tokens (one wake-up timer per request, re-armed only when it must ring sooner), and the same
+    text as a gateway that never needed them."""
+    body = chat_body("[slow] hello there", stream=True, temperature=0, max_tokens=6)
+
+    def stream(url: str) -> list[str]:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            return [ln for ln in r.iter_lines() if ln]
+
+    def text(lines: list[str]) -> str:
+        return "".join(json.loads(ln[6:])["choices"][0]["delta"].get("content") or ""
+                       for ln in lines if ln.startswith("data: {") and json.loads(ln[6:])["choices"])
+
+    quick = ServerThread(create_app(make_config(nats_srv.url, sse_keepalive=0.03), text_model)).start()
+    try:
+        wait_until(lambda: httpx.get(f"{quick.url}/ready").status_code == 200, 10, "/ready")
+        lines = stream(quick.url)
+    finally:
+        quick.stop()
+    alive = [ln for ln in lines if ln.startswith(":")]
+    assert alive and set(alive) == {": keep-alive"} and lines[-1] == "data: [DONE]"
+    assert text(lines) and text(lines) == text(stream(gw.url))
+
+
 def test_utf8_stream_is_never_split(client: openai.OpenAI) -> None:
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=DEFAULT_MODEL, messages=[{"role": "user", "content": "[utf8]"}], stream=True) if c.choices]
