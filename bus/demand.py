@@ -27,7 +27,8 @@ from typing import Any
 
 from bus.stats_messages import WorkerStats
 from bus.streams import pool_backlog, pool_names
-from bus.subjects import ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY, Subjects
+from bus.subjects import Subjects
+from runtime.names import ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY
 
 #: The two roles an autoscaler sizes (``decode`` covers ``prefill_and_decode`` workers too).
 SCALED_ROLES = ("prefill", "decode")

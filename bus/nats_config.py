@@ -20,15 +20,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from bus.subjects import (
-    ROLE_DECODE_ONLY,
-    ROLE_GATEWAY,
-    ROLE_OBSERVER,
-    ROLE_PREFILL_AND_DECODE,
-    ROLE_PREFILL_ONLY,
-    Subjects,
-)
-from runtime.names import check_token
+from bus.subjects import ROLE_GATEWAY, ROLE_OBSERVER, Subjects
+from runtime.names import ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY, check_token
 
 #: The account every tandem process lives in (KEDA's ``account`` trigger field names it).
 ACCOUNT = "TANDEM"

@@ -39,7 +39,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from runtime.names import check_token
+from runtime.names import ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY, ROLES, check_token
 
 DEFAULT_NAMESPACE = "tandem"
 
@@ -47,12 +47,6 @@ DEFAULT_NAMESPACE = "tandem"
 GENERATE_CONSUMER = "generate-pool"
 #: Durable pull consumer on the prefill stream, shared by all prefill workers.
 PREFILL_CONSUMER = "prefill-pool"
-
-#: Pipeline roles, as in ``tandem serve --pipeline-role`` (DESIGN §2).
-ROLE_PREFILL_AND_DECODE = "prefill_and_decode"
-ROLE_PREFILL_ONLY = "prefill_only"
-ROLE_DECODE_ONLY = "decode_only"
-ROLES = (ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY, ROLE_DECODE_ONLY)
 
 #: Role names used for the gateway and for read-only tools in permission helpers (not pipeline roles).
 ROLE_GATEWAY = "gateway"

@@ -140,7 +140,7 @@ class DecoderModel:
         if cfg.embed_scale != 1.0:
             h.mul_(cfg.embed_scale)
         by_group = [batch.group(g) for g in range(pool.layout.num_groups)]
-        if self.native and pool.tensor.dtype in native.KV_DTYPES:
+        if self.native and pool.tensor.dtype in native.POOL_DTYPES:
             paged = [PagedAttention(b, cfg.num_heads, cfg.softmax_scale, self.quantized) for b in by_group]
             if self.fused is not None and len(paged) == 1 and batch.dequant_rows == 0 and not paged[0].long_spans:
                 self._fused_forward(h, batch, paged[0], pool, layer_done)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bus.stats_messages import WorkerStats
-from bus.subjects import ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY
+from runtime.names import ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY
 
 DECODE_ROLES = (ROLE_PREFILL_AND_DECODE, ROLE_DECODE_ONLY)
 MAX_IN_FLIGHT = 65536

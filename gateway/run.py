@@ -407,17 +407,16 @@ class Run:
         """The queue's next item, or None after about ``wait`` seconds. One timer wakes the reader, re-armed
         only when it must ring sooner: ``wait_for`` made a task and a timer for every token streamed."""
         try:
-            return self.queue.get_nowait()
+            item = self.queue.get_nowait()
         except asyncio.QueueEmpty:
-            pass
-        wake_at = time.monotonic() + wait
-        if self._wake is None or self._wake_at > wake_at:
-            if self._wake is not None:
-                self._wake.cancel()
-            self._wake_at = wake_at
-            self._wake = asyncio.get_running_loop().call_later(wait, self._ring)
-        item = await self.queue.get()
-        return None if item[1] is _WAKE else item
+            wake_at = time.monotonic() + wait
+            if self._wake is None or self._wake_at > wake_at:
+                if self._wake is not None:
+                    self._wake.cancel()
+                self._wake_at = wake_at
+                self._wake = asyncio.get_running_loop().call_later(wait, self._ring)
+            item = await self.queue.get()
+        return None if item[1] is _WAKE else item  # it may have rung while the reader was busy elsewhere
 
     def _ring(self) -> None:
         self._wake = None

@@ -1,4 +1,5 @@
-"""Which strings may stand in a NATS subject: an id is one token, a reply subject one can publish to.
+"""Names the settings and the bus share: the pipeline roles, and which strings may stand in a NATS subject (an
+id is one token, a reply subject one can publish to).
 
 Worker, gateway and request ids and the namespace each become one token of the subjects ``bus/subjects.py`` spells,
 so the settings refuse a bad one when they are read (``runtime/settings.py``) and the bus when it builds or answers
@@ -8,6 +9,12 @@ a subject. Here, below both, so that the settings need not import the bus.
 from __future__ import annotations
 
 import re
+
+#: The pipeline roles, as in ``tandem serve --pipeline-role`` (DESIGN §2).
+ROLE_PREFILL_AND_DECODE = "prefill_and_decode"
+ROLE_PREFILL_ONLY = "prefill_only"
+ROLE_DECODE_ONLY = "decode_only"
+ROLES = (ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY, ROLE_DECODE_ONLY)
 
 _BAD_IN_TOKEN = re.compile(r"[.*>\s]")
 

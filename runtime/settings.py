@@ -10,10 +10,9 @@ from typing import Any
 
 from engine.model_files import DEFAULT_MODEL, KV_DTYPES, QUANTIZATIONS
 from engine.speculation import MODES as SPECULATIVE_MODES
-from runtime.names import check_token
+from runtime.names import ROLES, check_token
 from runtime.placement import check_device, format_cpus, parse_cpus
 
-ROLES = ("prefill_and_decode", "prefill_only", "decode_only")
 STEP_TOKENS, PREFILL_STEP_TOKENS = 512, 256  # default --max-step-tokens of decoding and prefill_only workers
 #: --kernels: auto and engine.native.KERNEL_PATHS (named here too: this module stays free of torch)
 KERNEL_CHOICES = ("auto", "avx512_bf16", "avx2", "portable", "invariant")

@@ -11,7 +11,8 @@ from typing import Any
 
 from engine.model_files import DEFAULT_MODEL, KV_DTYPES, QUANTIZATIONS
 from engine.model_text import ModelLoadError
-from runtime.settings import KERNEL_CHOICES, KERNELS_HELP, ROLES, SPECULATIVE_MODES, Settings, read_env_file
+from runtime.names import ROLES
+from runtime.settings import KERNEL_CHOICES, KERNELS_HELP, SPECULATIVE_MODES, Settings, read_env_file
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -50,16 +50,7 @@ from bus.streams import (
     pool_backlog,
     pull_subscription,
 )
-from bus.subjects import (
-    GENERATE_CONSUMER,
-    PREFILL_CONSUMER,
-    ROLE_DECODE_ONLY,
-    ROLE_GATEWAY,
-    ROLE_PREFILL_ONLY,
-    Subjects,
-    model_token,
-    safe_token,
-)
+from bus.subjects import GENERATE_CONSUMER, PREFILL_CONSUMER, ROLE_GATEWAY, Subjects, model_token, safe_token
 from bus.wire import (
     REQUEST_ID_HEADER,
     SCHEMA_VERSION,
@@ -73,7 +64,7 @@ from bus.wire import (
     request_id_of,
 )
 from engine.params import SamplingParams
-from runtime.names import check_token
+from runtime.names import ROLE_DECODE_ONLY, ROLE_PREFILL_ONLY, check_token
 from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(60)

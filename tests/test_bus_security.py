@@ -32,9 +32,10 @@ from bus.generate_messages import GenerateRequest, StreamMessage, StreamTokens
 from bus.prefill_messages import KVMetaRequest, PrefillDone
 from bus.publish import publish
 from bus.stats_messages import WorkerStats
-from bus.subjects import ROLE_DECODE_ONLY, ROLE_GATEWAY, ROLE_OBSERVER, ROLE_PREFILL_ONLY, Subjects
+from bus.subjects import ROLE_GATEWAY, ROLE_OBSERVER, Subjects
 from bus.wire import decode as decode_msg
 from bus.wire import encode
+from runtime.names import ROLE_DECODE_ONLY, ROLE_PREFILL_ONLY
 from tests.harness.cluster import tandem_up
 from tests.harness.gateway import dropped_counts
 from tests.harness.native import NEEDS_NATIVE

@@ -36,18 +36,11 @@ from bus.publish import js_publish, publish
 from bus.server import EmbeddedNats, find_nats_server
 from bus.stats_messages import WorkerStats
 from bus.streams import ensure_streams, fetch_one, pull_subscription
-from bus.subjects import (
-    GENERATE_CONSUMER,
-    PREFILL_CONSUMER,
-    ROLE_DECODE_ONLY,
-    ROLE_GATEWAY,
-    ROLE_PREFILL_AND_DECODE,
-    ROLE_PREFILL_ONLY,
-    Subjects,
-)
+from bus.subjects import GENERATE_CONSUMER, PREFILL_CONSUMER, ROLE_GATEWAY, Subjects
 from bus.wire import decode as decode_msg
 from bus.wire import encode
 from engine.model_files import DEFAULT_MODEL, model_name
+from runtime.names import ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY
 from runtime.processes import ChildProcess
 from runtime.settings import read_env_file
 from tandem.up.autoscale import SCALED_ROLE

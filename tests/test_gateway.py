@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -33,14 +34,16 @@ from bus.publish import publish
 from bus.server import EmbeddedNats
 from bus.stats_messages import WorkerStats
 from bus.streams import ensure_streams
-from bus.subjects import ROLE_PREFILL_AND_DECODE, Subjects
+from bus.subjects import Subjects
 from bus.wire import decode
 from engine.model_files import DEFAULT_MODEL
 from engine.params import SamplingParams
 from gateway.app import create_app
 from gateway.router import Route, WorkerRegistry
+from gateway.run import Run
 from gateway.textmodel import TextModel, TokenBytes, load_text_model
 from kv.blocks import prefix_hashes
+from runtime.names import ROLE_PREFILL_AND_DECODE
 from runtime.settings import GatewayConfig
 from tests.harness.fakes import UTF8_REPLY, WORDS, FakeWorker, LoopThread
 from tests.harness.gateway import ServerThread, assert_error, chat_body, dropped_counts, make_config
@@ -364,6 +367,26 @@ def test_stream_raw_sse_ends_with_done(gw: ServerThread) -> None:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
     assert all(ln.startswith("data: ") for ln in lines)
+
+
+def test_a_wake_up_that_rang_while_nobody_waited_is_not_an_event() -> None:
+    """A request's reader waits for its next event on one timer (`Run._get`). The timer may ring while the reader
+    writes to its client: the wake-up then waits in the queue ahead of the next message and must read as "look
+    again" (None), never as an event (it once failed a stream at 16 concurrent ones as an internal error)."""
+    async def go() -> None:
+        run = Run(SimpleNamespace(config=SimpleNamespace(deadline_grace=1.0)), SimpleNamespace(jobs=[], timeout=60.0),
+                  "client-id")
+        assert await run._get(0.01) is None  # nothing came within the wait
+        run.queue.put_nowait((0, "first"))
+        assert await run._get(5.0) == (0, "first")  # a waiting message at once
+        asyncio.get_running_loop().call_later(0.01, run.queue.put_nowait, (0, "second"))
+        assert await run._get(0.05) == (0, "second")  # one that came during the wait; the timer stays armed
+        await asyncio.sleep(0.1)  # it rings while nobody waits
+        run.queue.put_nowait((0, "third"))
+        assert await run._get(5.0) is None
+        assert await run._get(5.0) == (0, "third")
+
+    asyncio.run(go())
 
 
 def test_a_quiet_stream_gets_keep_alives_between_its_tokens(nats_srv: EmbeddedNats, worker: FakeWorker,

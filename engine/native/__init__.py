@@ -243,12 +243,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-KV_DTYPES = (torch.float32, torch.float16)  # the pool dtypes the C attention reads
+POOL_DTYPES = (torch.float32, torch.float16)  # the KV pool dtypes the C attention reads
 
 
 def kv_half(keys: torch.Tensor) -> int:
     """1 for a float16 pool, 0 for float32 (what ops.c's K/V readers and writers take)."""
-    if keys.dtype not in KV_DTYPES:
+    if keys.dtype not in POOL_DTYPES:
         raise ValueError(f"engine.native's attention reads a float32 or float16 KV pool, not {keys.dtype}")
     return int(keys.dtype == torch.float16)
 

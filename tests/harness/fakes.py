@@ -36,9 +36,10 @@ from bus.publish import publish, publish_kept
 from bus.replay import SentLog
 from bus.stats_messages import WorkerStats
 from bus.streams import ensure_streams, fetch_one, pull_subscription
-from bus.subjects import ROLE_PREFILL_AND_DECODE, Subjects
+from bus.subjects import Subjects
 from bus.wire import ErrorCode, decode, encode, headers
 from gateway.textmodel import TextModel
+from runtime.names import ROLE_PREFILL_AND_DECODE
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
          "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango"]
