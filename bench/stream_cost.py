@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cluster import TandemUp, cpus_allowed
+from bench.cluster import TandemUp
 from bench.peers import layouts
 from engine.model_files import DEFAULT_MODEL
 
@@ -79,7 +79,7 @@ def served(model: str, layout: list[str], args: argparse.Namespace, log_dir: Pat
     pids = {"nats-server": info["nats_pid"], "tandem up": info["pid"], **{c["name"]: c["pid"] for c in info["children"]}}
     try:
         decoder = next(c for c in info["children"] if c["role"] in ("decode_only", "prefill_and_decode"))
-        cores = sorted(int(c) for spec in cpus_allowed(decoder["pid"]) for c in _cpu_list(spec))
+        cores = sorted(os.sched_getaffinity(decoder["pid"]))
         cmd = [sys.executable, "-m", "tandem.cli", "bench", "--base-url", up.url, "--dataset", "random",
                "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--concurrency", "1",
                "--tokenizer", model, "--no-progress"]
@@ -114,14 +114,6 @@ def _wait_gone(pids: list[int], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-
-
-def _cpu_list(spec: str) -> list[int]:
-    out: list[int] = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out += range(int(lo), int(hi or lo) + 1)
-    return out
 
 
 def step_ms(model: str, cores: list[int], threads: int, prompt_len: int, args: argparse.Namespace) -> float:

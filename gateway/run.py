@@ -92,7 +92,6 @@ class Run:
         self.closed = False
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._wake: asyncio.TimerHandle | None = None
-        self._wake_at = 0.0
 
     # ---- dispatch ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -409,12 +408,11 @@ class Run:
         try:
             item = self.queue.get_nowait()
         except asyncio.QueueEmpty:
-            wake_at = time.monotonic() + wait
-            if self._wake is None or self._wake_at > wake_at:
+            loop = asyncio.get_running_loop()
+            if self._wake is None or self._wake.when() > loop.time() + wait:
                 if self._wake is not None:
                     self._wake.cancel()
-                self._wake_at = wake_at
-                self._wake = asyncio.get_running_loop().call_later(wait, self._ring)
+                self._wake = loop.call_later(wait, self._ring)
             item = await self.queue.get()
         return None if item[1] is _WAKE else item  # it may have rung while the reader was busy elsewhere
 

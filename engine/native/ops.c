@@ -51,12 +51,15 @@ typedef struct {
     char pad[56];  /* one cache line each */
 } Share;
 
-static Share *shares_new(int64_t count) { return (Share *)aligned_alloc(64, (size_t)count * sizeof(Share)); }
-
-/* `items` split into `threads` ranges in s[0..threads) */
-static void shares_init(Share *s, int threads, int64_t items) {
-    for (int t = 0; t < threads; t++)
-        s[t].range = items * t / threads | (items * (t + 1) / threads) << 32;
+/* `blocks` sets of `threads` ranges (one set per block of rows), each splitting `items` evenly; NULL without memory */
+static Share *shares_new(int64_t blocks, int threads, int64_t items) {
+    Share *s = (Share *)aligned_alloc(64, (size_t)(blocks * threads) * sizeof(Share));
+    if (s)
+        for (int64_t i = 0; i < blocks * threads; i++) {
+            int64_t t = i % threads;
+            s[i].range = items * t / threads | (items * (t + 1) / threads) << 32;
+        }
+    return s;
 }
 
 /* The next chunk [*b, *e) for thread `tid` (up to `chunk` items): from the front of its own range, else from the back
@@ -699,7 +702,7 @@ static int tile_cols(int kind, int64_t m, int64_t k) {
     return m == 1 && k < 1024 && kind == KIND_Q4 ? TILE_C : 1; /* Q8_0 rows: 1 x 2 ran 0.55-0.6x of 1 x 1 */
 }
 
-/* This thread's share of the tiles (an orphaned `omp for`: call it inside a parallel region). Batch 1 runs
+/* This thread's tiles, taken with share_next from mm.shares (call it inside a parallel region). Batch 1 runs
  * int4 tiles of 1 x TILE_C where rows are short (k < 1024); larger batches and Q8_0 tiles of TILE_R x 1, in blocks of rows
  * whose int16 codes stay in L1. `kind` must be a constant here: a parallel region's body is outlined, and
  * its captured variables are not. */
@@ -845,13 +848,14 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
     }
 }
 
-/* This thread's share of the panels (an orphaned `omp for`), in blocks of rows whose activations stay in
- * L2; `kind` a constant, as in share_tiles. panel: this thread's PANEL k floats. */
+/* Rows a block of share_panels holds (their activations stay in L2). */
 static inline int64_t panel_rows(int64_t k) {
     int64_t rblock = (65536 / k) / PANEL_R * PANEL_R;
     return rblock < PANEL_R ? PANEL_R : rblock;
 }
 
+/* This thread's panels, taken with share_next from `shares` (one set per block of panel_rows); `kind` a
+ * constant, as in share_tiles. panel: this thread's PANEL k floats. */
 static inline __attribute__((always_inline)) void share_panels(const int kind, const void *w,
                                                                const uint16_t *scales, int64_t n, int64_t k,
                                                                const float *x, int64_t m, float *out,
@@ -894,14 +898,12 @@ static int panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t
                         int64_t m, float *out, int threads) {
     int64_t per_thread = PANEL * k; /* floats; a multiple of 16, so each thread's panel starts a cache line */
     float *scratch = (float *)aligned_alloc(64, (size_t)(threads * per_thread) * sizeof(float));
-    int64_t blocks = (m + panel_rows(k) - 1) / panel_rows(k);
-    Share *shares = shares_new(blocks * threads);
+    Share *shares = shares_new((m + panel_rows(k) - 1) / panel_rows(k), threads, (n + PANEL - 1) / PANEL);
     if (!scratch || !shares) {
         free(scratch);
         free(shares);
         return -1;
     }
-    for (int64_t b = 0; b < blocks; b++) shares_init(shares + b * threads, threads, (n + PANEL - 1) / PANEL);
     #pragma omp parallel num_threads(threads)
     {
         int tid = thread_num();
@@ -987,8 +989,9 @@ static inline __attribute__((always_inline)) void share_bf16_panels(const int ki
                                                                     Share *shares, int threads) {
     /* each panel is dequantized once and meets every row (rows in blocks that stayed in L2 dequantized it once a
      * block: 0.83-0.88x at 256 rows, measured on the model's four shapes) */
-    int64_t panels = (n + BF_PANEL - 1) / BF_PANEL;
-    for (int64_t b, e; share_next(shares, threads, thread_num(), share_chunk(panels, threads), &b, &e);)
+    int64_t chunk = share_chunk((n + BF_PANEL - 1) / BF_PANEL, threads);
+    int tid = thread_num();
+    for (int64_t b, e; share_next(shares, threads, tid, chunk, &b, &e);)
     for (int64_t j = b * BF_PANEL; j < e * BF_PANEL && j < n; j += BF_PANEL) {
         int cols = n - j < BF_PANEL ? (int)(n - j) : BF_PANEL;
         dequant_panel(kind, w, scales, n, k, j, f32);
@@ -1022,14 +1025,13 @@ static int bf16_panel_matmul(int kind, const void *w, const uint16_t *scales, in
     int64_t per_thread = 2 * PANEL * k * 4 + BF_PANEL * k * 2 + BF_R * BF_PANEL * 4;
     uint16_t *x16 = (uint16_t *)aligned_alloc(64, (size_t)(m_pad * k) * sizeof(uint16_t));
     char *scratch = (char *)aligned_alloc(64, (size_t)(threads * per_thread));
-    Share *shares = shares_new(threads);
+    Share *shares = shares_new(1, threads, (n + BF_PANEL - 1) / BF_PANEL);
     if (!x16 || !scratch || !shares) {
         free(x16);
         free(scratch);
         free(shares);
         return -1;
     }
-    shares_init(shares, threads, (n + BF_PANEL - 1) / BF_PANEL);
     rows_to_bf16(x, m, m_pad, k, x16, threads);
     #pragma omp parallel num_threads(threads)
     {
@@ -1337,18 +1339,16 @@ static int quantized_matmul(int kind, const void *w, const uint16_t *scales, int
 #ifdef __AVX2__
     if (!row_invariant && m >= PANEL_MIN_ROWS(kind)) return panel_matmul(kind, w, scales, n, k, x, m, out, threads);
 #endif
-    int64_t groups = k / Q8_GROUP, blocks = (m + tile_rows(k) - 1) / tile_rows(k);
-    int cols = tile_cols(kind, m, k);
+    int64_t groups = k / Q8_GROUP, cols = tile_cols(kind, m, k);
     int16_t *codes = (int16_t *)malloc((size_t)(m * k) * sizeof(int16_t));
     float *floats = (float *)malloc((size_t)(2 * m * groups + threads * TILE_R * TILE_C * groups) * sizeof(float));
-    Share *shares = shares_new(blocks * threads);
+    Share *shares = shares_new((m + tile_rows(k) - 1) / tile_rows(k), threads, (n + cols - 1) / cols);
     if (!codes || !floats || !shares) {
         free(codes);
         free(floats);
         free(shares);
         return -1;
     }
-    for (int64_t b = 0; b < blocks; b++) shares_init(shares + b * threads, threads, (n + cols - 1) / cols);
     Matmul mm = {w, scales, n, k, m, {codes, floats, floats + m * groups}, out, shares, threads};
     quantize_rows(x, m, k, mm.a, threads);
     #pragma omp parallel num_threads(threads)
