@@ -214,7 +214,8 @@ def test_int4_kernel_is_the_codes_times_16_bit_activations():
 def test_long_chunk_rows_on_each_kernel_path(cls, kernel_path):
     """A long prompt chunk's rows (`dequant_rows`) are x @ W.T on every kernel path: float32 GEMM of the
     dequantized weights, or (avx512_bf16) bfloat16 panels of the compact ones to their rounding, and there a
-    row computes the same bits in a chunk of any length (12-row tiles, a tail of one row and a partial panel)."""
+    row computes the same bits in a chunk of any length (12-row tiles, tails of every height from 1 to 11 rows, a
+    partial panel)."""
     w = cls.quantize(torch.randn(96, 576) * 0.05) if cls is Int4Weight else q8_weight(50, 576)  # Q8: a partial panel
     x = torch.randn(150, 576)
     got, want = w(x, dequant_rows=150), x @ w.dequantize().T
@@ -226,8 +227,8 @@ def test_long_chunk_rows_on_each_kernel_path(cls, kernel_path):
         assert torch.allclose(rest, alone)
     if kernel_path == "avx512_bf16":
         assert (got - want).abs().max() > 1e-6 * want.abs().max()  # it did run in bfloat16
-        for start, stop in ((0, 1), (7, 20), (137, 150)):
-            assert torch.equal(w(x[start:stop], dequant_rows=stop - start), got[start:stop])
+        for start, stop in [(0, 1), (7, 20), (137, 150)] + [(r, 12 + 2 * r) for r in range(1, 12)]:
+            assert torch.equal(w(x[start:stop], dequant_rows=stop - start), got[start:stop]), (start, stop)
 
 
 @pytest.mark.parametrize("cls", [Int4Weight, Q8Weight])

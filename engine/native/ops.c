@@ -945,14 +945,16 @@ static void pack_bf16_panel(const float *p0, const float *p1, int64_t k, uint16_
     }
 }
 
-/* out[r * os + c] = sum_i x16[r, i] w[c, i] for BF_R rows (x16 bfloat16 [BF_R, k]) and 32 columns. */
-static inline void bf16_tile(const uint16_t *x16, int64_t k, const uint16_t *bp, float *out, int64_t os) {
+/* out[r * os + c] = sum_i x16[r, i] w[c, i] for R <= BF_R rows (x16 bfloat16 [R, k]) and 32 columns. A row's
+ * sums are the same operations whatever R is. */
+static inline __attribute__((always_inline)) void bf16_tile(const int R, const uint16_t *x16, int64_t k,
+                                                            const uint16_t *bp, float *out, int64_t os) {
     __m512 lo[BF_R], hi[BF_R];
-    for (int r = 0; r < BF_R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k / 2; i++) {
         __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + i * 2 * BF_PANEL);
         __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + i * 2 * BF_PANEL + BF_PANEL);
-        for (int r = 0; r < BF_R; r++) {
+        for (int r = 0; r < R; r++) {
             int32_t pair;
             memcpy(&pair, x16 + r * k + 2 * i, 4);
             __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
@@ -960,24 +962,31 @@ static inline void bf16_tile(const uint16_t *x16, int64_t k, const uint16_t *bp,
             hi[r] = _mm512_dpbf16_ps(hi[r], a, b1);
         }
     }
-    for (int r = 0; r < BF_R; r++) {
+    for (int r = 0; r < R; r++) {
         _mm512_storeu_ps(out + r * os, lo[r]);
         _mm512_storeu_ps(out + r * os + 16, hi[r]);
     }
 }
 
-/* float32 rows [m, k] to bfloat16 (round to nearest even), rows past m zero up to a multiple of BF_R. */
-static void rows_to_bf16(const float *x, int64_t m, int64_t m_pad, int64_t k, uint16_t *x16, int threads) {
+/* bf16_tile for any 1 <= rows <= BF_R, each height compiled on its own: a prompt of 256 rows is 21 tiles of 12 and
+ * one of 4, not 22 of 12 (padding rows cost 6% of the matmul there). */
+static void bf16_tile_rows(int rows, const uint16_t *x16, int64_t k, const uint16_t *bp, float *out, int64_t os) {
+    switch (rows) {
+#define BF_TILE(R) case R: bf16_tile(R, x16, k, bp, out, os); return;
+    BF_TILE(1) BF_TILE(2) BF_TILE(3) BF_TILE(4) BF_TILE(5) BF_TILE(6)
+    BF_TILE(7) BF_TILE(8) BF_TILE(9) BF_TILE(10) BF_TILE(11)
+#undef BF_TILE
+    default: bf16_tile(BF_R, x16, k, bp, out, os);
+    }
+}
+
+/* float32 rows [m, k] to bfloat16 (round to nearest even). */
+static void rows_to_bf16(const float *x, int64_t m, int64_t k, uint16_t *x16, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static) if (m * k > 65536)
-    for (int64_t r = 0; r < m_pad; r++) {
-        uint16_t *o = x16 + r * k;
-        if (r >= m) {
-            memset(o, 0, (size_t)k * sizeof(uint16_t));
-            continue;
-        }
+    for (int64_t r = 0; r < m; r++) {
         for (int64_t i = 0; i < k; i += 32) {
             __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * k + i + 16), _mm512_loadu_ps(x + r * k + i));
-            _mm512_storeu_si512(o + i, (__m512i)v);
+            _mm512_storeu_si512(x16 + r * k + i, (__m512i)v);
         }
     }
 }
@@ -998,10 +1007,13 @@ static inline __attribute__((always_inline)) void share_bf16_panels(const int ki
         dequant_panel(kind, w, scales, n, k, j + PANEL, f32 + PANEL * k);
         pack_bf16_panel(f32, f32 + PANEL * k, k, bp);
         for (int64_t r = 0; r < m; r += BF_R) {
-            int whole = r + BF_R <= m && cols == BF_PANEL;
-            bf16_tile(x16 + r * k, k, bp, whole ? out + r * n + j : spill, whole ? n : BF_PANEL);
+            int rows = m - r < BF_R ? (int)(m - r) : BF_R, whole = cols == BF_PANEL;
+            if (rows == BF_R)
+                bf16_tile(BF_R, x16 + r * k, k, bp, whole ? out + r * n + j : spill, whole ? n : BF_PANEL);
+            else
+                bf16_tile_rows(rows, x16 + r * k, k, bp, whole ? out + r * n + j : spill, whole ? n : BF_PANEL);
             if (!whole)
-                for (int64_t t = r; t < r + BF_R && t < m; t++)
+                for (int64_t t = r; t < r + rows; t++)
                     memcpy(out + t * n + j, spill + (t - r) * BF_PANEL, (size_t)cols * sizeof(float));
         }
     }
@@ -1020,10 +1032,9 @@ static void share_bf16_panels_q8(const void *w, const uint16_t *s, int64_t n, in
 
 static int bf16_panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
                              int64_t m, float *out, int threads) {
-    int64_t m_pad = (m + BF_R - 1) / BF_R * BF_R;
     /* per thread: two float32 panels, one bfloat16 pair panel, a spill tile (all multiples of 64 bytes) */
     int64_t per_thread = 2 * PANEL * k * 4 + BF_PANEL * k * 2 + BF_R * BF_PANEL * 4;
-    uint16_t *x16 = (uint16_t *)aligned_alloc(64, (size_t)(m_pad * k) * sizeof(uint16_t));
+    uint16_t *x16 = (uint16_t *)aligned_alloc(64, (size_t)(m * k) * sizeof(uint16_t));
     char *scratch = (char *)aligned_alloc(64, (size_t)(threads * per_thread));
     Share *shares = shares_new(1, threads, (n + BF_PANEL - 1) / BF_PANEL);
     if (!x16 || !scratch || !shares) {
@@ -1032,7 +1043,7 @@ static int bf16_panel_matmul(int kind, const void *w, const uint16_t *scales, in
         free(shares);
         return -1;
     }
-    rows_to_bf16(x, m, m_pad, k, x16, threads);
+    rows_to_bf16(x, m, k, x16, threads);
     #pragma omp parallel num_threads(threads)
     {
         int tid = thread_num();
