@@ -20,7 +20,9 @@ _spec.loader.exec_module(native_build)
 
 
 class BuildVariants(build_ext):
-    """Each variant compiles the same ops.c with its own flags, so each gets its own object folder."""
+    """Each variant compiles the same ops.c with its own flags, so each gets its own object folder. A variant that
+    does not build leaves no library behind: one an earlier build left was compiled from another ops.c, and
+    engine.native would refuse it (its source hash) and run torch's operations instead of the next variant."""
 
     def build_extension(self, ext: Extension) -> None:
         shared = self.build_temp
@@ -28,9 +30,22 @@ class BuildVariants(build_ext):
         try:
             super().build_extension(ext)
         except (CCompilerError, CompileError, LinkError, OSError) as e:
+            self.left_out = [*getattr(self, "left_out", []), ext]
+            Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
             self.warn(f"engine.native: cannot build {ext.name} ({e}); it is left out")
         finally:
             self.build_temp = shared
+
+    def copy_extensions_to_source(self) -> None:
+        """--inplace (and pip install -e): copy the variants that built, remove the others' old copies."""
+        left_out = getattr(self, "left_out", [])
+        for ext in left_out:
+            Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+        built, self.extensions = self.extensions, [e for e in self.extensions if e not in left_out]
+        try:
+            super().copy_extensions_to_source()
+        finally:
+            self.extensions = built
 
     def get_export_symbols(self, ext: Extension) -> list[str]:
         return []  # a library of C functions for ctypes, not a Python module

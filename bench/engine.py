@@ -190,8 +190,7 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         cold, warm = start_times(model, dtype, mode)
         loaded = load_model(model, dtype, mode)
         name = f"{mode} ({loaded.quantization})" if loaded.quantization != mode else mode
-        quantized = loaded.quantization not in ("none", "fp16")
-        for path in (kernel_paths or [None]) if quantized else [None]:
+        for path in (kernel_paths or [None]) if loaded.quantized else [None]:
             for native_ops in (True, False) if torch_ops else (True,):
                 e = LLMEngine(loaded, EngineConfig(dtype=dtype, num_blocks=64 * 8 + 160, max_batch=max(batches),
                                                    max_step_tokens=budget, enable_prefix_cache=False,
@@ -199,7 +198,7 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
                 e.model.native = e.model.native and native_ops
                 column = name + (f" {path}" if path else "") + ("" if native_ops else ", torch ops")
                 engines[column], paths[column] = e, path
-                on_kernels[column] = quantized and native.available()  # torch ops: the same matmul kernels
+                on_kernels[column] = loaded.quantized and native.available()  # torch ops: the same matmul kernels
                 facts[column] = {"weights (MB)": f"{weight_bytes(e) / 1e6:,.1f}",
                                  "load cold / warm (s)": f"{cold:.1f} / {warm:.2f}"}
     old = None

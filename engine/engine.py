@@ -70,9 +70,9 @@ class StepOutput:
                                    logprobs=self.logprobs + later.logprobs)
 
 
-def kv_dtype_for(quantization: str, cfg: EngineConfig) -> str:
-    """The KV pool's element type: `cfg.kv_dtype`; with auto, float16 beside quantized weights and float32
-    activations, else the activations' dtype.
+def kv_dtype_for(quantized: bool, cfg: EngineConfig) -> str:
+    """The KV pool's element type: `cfg.kv_dtype`; with auto, float16 beside `quantized` weights (integer codes,
+    `LoadedModel.quantized`) and float32 activations, else the activations' dtype.
 
     Why float16: a decode step reads every sequence's K/V, which at 16 streams of a few hundred tokens is 3x the
     default model's weights; float16 halves those bytes (decode attention 1.7x faster, the step ~1.1x, twice the
@@ -82,8 +82,6 @@ def kv_dtype_for(quantization: str, cfg: EngineConfig) -> str:
         raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {cfg.kv_dtype!r}")
     if cfg.kv_dtype != "auto":
         return cfg.kv_dtype
-    kinds = quantization.removeprefix("auto:").split("+")  # the loader's label: "auto:int4+q8_0", "none", ...
-    quantized = any(kind not in ("none", "fp16") for kind in kinds)
     return "float16" if cfg.dtype == "float32" and quantized else cfg.dtype
 
 
@@ -124,7 +122,7 @@ class LLMEngine:
     def layout_for(loaded: LoadedModel, cfg: EngineConfig) -> KVLayout:
         mc = loaded.config
         groups, windows = plan_groups([mc.window(li) for li in range(mc.num_layers)])
-        return KVLayout(loaded.identity, kv_dtype_for(loaded.quantization, cfg), cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+        return KVLayout(loaded.identity, kv_dtype_for(loaded.quantized, cfg), cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                         weights=loaded.quantization, groups=groups, windows=windows)
 
     @staticmethod

@@ -34,7 +34,7 @@ from engine.model_cache import cache_file, stat_digest
 from engine.model_files import QUANTIZATIONS, resolve_model_path
 from engine.model_text import ModelLoadError
 from engine.progress import LoadProgress
-from engine.quant import Int4Weight, Q8Weight, encode_weight
+from engine.quant import Int4Weight, Q8Weight, encode_weight, has_integer_weights
 from engine.tokenizer import TextTokenizer
 from kv.layout import DTYPES
 
@@ -57,6 +57,11 @@ class LoadedModel:
     load_seconds: float
     from_cache: bool
     quantization: str = "none"  # what the weights are: none, int8, int4, or auto:<kinds found>
+
+    @property
+    def quantized(self) -> bool:
+        """Whether some linear layer's weights are integer codes (int4, Q8_0, int8), read from the weights."""
+        return has_integer_weights(self.weights)
 
 
 def load_model(spec: str, dtype: str = "float32", quantization: str = "auto",

@@ -353,6 +353,15 @@ class FP16Weight:
         return {f"{prefix}.fp16": self.w16}
 
 
+INTEGER_CODES = (".q4", ".q8", ".int8")  # the names under which `Weight.tensors` stores integer codes
+
+
+def has_integer_weights(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether any weight among `tensors` (in `Weight.tensors`' naming) is stored as integer codes: int4, Q8_0
+    or int8, not float16 or a float tensor."""
+    return any(name.endswith(INTEGER_CODES) for name in tensors)
+
+
 def fp16_supported() -> bool:
     """fbgemm (x86) has the packed float16 GEMM; elsewhere `fp16` weights stay dense."""
     return "fbgemm" in torch.backends.quantized.supported_engines

@@ -385,6 +385,7 @@ def test_a_float16_kv_cache_holds_half_the_bytes_and_answers_alike(smollm, make_
     import torch
 
     from engine.engine import EngineConfig, kv_dtype_for
+    from engine.quant import encode_weight, has_integer_weights
 
     wide, narrow = make_engine(kv_dtype="float32"), make_engine()
     assert (wide.layout.dtype, narrow.layout.dtype) == ("float32", "float16")
@@ -401,8 +402,10 @@ def test_a_float16_kv_cache_holds_half_the_bytes_and_answers_alike(smollm, make_
     assert wide.generate([question], params)[0].output_ids == narrow.generate([question], params)[0].output_ids
     with pytest.raises(ValueError, match="kv dtype"):
         make_engine(kv_dtype="int3")
-    assert [kv_dtype_for(q, EngineConfig(dtype=d)) for q, d in (
-        ("none", "float32"), ("fp16", "float32"), ("auto:none", "float32"), ("int8", "float32"),
-        ("auto:int4+q8_0", "float32"), ("int4", "bfloat16"))] \
-        == ["float32", "float32", "float32", "float16", "float16", "bfloat16"]
-    assert kv_dtype_for("none", EngineConfig(kv_dtype="float16")) == "float16"
+    assert [kv_dtype_for(q, EngineConfig(dtype=d)) for q, d in ((False, "float32"), (True, "float32"),
+                                                                (True, "bfloat16"))] \
+        == ["float32", "float16", "bfloat16"]
+    assert kv_dtype_for(False, EngineConfig(kv_dtype="float16")) == "float16"
+    assert smollm.quantized
+    for kind, quantized in (("none", False), ("fp16", False), ("int8", True), ("int4", True)):
+        assert has_integer_weights(encode_weight(torch.randn(64, 64), kind, "w")) == quantized, kind

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import pathlib
 from collections.abc import Iterator
 
 import pytest
@@ -194,6 +195,33 @@ def test_the_install_built_the_best_variant_this_cpu_runs():
     assert native.variant_file(best) is not None, f"pip install -e . did not build {best.module}"
     assert native.variant() == best.name
     assert "portable" in _builds()
+
+
+def test_a_variant_that_does_not_build_leaves_no_old_library_behind(tmp_path):
+    """`setup.py build_ext --inplace` (pip install -e) with a compiler that fails: the build still ends well, and
+    every variant's library an earlier build left (compiled from another ops.c, which engine.native would refuse,
+    falling back to torch's operations) is gone, from the source tree and from build/."""
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+
+    from engine.native.build import VARIANTS
+
+    root = pathlib.Path(__file__).parents[1]
+    (tmp_path / "engine/native").mkdir(parents=True)
+    for name in ("setup.py", "pyproject.toml", "engine/native/build.py", "engine/native/ops.c"):
+        shutil.copy(root / name, tmp_path / name)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    stale = [tmp_path / "engine/native" / f"{v.module}{suffix}" for v in VARIANTS if v.builds_here()]
+    for path in stale:
+        path.write_bytes(b"built from an older ops.c")
+    done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "CC": "false"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("it is left out") == len(stale), done.stderr[-2000:]
+    assert not [p for p in stale if p.exists()]
+    assert not list(tmp_path.glob(f"build/lib*/engine/native/*{suffix}"))
 
 
 @pytest.mark.parametrize("other", _builds()[1:] or [pytest.param("portable", marks=pytest.mark.skip)])
