@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
+from engine.native import dispatch
 from engine.rope import apply_rope
 from tests.harness.chat import chat_ids
 from tests.harness.native import kernel_paths
@@ -31,6 +32,36 @@ def _pool(blocks: int = 40, d: int = D) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's key and value views of a pool laid out as kv.pool's: [blocks, layers, 2, block, kv_heads, d]."""
     pool = torch.randn(blocks, 4, 2, BLOCK, KV_HEADS, d)
     return pool[:, 2, 0], pool[:, 2, 1]
+
+
+def test_the_c_calls_refuse_tensors_they_would_misread():
+    """ctypes passes addresses only: a tensor of another dtype, device or layout, or a weight that does not fit the
+    rows, is refused with a ValueError naming it (it used to be read as whatever bytes were there)."""
+    from engine.quant import Int4Weight
+
+    x, w = torch.randn(6, 64), torch.randn(64)
+    int4 = Int4Weight.quantize(torch.randn(32, 64) * 0.05)
+    kc, vc = _pool()
+    tables, row_table, lens = torch.zeros(2, 4, dtype=torch.long), torch.tensor([0, 1]), torch.tensor([5, 9])
+    q = torch.randn(2, HEADS * D)
+    for call, what in [
+        (lambda: native.rms_norm(x.double(), w, 1e-5), "rms_norm's rows must be a CPU tensor of float32"),
+        (lambda: native.rms_norm(x.t().contiguous().t(), w, 1e-5), "contiguous"),
+        (lambda: native.rms_norm(x.to("meta"), w, 1e-5), "on meta"),
+        (lambda: native.rms_norm(x, torch.randn(65), 1e-5), "weight"),
+        (lambda: native.silu_mul(torch.randn(6, 128)[:, ::2]), "silu_mul's rows must be contiguous"),
+        (lambda: native.q4_matmul(torch.randn(3, 128), int4.qs, int4.dm), "does not take rows of 128"),
+        (lambda: native.q4_matmul(x, int4.qs.view(torch.int8), int4.dm), "int4 codes must be a CPU tensor of uint8"),
+        (lambda: native.q4_matmul(x, int4.qs, int4.dm.float()), "int4 scales"),
+        (lambda: native.paged_attention(q, kc, vc, tables.int(), row_table, lens, HEADS, 0.3), "block tables"),
+        (lambda: native.paged_attention(q, kc, vc.contiguous(), tables, row_table, lens, HEADS, 0.3), "laid out alike"),
+        (lambda: native.paged_attention(q, kc, vc, tables, row_table[:1], lens, HEADS, 0.3), "row_table"),
+    ]:
+        with pytest.raises(ValueError, match=what):
+            call()
+    wide = torch.randn(2, HEADS * D + 2 * KV_HEADS * D)  # qkv rows: the query heads are a row-strided view
+    assert torch.equal(native.paged_attention(wide[:, :HEADS * D], kc, vc, tables, row_table, lens, HEADS, 0.3),
+                       native.paged_attention(wide[:, :HEADS * D].clone(), kc, vc, tables, row_table, lens, HEADS, 0.3))
 
 
 def test_rope_store_rotates_q_and_k_and_writes_k_and_v_to_their_slots():
@@ -261,14 +292,14 @@ def test_without_a_library_the_model_runs_torch_operations_and_says_so(monkeypat
             assert library() is None and native.kernel_path() == "torch" and native.variant() == "none"
             library.cache_clear()
             m.setenv("TANDEM_NATIVE", "auto")
-            m.setattr(native, "variant_file", lambda variant: None)  # installed without a compiler
+            m.setattr(dispatch, "variant_file", lambda variant: None)  # installed without a compiler
             with caplog.at_level("WARNING", logger="tandem.native"):
                 assert library() is None
             assert "no build of engine/native/ops.c is installed" in caplog.text
             assert "not the native path's numbers" in caplog.text
             library.cache_clear()
             m.undo()
-            m.setattr(native, "source_hash", lambda: "0123456789abcdef")  # ops.c edited since the build
+            m.setattr(dispatch, "source_hash", lambda: "0123456789abcdef")  # ops.c edited since the build
             caplog.clear()
             with caplog.at_level("WARNING", logger="tandem.native"):
                 assert library() is None

@@ -152,7 +152,7 @@ def test_dequantize_path_splits_large_outputs_into_chunks(monkeypatch):
     from engine import native, quant
 
     if native.kernel_path() == "avx512_bf16":  # long rows go to bfloat16 panels there, not to dequantize + MKL
-        monkeypatch.setattr(native, "_chosen", ["avx2"])
+        monkeypatch.setattr(native.dispatch, "_chosen", ["avx2"])
     monkeypatch.setattr(quant, "_DEQUANT_ROWS", 64)  # 96 output rows: two chunks
     w = Int4Weight.quantize(torch.randn(96, 128) * 0.05, Workspace(torch.device("cpu")))
     x = torch.randn(7, 128)

@@ -7,222 +7,73 @@ Here each is one call, the int4/Q8_0 weights are multiplied as the GGUF stores t
 `q8_matmul`), and a layer of such weights can run as one call (`LayerStep`).
 
 ``setup.py`` compiles ``ops.c`` once per instruction-set variant (`engine.native.build`: ``avx512``,
-``avx2``, ``portable``); a process loads the best one its CPU runs, or the one ``TANDEM_NATIVE`` names
-(``off``/``0``: none). A library built from another ``ops.c`` is refused (rebuild: ``pip install -e .``, or
-``python setup.py build_ext --inplace``). Without one the engine runs torch's operations, which are not the
-same computation: int4 weights through torch's bfloat16 kernel, Q8_0 re-quantized to int8 per channel (the
-start-up warning says so; `kernel_path` is then ``torch``).
+``avx2``, ``portable``); `engine.native.dispatch` loads the best one the CPU runs and picks the kernel path.
+Without one the engine runs torch's operations, which are not the same computation: int4 weights through
+torch's bfloat16 kernel, Q8_0 re-quantized to int8 per channel (the start-up warning says so; `kernel_path` is
+then ``torch``). Each call here checks the tensors it hands over (dtype, device, layout, shapes): ctypes passes
+bare addresses.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
-import logging
-import os
-import time
-from collections.abc import Callable
-from functools import cache
-from pathlib import Path
 
 import torch
 
-from engine.native.build import VARIANTS, Variant, cpu_flags, source_hash
+from engine.native.dispatch import (
+    BF16_MARGIN,
+    INVARIANT,
+    KERNEL_PATHS,
+    KINDS,
+    available,
+    kernel_path,
+    kernel_paths,
+    library,
+    row_invariant,
+    use_kernel_path,
+    variant,
+    variant_file,
+)
 
-log = logging.getLogger("tandem.native")
-
-_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-SIGNATURES = {
-    "tq_source_hash": [],
-    "tq_rms_norm": [_P, _P, _P, _I, _I, _F, _P, _C],
-    "tq_silu_mul": [_P, _I, _I, _P, _C],
-    "tq_argmax": [_P, _I, _I, _P, _C],
-    "tq_rope_store": [_P, _I, _I, _P, _P, _P, _C, _C, _C, _P, _P, _I, _P, _P, _C, _C],
-    "tq_paged_attention": [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _C, _C, _C, _C, _F, _I, _P, _C, _C],
-    "tq_q8_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
-    "tq_q4_matmul": [_P, _P, _I, _I, _P, _I, _P, _C],
-    "tq_int4_dequant": [_P, _P, _I, _I, _I, _P, _C],
-    "tq_decoder_layer": [_P, _P, _P, _P],
-    "tq_panel_min_rows": [_C],
-    "tq_set_row_invariant": [_C],
-    "tq_has_bf16": [],
-    "tq_bf16_matmul": [_C, _P, _P, _I, _I, _P, _I, _P, _C],
-    "tq_bf16_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _C, _C, _C, _C, _F, _I, _P, _I, _C, _C],
-    "tq_probe_fma": [_I, _C],
-    "tq_probe_bf16": [_I, _C],
-    "tq_probe_vnni": [_I, _C],
-    "tq_probe_read": [_P, _I, _C],
-}
-RETURNS = {"tq_source_hash": ctypes.c_char_p, "tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int,
-           "tq_decoder_layer": ctypes.c_int, "tq_panel_min_rows": ctypes.c_int64,
-           "tq_has_bf16": ctypes.c_int, "tq_bf16_matmul": ctypes.c_int, "tq_bf16_attention": ctypes.c_int,
-           "tq_probe_fma": ctypes.c_double, "tq_probe_bf16": ctypes.c_double, "tq_probe_vnni": ctypes.c_double,
-           "tq_probe_read": ctypes.c_float}
-_OFF = ("0", "off", "false", "no")
-_FALLBACK = ("using torch's operations (slower decode; int4 in bfloat16 and Q8_0 re-quantized per channel: "
-             "not the native path's numbers)")
-
-
-def variant_file(variant: Variant) -> Path | None:
-    """Where ``setup.py`` put this variant's library, or None where it was not built."""
-    here = Path(__file__).parent
-    return next((f for suffix in importlib.machinery.EXTENSION_SUFFIXES
-                 if (f := here / f"{variant.module}{suffix}").exists()), None)
-
-
-def _pick_variant() -> tuple[Variant, Path]:
-    """The variant ``TANDEM_NATIVE`` names, else the best built one this CPU runs, and its library file
-    (OSError says why none)."""
-    wanted = os.environ.get("TANDEM_NATIVE", "auto").lower()
-    flags = cpu_flags()
-    if wanted not in ("auto", "1", "on", "true", "yes"):
-        variant = next((v for v in VARIANTS if v.name == wanted), None)
-        if variant is None:
-            raise ValueError(f"TANDEM_NATIVE={wanted!r}: expected auto, off or one of "
-                             f"{', '.join(v.name for v in VARIANTS)}")
-        if not variant.runs_on(flags):
-            missing = sorted(set(variant.cpu_flags) - flags)
-            raise ValueError(f"TANDEM_NATIVE={wanted}: this CPU cannot run it (it lacks {', '.join(missing)})")
-        path = variant_file(variant)
-        if path is None:
-            raise OSError(f"the {wanted} build of engine/native/ops.c is not installed")
-        return variant, path
-    runnable = [v for v in VARIANTS if v.runs_on(flags)]
-    built = [(v, path) for v in runnable if (path := variant_file(v)) is not None]
-    if not built:
-        raise OSError("no build of engine/native/ops.c is installed for this CPU (a compiler was missing at "
-                      "install time?)")
-    if built[0][0] is not runnable[0]:
-        log.warning("engine.native: the %s build is not installed; using the %s build", runnable[0].name,
-                    built[0][0].name)
-    return built[0]
-
-
-@cache
-def library() -> ctypes.CDLL | None:
-    """The compiled ops, or None (and one warning saying why) where none is installed for this CPU."""
-    if os.environ.get("TANDEM_NATIVE", "auto").lower() in _OFF:
-        log.info("engine.native: off (TANDEM_NATIVE); %s", _FALLBACK)
-        return None
-    try:
-        variant, path = _pick_variant()
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        log.warning("engine.native: %s; %s", e, _FALLBACK)
-        return None
-    for name, args in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, RETURNS.get(name)
-    built_from = lib.tq_source_hash().decode()
-    if built_from != source_hash():
-        log.warning("engine.native: %s was built from another ops.c (rebuild it: pip install -e . or python "
-                    "setup.py build_ext --inplace); %s", path.name, _FALLBACK)
-        return None
-    _variant[0] = variant.name
-    paths = _paths(lib)
-    wanted = os.environ.get("TANDEM_KERNELS", "auto")
-    if wanted not in ("auto", *paths):
-        raise ValueError(f"TANDEM_KERNELS={wanted!r}: this CPU and build have {', '.join(paths)} (or auto; "
-                         f"TANDEM_NATIVE=0 for torch's operations)")
-    _choose(lib, paths[0] if wanted == "auto" else wanted)
-    log.info("engine.native: the %s build, kernel path %s", variant.name, _chosen[0])
-    return lib
-
-
-def variant() -> str:
-    """Which build of ops.c this process runs (`engine.native.build.VARIANTS`), or ``none``."""
-    return _variant[0] if library() is not None else "none"
-
-
-def available() -> bool:
-    return library() is not None
-
-
-INVARIANT = "invariant"
-KERNEL_PATHS = ("avx512_bf16", "avx2", "portable", INVARIANT)  # every path a build can have; see kernel_path
-_chosen = ["torch"]
-_variant = ["none"]
-
-
-def _paths(lib: ctypes.CDLL) -> list[str]:
-    simd = ["avx2"] if lib.tq_panel_min_rows(KINDS["int4"]) < 2**62 else ["portable"]
-    if lib.tq_has_bf16():
-        simd = ["avx512_bf16", *simd] if _bf16_pays(lib) else [*simd, "avx512_bf16"]
-    return [*simd, INVARIANT]
-
-
-BF16_MARGIN = 1.2  # the probe is short: a near tie keeps float32 (0.5x and 2x were seen, nothing between)
-
-
-@cache
-def _bf16_pays(lib: ctypes.CDLL) -> bool:
-    """Whether this CPU's bfloat16 dot products outrun its float32 FMAs, measured once (~3 ms, one thread).
-    Having the instruction is not enough: AMD Zen 4 runs it at twice the float32 rate, where its bfloat16
-    panels prefill 1.5-1.8x faster; some Xeons at half, where dequantize + float32 GEMM prefills 1.5x faster."""
-    def rate(probe: Callable[[int, int], float]) -> float:
-        best = 0.0
-        for _ in range(3):
-            t = time.perf_counter()
-            done = probe(100_000, 1)
-            best = max(best, done / (time.perf_counter() - t))
-        return best
-    return rate(lib.tq_probe_bf16) > BF16_MARGIN * rate(lib.tq_probe_fma)
-
-
-def _choose(lib: ctypes.CDLL, path: str) -> None:
-    _chosen[0] = path
-    lib.tq_set_row_invariant(int(path == INVARIANT))
-
-
-def kernel_paths() -> list[str]:
-    """The kernel paths this CPU and build have, fastest first (``auto`` takes the first); [] without the
-    library."""
-    lib = library()
-    return _paths(lib) if lib is not None else []
-
-
-def kernel_path() -> str:
-    """How this process multiplies int4/Q8_0 weights: ``avx512_bf16`` (long prompt chunks on bfloat16 panels,
-    everything else as ``avx2``), ``avx2`` (int16 activations and float32 panels; long chunks dequantized
-    for a float32 GEMM), ``portable`` (the C without SIMD), ``invariant`` (every row on the int16 kernels and
-    the C attention, whatever its step holds: a row's bits never depend on its batch; chosen only when asked
-    for) or ``torch`` (no native library). The fastest the CPU has (`kernel_paths`) is chosen at start-up, or the one
-    ``TANDEM_KERNELS`` (``--kernels``) names."""
-    return _chosen[0] if library() is not None else "torch"
-
-
-def row_invariant() -> bool:
-    """Whether every row takes the same path in any step (kernel path ``invariant``)."""
-    return kernel_path() == INVARIANT
-
-
-def use_kernel_path(path: str) -> None:
-    """Switch this process's path (a worker's ``--kernels``, where ``auto`` is the fastest; tests and benchmarks
-    compare them side by side)."""
-    lib = library()
-    if path == "auto":
-        if lib is None:
-            return
-        path = _paths(lib)[0]
-    if lib is None or path not in _paths(lib):
-        have = ", ".join(_paths(lib)) if lib is not None else "none: the native library is not built here"
-        raise ValueError(f"kernel path {path!r} is not available here (this CPU and build have {have})")
-    _choose(lib, path)
+__all__ = ["BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "POOL_DTYPES", "Layer", "LayerStep", "Linear",
+           "argmax", "available", "bf16_attention", "bf16_matmul", "int4_dequantize", "kernel_path", "kernel_paths",
+           "kv_half", "layer", "library", "linear", "paged_attention", "panel_min_rows", "q4_matmul", "q8_matmul",
+           "rms_norm", "rope_store", "row_invariant", "silu_mul", "use_kernel_path", "variant", "variant_file"]
 
 
 def _threads() -> int:
     return torch.get_num_threads()
 
 
+def _ptr(t: torch.Tensor, dtypes: torch.dtype | tuple[torch.dtype, ...], what: str, rows_apart: bool = False) -> int:
+    """`t`'s address for ops.c, once `t` is what the C reads there: CPU memory of one of `dtypes`, dense (with
+    `rows_apart`: each row dense, the rows at t.stride(0), which the caller passes along). A mismatch is a
+    ValueError here, not a read of the wrong bytes."""
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if t.device.type != "cpu" or t.dtype not in dtypes:
+        names = " or ".join(str(dt).removeprefix("torch.") for dt in dtypes)
+        raise ValueError(f"engine.native: {what} must be a CPU tensor of {names}, got {t.dtype} on {t.device}")
+    dense = 1
+    for size, stride in zip(reversed(t.shape[1:] if rows_apart else t.shape),
+                            reversed(t.stride()[1:] if rows_apart else t.stride())):
+        if size > 1 and stride != dense:
+            raise ValueError(f"engine.native: {what} must be {'dense in each row' if rows_apart else 'contiguous'}, "
+                             f"got shape {tuple(t.shape)} strides {t.stride()}")
+        dense *= size
+    return t.data_ptr()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of the rows of a contiguous float32 [m, n] tensor (a new tensor); with `residual`, x += residual
     first, in place."""
     m, n = x.shape
-    if not x.is_contiguous() or x.dtype != torch.float32 or (residual is not None and not residual.is_contiguous()):
-        raise ValueError(f"rms_norm takes contiguous float32 rows, got {x.dtype} strides {x.stride()}")
+    res = None if residual is None else _ptr(residual, torch.float32, "rms_norm's residual")
+    if residual is not None and residual.shape != x.shape or weight.shape != (n,):
+        raise ValueError(f"rms_norm of {tuple(x.shape)} rows: residual {None if residual is None else tuple(residual.shape)}, "
+                         f"weight {tuple(weight.shape)}")
     out = torch.empty_like(x)
-    library().tq_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), m, n,
-                          eps, out.data_ptr(), _threads())
+    library().tq_rms_norm(_ptr(x, torch.float32, "rms_norm's rows"), res, _ptr(weight, torch.float32, "rms_norm's weight"),
+                          m, n, eps, out.data_ptr(), _threads())
     return out
 
 
@@ -230,7 +81,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for the rows of a contiguous float32 [m, 2 f] tensor [gate | up]: [m, f]."""
     m, f2 = gate_up.shape
     out = torch.empty(m, f2 // 2, dtype=torch.float32)
-    library().tq_silu_mul(gate_up.data_ptr(), m, f2 // 2, out.data_ptr(), _threads())
+    library().tq_silu_mul(_ptr(gate_up, torch.float32, "silu_mul's rows"), m, f2 // 2, out.data_ptr(), _threads())
     return out
 
 
@@ -239,7 +90,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     float32 [rows, n]; on the library's threads."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.long)
-    library().tq_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _threads())
+    library().tq_argmax(_ptr(x, torch.float32, "argmax's rows"), x.shape[0], x.shape[1], out.data_ptr(), _threads())
     return out
 
 
@@ -253,6 +104,15 @@ def kv_half(keys: torch.Tensor) -> int:
     return int(keys.dtype == torch.float16)
 
 
+def _pool_ptrs(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
+    """The pool's key and value views [blocks, block_size, kv_heads, d], one block every keys.stride(0)."""
+    if values.shape != keys.shape or values.stride() != keys.stride() or values.dtype != keys.dtype:
+        raise ValueError(f"engine.native: the pool's keys {tuple(keys.shape)} {keys.stride()} and values "
+                         f"{tuple(values.shape)} {values.stride()} must be laid out alike")
+    return (_ptr(keys, POOL_DTYPES, "the pool's keys", rows_apart=True),
+            _ptr(values, POOL_DTYPES, "the pool's values", rows_apart=True))
+
+
 def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                kv_heads: int, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor,
                offsets: torch.Tensor) -> None:
@@ -261,9 +121,14 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
     (float32, or float16 rounded to nearest even)."""
     m, width = qkv.shape
     d = cos.shape[-1]
-    library().tq_rope_store(qkv.data_ptr(), m, width, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), heads,
-                            kv_heads, d, keys.data_ptr(), values.data_ptr(), keys.stride(0), blocks.data_ptr(),
-                            offsets.data_ptr(), kv_half(keys), _threads())
+    if positions.shape != (m,) or blocks.shape != (m,) or offsets.shape != (m,) or keys.shape[-1] != d:
+        raise ValueError(f"rope_store of {m} rows: positions, blocks and offsets need one each, the pool head size {d}")
+    k_ptr, v_ptr = _pool_ptrs(keys, values)
+    library().tq_rope_store(_ptr(qkv, torch.float32, "rope_store's qkv"), m, width,
+                            _ptr(positions, torch.long, "positions"), _ptr(cos, torch.float32, "the cos table"),
+                            _ptr(sin, torch.float32, "the sin table"), heads, kv_heads, d, k_ptr, v_ptr,
+                            keys.stride(0), _ptr(blocks, torch.long, "slot blocks"),
+                            _ptr(offsets, torch.long, "slot offsets"), kv_half(keys), _threads())
 
 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
@@ -275,10 +140,15 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, t
     [rows, heads * d]."""
     rows = q.shape[0]
     _, block_size, kv_heads, d = keys.shape
+    if row_table.shape != (rows,) or lens.shape != (rows,):
+        raise ValueError(f"paged_attention of {rows} rows: row_table {tuple(row_table.shape)}, lens {tuple(lens.shape)}")
+    k_ptr, v_ptr = _pool_ptrs(keys, values)
     out = torch.empty(rows, heads * d, dtype=torch.float32)
-    library().tq_paged_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(0),
-                                 tables.data_ptr(), tables.stride(0), row_table.data_ptr(), lens.data_ptr(), rows,
-                                 heads, kv_heads, d, block_size, scale, window, out.data_ptr(), kv_half(keys), _threads())
+    library().tq_paged_attention(_ptr(q, torch.float32, "paged_attention's q", rows_apart=True), q.stride(0), k_ptr,
+                                 v_ptr, keys.stride(0), _ptr(tables, torch.long, "block tables", rows_apart=True),
+                                 tables.stride(0), _ptr(row_table, torch.long, "row_table"),
+                                 _ptr(lens, torch.long, "lens"), rows, heads, kv_heads, d, block_size, scale, window,
+                                 out.data_ptr(), kv_half(keys), _threads())
     return out
 
 
@@ -301,12 +171,29 @@ def panel_min_rows(kind: str) -> int:
     return 2**63 - 1 if row_invariant() else int(library().tq_panel_min_rows(KINDS[kind]))
 
 
+_CODES = {"int4": torch.uint8, "q8_0": torch.int8}  # each weight kind's code bytes
+
+
+def _weight_ptrs(kind: str, w: torch.Tensor, scales: torch.Tensor, k: int | None = None) -> tuple[int, int, int, int]:
+    """(codes, scales, n, k) of a `kind` weight for ops.c: int4 codes [n, k / 2] with float16 (d, m) [n, 2, k / 32],
+    or Q8_0 codes [n, k] with float16 scales [n, k / 32] (scales as int16 bits); `k` the activations' width."""
+    n, cols = w.shape
+    width = cols * 2 if kind == "int4" else cols
+    groups = scales.shape[0] == n and scales.numel() == n * width // 32 * (2 if kind == "int4" else 1)
+    if (k is not None and width != k) or width % (64 if kind == "int4" else 32) or not groups:
+        raise ValueError(f"engine.native: a {kind} weight of codes {tuple(w.shape)} and scales {tuple(scales.shape)} "
+                         f"does not take rows of {k if k is not None else width}")
+    return (_ptr(w, _CODES[kind], f"{kind} codes"), _ptr(scales, (torch.int16, torch.float16), f"{kind} scales"), n,
+            width)
+
+
 def _quantized_matmul(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     x = x.float().contiguous()
     m, k = x.shape
-    n = w.shape[0]
+    w_ptr, s_ptr, n, _ = _weight_ptrs(kind, w, scales, k)
     out = torch.empty(m, n, dtype=torch.float32)
-    if getattr(library(), name)(w.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), _threads()):
+    if getattr(library(), name)(w_ptr, s_ptr, n, k, _ptr(x, torch.float32, "activations"), m, out.data_ptr(),
+                                _threads()):
         raise MemoryError(f"{kind} matmul of {m}x{k} by {n}x{k}: out of memory")
     return out
 
@@ -316,9 +203,9 @@ def bf16_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tenso
     (`kind` "int4" or "q8_0"): operands rounded to bfloat16, sums in float32 (kernel path avx512_bf16)."""
     x = x.float().contiguous()
     m, k = x.shape
-    n = w.shape[0]
+    w_ptr, s_ptr, n, _ = _weight_ptrs(kind, w, scales, k)
     out = torch.empty(m, n, dtype=torch.float32)
-    rc = library().tq_bf16_matmul(KINDS[kind], w.data_ptr(), scales.data_ptr(), n, k, x.data_ptr(), m,
+    rc = library().tq_bf16_matmul(KINDS[kind], w_ptr, s_ptr, n, k, _ptr(x, torch.float32, "activations"), m,
                                   out.data_ptr(), _threads())
     if rc:
         raise MemoryError(f"{kind} bfloat16 matmul of {m}x{k} by {n}x{k}: out of memory") if rc == -1 else \
@@ -333,13 +220,17 @@ def bf16_attention(qkv: torch.Tensor, start: int, length: int, context: int, blo
     heads first) over the last `context` tokens' K/V in the pool (`keys`/`values` [blocks, block_size,
     kv_heads, d], through `blocks`), into the same rows of `out` [rows, heads * d]: q, k, v and the softmax
     weights in bfloat16, sums in float32 (kernel path avx512_bf16; d a multiple of 64)."""
-    if qkv.dtype != torch.float32 or not qkv.is_contiguous() or not out.is_contiguous() or blocks.dtype != torch.long:
-        raise ValueError("bf16_attention takes contiguous float32 qkv and out, int64 blocks")
     _, block_size, kv_heads, d = keys.shape
-    rc = library().tq_bf16_attention(qkv[start:].data_ptr(), qkv.stride(0), keys.data_ptr(), values.data_ptr(),
-                                     keys.stride(0), blocks.contiguous().data_ptr(), length, context, heads,
-                                     kv_heads, d, block_size, scale, window, out[start:].data_ptr(), out.stride(0),
-                                     kv_half(keys), _threads())
+    if start + length > min(qkv.shape[0], out.shape[0]) or blocks.numel() * block_size < context:
+        raise ValueError(f"bf16_attention of rows [{start}, {start + length}) over {context} tokens: qkv has "
+                         f"{qkv.shape[0]} rows, out {out.shape[0]}, {blocks.numel()} blocks")
+    k_ptr, v_ptr = _pool_ptrs(keys, values)
+    rc = library().tq_bf16_attention(_ptr(qkv[start:], torch.float32, "bf16_attention's qkv", rows_apart=True),
+                                     qkv.stride(0), k_ptr, v_ptr, keys.stride(0),
+                                     _ptr(blocks.contiguous(), torch.long, "blocks"), length, context, heads,
+                                     kv_heads, d, block_size, scale, window,
+                                     _ptr(out[start:], torch.float32, "bf16_attention's out", rows_apart=True),
+                                     out.stride(0), kv_half(keys), _threads())
     if rc:
         raise {-1: MemoryError(f"bfloat16 attention of {length} rows over {context} tokens: out of memory"),
                -2: RuntimeError("this build has no AVX-512 BF16")}.get(rc, ValueError(f"head size {d}: not a multiple of 64"))
@@ -348,11 +239,14 @@ def bf16_attention(qkv: torch.Tensor, start: int, length: int, context: int, blo
 def int4_dequantize(qs: torch.Tensor, dm: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
     """Rows [start, stop) of an int4 weight (`engine.quant.Int4Weight`) as float32 into `out` [stop - start, k],
     in one pass."""
-    library().tq_int4_dequant(qs.data_ptr(), dm.data_ptr(), out.shape[1], start, stop, out.data_ptr(), _threads())
+    w_ptr, s_ptr, n, k = _weight_ptrs("int4", qs, dm, out.shape[1])
+    if not 0 <= start <= stop <= n or out.shape[0] < stop - start:
+        raise ValueError(f"int4_dequantize of rows [{start}, {stop}) of {n} into {tuple(out.shape)}")
+    library().tq_int4_dequant(w_ptr, s_ptr, k, start, stop, _ptr(out, torch.float32, "int4_dequantize's out"),
+                              _threads())
     return out
 
 
-KINDS = {"int4": 4, "q8_0": 8}  # weight kinds tq_decoder_layer multiplies (engine.quant's kind -> ops.c's)
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
@@ -377,14 +271,19 @@ class _LayerStep(ctypes.Structure):
 
 
 def linear(kind: str, w: torch.Tensor, scales: torch.Tensor) -> Linear:
-    n = w.shape[0]
-    k = w.shape[1] * (2 if kind == "int4" else 1)
-    return Linear(KINDS[kind], w.data_ptr(), scales.data_ptr(), n, k)
+    w_ptr, s_ptr, n, k = _weight_ptrs(kind, w, scales)
+    return Linear(KINDS[kind], w_ptr, s_ptr, n, k)
 
 
 def layer(attn_norm: torch.Tensor, ffn_norm: torch.Tensor, wqkv: Linear, wo: Linear, gate_up: Linear,
           down: Linear) -> Layer:
-    return Layer(attn_norm.data_ptr(), ffn_norm.data_ptr(), wqkv, wo, gate_up, down)
+    hidden = attn_norm.shape[0]
+    if ffn_norm.shape != (hidden,) or wqkv.k != hidden or wo.n != hidden or gate_up.k != hidden or down.n != hidden \
+            or down.k * 2 != gate_up.n:
+        raise ValueError(f"engine.native: a decoder layer of hidden size {hidden} with linear layers (n, k) "
+                         f"{[(li.n, li.k) for li in (wqkv, wo, gate_up, down)]}")
+    return Layer(_ptr(attn_norm, torch.float32, "attn_norm"), _ptr(ffn_norm, torch.float32, "ffn_norm"), wqkv, wo,
+                 gate_up, down)
 
 
 class LayerStep:
@@ -403,12 +302,23 @@ class LayerStep:
             ("res", hidden), ("x", hidden), ("qkv", width), ("attn", heads * d), ("gu", 2 * ffn), ("act", ffn))}
         self._keep = (h, positions, blocks, offsets, cos, sin, tables, row_table, lens)
         b = self.buffers
-        self.s = _LayerStep(m, hidden, heads * d, width, ffn, h.data_ptr(), *(b[k].data_ptr() for k in b),
-                            positions.data_ptr(), blocks.data_ptr(), offsets.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                            heads, kv_heads, d, block_size, keys.stride(0), tables.data_ptr(), row_table.data_ptr(),
-                            lens.data_ptr(), tables.stride(0), eps, scale, 0, _threads(), kv_half(keys))
+        if first.wqkv.k != hidden or any(t.shape != (m,) for t in (positions, blocks, offsets, row_table, lens)):
+            raise ValueError(f"a decoder layer step of {m} rows of {hidden}: one position, slot, table row and length "
+                             f"each, and layers of that hidden size")
+        self.s = _LayerStep(m, hidden, heads * d, width, ffn, _ptr(h, torch.float32, "the residual stream"),
+                            *(b[k].data_ptr() for k in b), _ptr(positions, torch.long, "positions"),
+                            _ptr(blocks, torch.long, "slot blocks"), _ptr(offsets, torch.long, "slot offsets"),
+                            _ptr(cos, torch.float32, "the cos table"), _ptr(sin, torch.float32, "the sin table"),
+                            heads, kv_heads, d, block_size, keys.stride(0),
+                            _ptr(tables, torch.long, "block tables", rows_apart=True),
+                            _ptr(row_table, torch.long, "row_table"), _ptr(lens, torch.long, "lens"), tables.stride(0),
+                            eps, scale, 0, _threads(), kv_half(keys))
+        self.pool = (keys.shape, keys.stride(), keys.dtype)
 
     def run(self, layer: Layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """One layer; its `keys`/`values` views of the pool are laid out as the first layer's were."""
+        if (keys.shape, keys.stride(), keys.dtype) != self.pool or values.stride() != keys.stride():
+            raise ValueError(f"layer K/V views {tuple(keys.shape)} {keys.stride()} unlike the step's {self.pool}")
         if library().tq_decoder_layer(ctypes.byref(layer), ctypes.byref(self.s), keys.data_ptr(), values.data_ptr()):
             raise MemoryError(f"decoder layer of {self.s.m} rows: out of memory")
 
