@@ -1,7 +1,7 @@
 """WorkerActor: what every pipeline role shares.
 
-It connects to NATS, registers as a NATS micro service, answers KV-metadata requests, hears
-cancels, publishes its load every second, runs the model on its own thread (EngineRunner) and
+It connects to NATS, shows itself there (`actors.service`: a NATS micro service, its load every second,
+its gauges), answers KV-metadata requests, hears cancels, runs the model on its own thread (EngineRunner) and
 drains on SIGTERM: stop pulling, finish what it holds, then exit.
 """
 
@@ -11,32 +11,31 @@ import asyncio
 import json
 import logging
 import signal
-import socket
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar
 
 import nats.errors
-import nats.micro
 import uvloop
 from nats.aio.msg import Msg
 
 from actors.recent import RecentWork
 from actors.runner import EngineRunner
+from actors.seen import SeenIds
+from actors.service import WorkerService
 from bus.connection import connect
 from bus.control_messages import Cancel, Replay
 from bus.generate_messages import StreamMessage, StreamTokens
 from bus.options import BusConnectError, BusOptions
-from bus.prefill_messages import KVMetaReply, KVMetaRequest
-from bus.publish import publish, publish_kept, request, respond
+from bus.prefill_messages import KVMetaReply
+from bus.publish import publish, publish_kept, respond
 from bus.replay import SentLog
 from bus.stats_messages import WorkerStats
 from bus.streams import claim, ensure_streams, fetch_one, pull_subscription
 from bus.subjects import Subjects
-from bus.wire import MessageError, PayloadTooLarge, decode, encode
+from bus.wire import MessageError, PayloadTooLarge, decode
 from engine import native
 from engine.engine import EngineConfig, LLMEngine, StepOutput
 from engine.loader import LoadedModel
@@ -47,38 +46,12 @@ from runtime import metrics
 from runtime.health import WorkerHealth
 from runtime.logs import Throttled
 from runtime.names import check_subject
-from runtime.placement import available_cpus, format_cpus
 from runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 #: bad messages can come at the rate of a flood: one log line per kind per minute
 bad_messages = Throttled(log)
 T = TypeVar("T")
-VERSION = "0.1.0"
-
-
-class SeenIds:
-    """Ids seen recently (bounded, oldest forgotten first): redeliveries not to run twice, requests
-    cancelled before they came, KV writes that landed."""
-
-    def __init__(self, capacity: int = 10_000):
-        self.ids: OrderedDict[str, None] = OrderedDict()
-        self.capacity = capacity
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.ids
-
-    def add(self, key: str) -> bool:
-        """True if new."""
-        if key in self.ids:
-            return False
-        self.ids[key] = None
-        if len(self.ids) > self.capacity:
-            self.ids.popitem(last=False)
-        return True
-
-    def discard(self, key: str) -> None:
-        self.ids.pop(key, None)
 
 
 class WorkerActor:
@@ -119,17 +92,13 @@ class WorkerActor:
         self.tasks: set[asyncio.Task] = set()
         self.seen = SeenIds()
         self.cancelled_ids = SeenIds()  # a cancel can overtake its request queued in the pool
-        self.peer_incarnations: dict[str, str] = {}
         self.sent = SentLog()  # what it published per request or job, for a receiver that missed some
         self.bus_down_since = 0.0  # monotonic: since when its NATS link was (probably) silent, at the last loss
         self.nc = None
         self.subs: list = []  # subscriptions that bring new work (dropped first when draining)
         self.runner: EngineRunner | None = None
         self.error: BaseException | None = None
-        self.metrics_url = (f"http://{settings.advertise_host}:{settings.metrics_port}/metrics"
-                            if settings.metrics_port else "")
-        self._preemptions_seen = 0
-        self._drafted_seen = self._accepted_seen = 0
+        self.service = WorkerService(self)  # its micro service, load reports and gauges
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -173,8 +142,7 @@ class WorkerActor:
         if self.replay_kind:
             await self.nc.subscribe(self.subjects.replay(self.replay_kind), cb=self._on_replay)
         await self.start()
-        self.service = await self._register_service()
-        self.spawn(self._stats_loop())
+        await self.service.start()
         log.info("%s %s ready: model %s, layout %s, transfer %s", self.role, self.worker_id, self.model,
                  self.layout.describe(), self.transfer.name)
         self.health.phase = "ready"
@@ -403,23 +371,6 @@ class WorkerActor:
     async def on_cancel(self, request_id: str, reason: str) -> None:
         raise NotImplementedError
 
-    def update_gauges(self) -> None:
-        e, role = self.engine, self.role
-        metrics.RUNNING.labels(role).set(e.num_running)
-        metrics.WAITING.labels(role).set(e.num_waiting)
-        quarantined, groups = len(e.blocks.quarantined), e.layout.num_groups  # in blocks of every layer
-        metrics.KV_BLOCKS.labels(role, "free").set(e.blocks.num_free / groups)
-        metrics.KV_BLOCKS.labels(role, "quarantined").set(quarantined / groups)
-        metrics.KV_BLOCKS.labels(role, "used").set((e.blocks.num_blocks - e.blocks.num_free - quarantined) / groups)
-        metrics.PREFIX_HIT_RATE.labels(role).set(e.blocks.hit_rate())
-        preempted = e.scheduler.preemptions
-        metrics.PREEMPTIONS.inc(preempted - self._preemptions_seen)
-        self._preemptions_seen = preempted
-        if e.drafter is not None:
-            metrics.SPEC_DRAFT_TOKENS.inc(e.drafter.drafted - self._drafted_seen)
-            metrics.SPEC_ACCEPTED_TOKENS.inc(e.drafter.accepted - self._accepted_seen)
-            self._drafted_seen, self._accepted_seen = e.drafter.drafted, e.drafter.accepted
-
     def stats(self) -> WorkerStats:
         e = self.engine
         return WorkerStats(
@@ -466,7 +417,6 @@ class WorkerActor:
         self.cancelled_ids.add(c.request_id)
         self.spawn(self.on_cancel(c.request_id, c.reason))
 
-
     async def _on_kv_meta(self, msg: Msg) -> None:
         reply = KVMetaReply(worker_id=self.worker_id, incarnation=self.incarnation, engine=self.transfer.name,
                             meta=self.transfer.metadata())
@@ -474,56 +424,3 @@ class WorkerActor:
             await respond(self.nc, msg, reply)
         except PayloadTooLarge as e:  # the asking worker times out; this line says why
             log.error("cannot send my KV transfer metadata: %s", e)
-
-    async def ensure_peer(self, worker_id: str, incarnation: str, endpoint: str | None = None,
-                          timeout: float = 5.0) -> None:
-        """Fetch a peer's transfer metadata from ``endpoint`` unless we hold it for this incarnation."""
-        if self.peer_incarnations.get(worker_id) == incarnation:
-            return
-        subject = check_subject(endpoint, "KV endpoint") if endpoint else self.subjects.kv_meta(worker_id)
-        reply = await request(self.nc, subject, KVMetaRequest(worker_id=self.worker_id), KVMetaReply, timeout=timeout)
-        if reply.incarnation != incarnation:
-            raise RuntimeError(f"worker {worker_id} restarted (incarnation {reply.incarnation}, job names {incarnation})")
-        await asyncio.to_thread(self.transfer.add_peer, reply.meta)
-        self.peer_incarnations[worker_id] = incarnation
-
-    async def _stats_loop(self) -> None:
-        subject = self.subjects.stats(self.role, self.worker_id)
-        while True:
-            self.update_gauges()
-            try:
-                await publish(self.nc, subject, self.stats())
-            except Exception as e:  # the bus is reconnecting; the next tick tries again
-                log.warning("stats publish failed: %s", e)
-            await asyncio.sleep(self.s.stats_interval)
-
-    def service_metadata(self) -> dict[str, str]:
-        return {
-            "model": self.model, "role": self.role, "worker_id": self.worker_id, "host": socket.gethostname(),
-            "incarnation": self.incarnation, "layout_fingerprint": self.layout.fingerprint(),
-            "layout": self.layout.describe(), "metrics_url": self.metrics_url,
-            "kv_transfer": self.transfer.name, "started": str(self.started), "restarts": str(self.s.restarts),
-            "device": self.s.device, "cpus": format_cpus(available_cpus()), "threads": str(self.s.threads),
-            "kernels": native.kernel_path(),
-        }
-
-    async def _register_service(self):
-        svc = await nats.micro.add_service(
-            self.nc, name=f"tandem-{self.role.replace('_', '-')}", version=VERSION,
-            description=f"tandem {self.role} worker for {self.model}", metadata=self.service_metadata(),
-        )
-
-        async def info(req: nats.micro.Request) -> None:
-            await req.respond(json.dumps({**self.service_metadata(), "layout_dict": self.layout.to_dict()}).encode())
-
-        async def stats(req: nats.micro.Request) -> None:
-            await req.respond(encode(self.stats()))
-
-        await svc.add_endpoint(name="info", subject=self.subjects.service(self.worker_id, "info"), handler=info)
-        async def recent(req: nats.micro.Request) -> None:
-            await req.respond(self.recent.to_json(self.transfer.paths()))
-
-        await svc.add_endpoint(name="stats", subject=self.subjects.service(self.worker_id, "stats"), handler=stats)
-        await svc.add_endpoint(name="recent", subject=self.subjects.service(self.worker_id, "recent"),
-                               handler=recent)
-        return svc

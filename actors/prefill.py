@@ -18,8 +18,8 @@ from nats.aio.msg import Msg
 
 from actors.base import WorkerActor, bad_messages
 from bus.generate_messages import StreamError
-from bus.prefill_messages import PrefillAccepted, PrefillDone, PrefillJob
-from bus.publish import publish, publish_kept
+from bus.prefill_messages import KVMetaReply, KVMetaRequest, PrefillAccepted, PrefillDone, PrefillJob
+from bus.publish import publish, publish_kept, request
 from bus.wire import ErrorCode
 from engine.engine import StepOutput
 from kv.layout import KVLayout, LayoutMismatch
@@ -47,9 +47,23 @@ class PrefillActor(WorkerActor):
         # targeted jobs (a retry after another prefill worker died, a client's target_endpoint) that
         # came while both places were taken: they wait here, so the cap holds for them too
         self.backlog: collections.deque[PrefillJob] = collections.deque()
+        self.peer_incarnations: dict[str, str] = {}  # decode workers whose pool metadata this transfer holds
 
     async def start(self) -> None:
         await self.take_work("prefill", self.subjects.prefill_worker(self.worker_id))
+
+    async def ensure_peer(self, worker_id: str, incarnation: str, endpoint: str | None = None,
+                          timeout: float = 5.0) -> None:
+        """Fetch a decode worker's transfer metadata from ``endpoint`` (default: its kv_meta subject) unless it
+        is held for this incarnation: its pool is where this job's KV goes."""
+        if self.peer_incarnations.get(worker_id) == incarnation:
+            return
+        subject = check_subject(endpoint, "KV endpoint") if endpoint else self.subjects.kv_meta(worker_id)
+        reply = await request(self.nc, subject, KVMetaRequest(worker_id=self.worker_id), KVMetaReply, timeout=timeout)
+        if reply.incarnation != incarnation:
+            raise RuntimeError(f"worker {worker_id} restarted (incarnation {reply.incarnation}, job names {incarnation})")
+        await asyncio.to_thread(self.transfer.add_peer, reply.meta)
+        self.peer_incarnations[worker_id] = incarnation
 
     def has_capacity(self) -> bool:
         return len(self.jobs) < MAX_CONCURRENT_JOBS and not self.backlog

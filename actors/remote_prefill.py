@@ -27,8 +27,9 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
-from actors.base import SeenIds, bad_messages
+from actors.base import bad_messages
 from actors.runner import EngineRunner
+from actors.seen import SeenIds
 from bus.control_messages import Replay
 from bus.generate_messages import GenerateRequest
 from bus.prefill_messages import KVDestination, PrefillAccepted, PrefillDone, PrefillJob

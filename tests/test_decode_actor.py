@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.base import SeenIds
 from actors.decode import DecodeActor, Request
 from actors.remote_prefill import CANCELLED, LANDED, PrefillWorkers, RemotePrefills
+from actors.seen import SeenIds
 from bus.generate_messages import GenerateRequest, StreamError
 from bus.prefill_messages import PrefillAccepted, PrefillDone, PrefillJob
 from bus.replay import SentLog

@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 
 import actors.prefill
-from actors.base import SeenIds
 from actors.prefill import MAX_CONCURRENT_JOBS, PrefillActor
+from actors.seen import SeenIds
 from bus.prefill_messages import KVDestination, PrefillDone, PrefillJob
 from bus.replay import SentLog
 from engine.params import SamplingParams
