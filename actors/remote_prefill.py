@@ -10,13 +10,13 @@ through it is expected. The decode actor keeps admission, streaming and cancel: 
 `abandon()` when it drops a request and joins a landed one to its batch.
 
 `RemotePrefills` is what one decode worker's remote prefills share: the reply subscription, the
-live prefill workers, the landings, and the quarantine of blocks a writer may still touch.
+live prefill workers (`actors.prefill_workers`), the landings (`actors.landings`), and the quarantine of blocks
+a writer may still touch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -28,6 +28,8 @@ from nats.aio.msg import Msg
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from actors.base import bad_messages
+from actors.landings import Landings
+from actors.prefill_workers import PrefillWorkers
 from actors.runner import EngineRunner
 from actors.seen import SeenIds
 from bus.control_messages import Replay
@@ -46,8 +48,6 @@ from runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 
-PREFILL_ALIVE_S = 3.0  # a prefill worker whose stats are older than this is not offered new work
-PREFILL_DEAD_S = 5.0  # ... and one silent this long is presumed dead with our job
 QUARANTINE_GRACE_S = 5.0
 LIVENESS_CHECK_S = 0.5  # how often a wait for a PrefillDone looks at its prefill worker's reports
 #: a job nobody took is withdrawn from the pool, retried this long while the pool has no leader
@@ -55,7 +55,6 @@ WITHDRAW_FOR_S = 15.0
 #: a PrefillDone this late is asked for again, then after twice as long, ... (a NATS failover may have lost it;
 #: the prefill worker keeps it)
 LATE_ANSWER_S = 2.0
-POLL_S = 0.001  # landing poll of a transfer engine that needs it, while a write through it is expected
 
 LANDED, FAILED, FALLBACK, CANCELLED = "landed", "failed", "fallback", "cancelled"
 
@@ -76,142 +75,6 @@ class Outcome:
     code: str = ""
     message: str = ""
     status: int = 0
-
-
-class PrefillWorkers:
-    """The model's prefill workers as their load reports (and NATS micro discovery) show them."""
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.reports: dict[str, tuple[WorkerStats, float]] = {}  # worker → (last report, when heard)
-
-    def heard(self, st: WorkerStats) -> None:
-        self.reports[st.worker_id] = (st, time.monotonic())
-
-    def alive(self) -> dict[str, WorkerStats]:
-        """Prefill workers that reported lately and take jobs (a draining one gets none)."""
-        now = time.monotonic()
-        return {w: st for w, (st, seen) in self.reports.items() if now - seen < PREFILL_ALIVE_S and not st.draining}
-
-    def pause(self, since: float) -> None:
-        """This worker heard nothing from ``since`` (monotonic) to now through no fault of theirs (its own NATS
-        link was down): count the prefill workers' silence as if that time had not passed."""
-        now = time.monotonic()
-        gap = now - since
-        if gap > 0:
-            self.reports = {w: (st, min(now, seen + gap)) for w, (st, seen) in self.reports.items()}
-
-    def silent(self, worker: str) -> bool:
-        """Whether ``worker`` (known here) stopped reporting long enough to be presumed dead."""
-        heard = self.reports.get(worker)
-        return heard is not None and time.monotonic() - heard[1] > PREFILL_DEAD_S
-
-    async def discover(self, nc: Any, wait: float = 0.3) -> None:
-        """Ask NATS micro discovery for live prefill workers, so we need not wait for their stats."""
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
-        await nc.publish("$SRV.INFO.tandem-prefill-only", b"", reply=inbox)
-        deadline = time.monotonic() + wait
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                reply = await sub.next_msg(timeout=left)
-            except Exception:  # nats TimeoutError: discovery window over
-                break
-            if not reply.data:  # "no responders" status: nobody registered yet
-                break
-            md = json.loads(reply.data).get("metadata", {})
-            if md.get("model") == self.model and md.get("worker_id"):
-                st = WorkerStats(role="prefill_only", worker_id=md["worker_id"], model=self.model)
-                self.reports.setdefault(md["worker_id"], (st, time.monotonic()))
-        await sub.unsubscribe()
-        log.info("discovered prefill workers: %s", ", ".join(self.reports) or "none")
-
-
-class Landings:
-    """KV writes into this worker's pool that have fully landed, delivered as events.
-
-    The transfer engine's completion descriptors wake `collect` on the event loop; a waiter
-    (`wait`) is resolved at once, a tag nobody waits for yet is remembered for when one does.
-    """
-
-    def __init__(self, transfer: TransferEngine, spawn: Callable[[Coroutine], asyncio.Task]) -> None:
-        self.transfer, self.spawn = transfer, spawn
-        self.landed = SeenIds()
-        self.waiters: dict[str, asyncio.Future] = {}
-        self.polled: set[str] = set()  # expected writes whose landing only polling shows
-        self._poller: asyncio.Task | None = None
-        self._fds: list[int] = []
-
-    async def watch(self) -> None:
-        """Wake on the engine's completion descriptors until cancelled (the worker leaving)."""
-        loop = asyncio.get_running_loop()
-        self._fds = self.transfer.completion_fds()
-        for fd in self._fds:
-            loop.add_reader(fd, self.collect)
-        try:
-            await loop.create_future()
-        finally:
-            for fd in self._fds:
-                loop.remove_reader(fd)
-            self._fds = []
-
-    def collect(self, tags: list[str] | None = None) -> None:
-        """Take the engine's new notices (or ``tags``, read elsewhere) and wake their waiters."""
-        if tags is None:
-            try:
-                tags = self.transfer.completed()
-            except Exception as e:  # this reader must outlive one bad read, or no remote prefill lands again
-                bad_messages.warning("kv completions", "reading KV transfer completions failed: %r", e)
-                return
-        for tag in tags:
-            fut = self.waiters.pop(tag, None)
-            if fut is not None and not fut.done():
-                fut.set_result(True)
-            else:
-                self.landed.add(tag)
-
-    def expect(self, tag: str, mechanism: str = "") -> None:
-        """A write tagged ``tag`` may come (through ``mechanism``, '' while unknown): poll if only that shows it."""
-        if self.transfer.needs_polling_for(mechanism):
-            self.polled.add(tag)
-            if self._poller is None or self._poller.done():
-                self._poller = self.spawn(self._poll())
-        else:
-            self.polled.discard(tag)
-
-    def settled(self, tag: str) -> None:
-        """No write tagged ``tag`` is waited for any more."""
-        self.polled.discard(tag)
-        fut = self.waiters.pop(tag, None)
-        if fut is not None and not fut.done():
-            fut.set_result(False)
-
-    async def wait(self, tag: str, timeout: float) -> bool:
-        """True once write ``tag`` has landed; False at the timeout or when `settled` gives up on it."""
-        if tag not in self.landed and self._fds:
-            self.collect()  # its notice is often here already: the writer sent it before its reply
-        if tag in self.landed:
-            self.landed.discard(tag)
-            return True
-        fut = asyncio.get_running_loop().create_future()
-        self.waiters[tag] = fut
-        try:
-            return await asyncio.wait_for(fut, max(0.0, timeout))
-        except asyncio.TimeoutError:
-            return False
-        finally:
-            if self.waiters.get(tag) is fut:
-                del self.waiters[tag]
-
-    async def _poll(self) -> None:
-        while self.polled:
-            try:
-                tags = await asyncio.to_thread(self.transfer.completed)
-            except Exception as e:  # keep polling: the next read may work
-                bad_messages.warning("kv completions", "reading KV transfer completions failed: %r", e)
-                tags = []
-            self.collect(tags)
-            await asyncio.sleep(POLL_S)
 
 
 class RemotePrefills:

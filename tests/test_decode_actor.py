@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from actors.decode import DecodeActor, Request
-from actors.remote_prefill import CANCELLED, LANDED, PrefillWorkers, RemotePrefills
+from actors.prefill_workers import PrefillWorkers
+from actors.remote_prefill import CANCELLED, LANDED, RemotePrefills
 from actors.seen import SeenIds
 from bus.generate_messages import GenerateRequest, StreamError
 from bus.prefill_messages import PrefillAccepted, PrefillDone, PrefillJob
