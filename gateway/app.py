@@ -42,12 +42,12 @@ from gateway.bus_client import GatewayBus
 from gateway.cluster import ClusterView
 from gateway.errors import OpenAIError, install_handlers
 from gateway.front_door import FrontDoor
-from gateway.jobs import Prepared
+from gateway.jobs import Event, Prepared
 from gateway.prepare import chat_messages, prepare_chat, prepare_completion, render_chat, tool_set
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from gateway.responses import DONE, StreamFormatter, chat_body, completion_body, sse
 from gateway.router import WorkerRegistry
-from gateway.run import Event, Run
+from gateway.run import Run
 from gateway.service import Gateway
 from gateway.textmodel import TextModel, load_text_model
 from runtime.metrics import GatewayMetrics

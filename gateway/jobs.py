@@ -91,3 +91,35 @@ class Job:
     def text(self) -> str:
         """The completion so far."""
         return "".join(self.text_parts)
+
+    def holder_mismatch(self, worker_id: str, incarnation: str) -> str:
+        """Why a stream message signed by ``worker_id`` / ``incarnation`` is not from the worker holding this job
+        ('' when it is).
+
+        The holder is the worker the job was sent to, or for a pool job the first that names itself (its
+        admission notice); its process (incarnation) is learnt from its load reports or that first message.
+        """
+        if not worker_id:
+            return "unsigned"
+        if self.worker_id is None:
+            self.worker_id, self.worker_incarnation = worker_id, incarnation
+            return ""
+        if worker_id != self.worker_id:
+            return "other_worker"
+        if not self.worker_incarnation:
+            self.worker_incarnation = incarnation
+        elif incarnation != self.worker_incarnation:
+            return "other_process"
+        return ""
+
+
+@dataclass
+class Event:
+    """Something that happened to one job: new tokens, or its end."""
+
+    kind: Literal["tokens", "finish"]
+    job: Job
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None

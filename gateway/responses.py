@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.jobs import Job, Prepared
-from gateway.run import Event, Run
+from gateway.jobs import Event, Job, Prepared
+from gateway.run import Run
 from gateway.textmodel import TokenBytes
 from gateway.tools import CallStream, parse_calls
 
@@ -72,6 +72,33 @@ def finish_reason(job: Job, calls: int) -> str | None:
 # ---- whole bodies -----------------------------------------------------------------------
 
 
+def usage(prep: Prepared, jobs: Sequence[Job]) -> dict[str, Any]:
+    """OpenAI ``usage``: prompts counted once each, completions summed over choices."""
+    prompt = sum(len(p) for p in prep.prompts)
+    completion = 0
+    cached: dict[int, int] = {}
+    for j in jobs:
+        completion += j.usage.completion_tokens if j.usage and j.usage.completion_tokens else len(j.token_ids)
+        if j.usage:
+            cached[j.prompt_index] = max(cached.get(j.prompt_index, 0), j.usage.cached_tokens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+        # tandem's extension: where each choice ran (the page shows it under each answer)
+        "tandem": {"choices": [_where(j) for j in jobs]},
+    }
+
+
+def _where(job: Job) -> dict[str, Any]:
+    mode, _, worker = job.prefill.partition(":")
+    return {"index": job.index, "decode_worker": job.decode_worker or job.worker_id, "prefill": mode or None,
+            "prefill_worker": worker or None, "prefill_reason": job.prefill_reason or None,
+            "kv_bytes": job.kv_bytes, "kv_transfer": job.kv_transfer or None,
+            "ttft_s": None if job.first_token_s is None else round(job.first_token_s, 4)}
+
+
 def chat_body(token_bytes: TokenBytes, run: Run, rid: str) -> dict[str, Any]:
     """``chat.completion``: one message per choice, tool calls parsed out of its text."""
     prep = run.prep
@@ -106,7 +133,7 @@ def completion_body(token_bytes: TokenBytes, run: Run, rid: str) -> dict[str, An
 
 def _body(run: Run, rid: str, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": run.prep.model, "choices": choices,
-            "usage": run.usage(), "system_fingerprint": None}
+            "usage": usage(run.prep, run.jobs), "system_fingerprint": None}
 
 
 # ---- streaming --------------------------------------------------------------------------
@@ -133,7 +160,7 @@ class StreamFormatter:
             "choices": choices,
         }
         if self.prep.continuous_usage:
-            obj["usage"] = self.run.usage()
+            obj["usage"] = usage(self.run.prep, self.run.jobs)
         elif self.prep.include_usage:
             obj["usage"] = None
         return sse(obj)
@@ -192,7 +219,8 @@ class StreamFormatter:
         out = []
         if self.prep.include_usage:
             obj = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                   "created": self.created, "model": self.prep.model, "choices": [], "usage": self.run.usage()}
+                   "created": self.created, "model": self.prep.model, "choices": [],
+                   "usage": usage(self.run.prep, self.run.jobs)}
             out.append(sse(obj))
         out.append(DONE)
         return out

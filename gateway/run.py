@@ -2,7 +2,7 @@
 
 Why apart from the endpoints: chat and text completions differ only in how the prompt is built
 (``gateway.prepare``) and how a choice is printed (``gateway.responses``); routing, the per-request
-queue, deadlines, worker loss and migration, cancellation and usage are the same. :class:`Run` owns
+queue, deadlines, worker loss and migration and cancellation are the same. :class:`Run` owns
 the bus side of one HTTP request, one :class:`Job` per prompt × ``n``.
 """
 
@@ -11,15 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from bus.generate_messages import GenerateRequest, StreamError, StreamFinish, StreamTokens
 from bus.streams import DEFAULT_GENERATE
 from bus.wire import ErrorCode
 from gateway.bus_client import BUS_BACK, BUS_LOST, FAILOVER_WAIT_S, NoResponders, Unreadable
 from gateway.errors import OpenAIError
-from gateway.jobs import ASK_AGAIN_MAX_S, ASK_AGAIN_S, Job, Prepared
+from gateway.jobs import ASK_AGAIN_MAX_S, ASK_AGAIN_S, Event, Job, Prepared
 
 if TYPE_CHECKING:
     from gateway.service import Gateway
@@ -41,38 +40,6 @@ _FROM_WORKERS = (StreamTokens, StreamFinish, StreamError, Unreadable)
 GAP_WAIT_S = 10.0
 #: what a Run's wake-up timer puts in its queue: the reader looks at its deadlines and workers again
 _WAKE = object()
-
-
-def _not_from_holder(job: Job, msg: StreamTokens | StreamFinish | StreamError | Unreadable) -> str:
-    """Why ``msg`` is not from the worker holding ``job`` ('' when it is).
-
-    The holder is the worker the job was sent to, or for a pool job the first that names itself (its
-    admission notice); its process (incarnation) is learnt from its load reports or that first message.
-    """
-    if not msg.worker_id:
-        return "unsigned"
-    if job.worker_id is None:
-        job.worker_id, job.worker_incarnation = msg.worker_id, msg.incarnation
-        return ""
-    if msg.worker_id != job.worker_id:
-        return "other_worker"
-    if not job.worker_incarnation:
-        job.worker_incarnation = msg.incarnation
-    elif msg.incarnation != job.worker_incarnation:
-        return "other_process"
-    return ""
-
-
-@dataclass
-class Event:
-    """Something that happened to one job: new tokens, or its end."""
-
-    kind: Literal["tokens", "finish"]
-    job: Job
-    text: str
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Run:
@@ -212,7 +179,7 @@ class Run:
             if isinstance(msg, StreamError) and msg.code == ErrorCode.DUPLICATE_REQUEST:
                 continue  # a copy of this job was dropped by a worker: the job itself runs on
             if isinstance(msg, _FROM_WORKERS) and msg.request_id == job.request_id:
-                why = _not_from_holder(job, msg)
+                why = job.holder_mismatch(msg.worker_id, msg.incarnation)
                 if why:
                     self.gw.stream_dropped(why, job.request_id, msg.worker_id, msg.incarnation)
                     continue
@@ -448,29 +415,3 @@ class Run:
                 self.gw.registry.finished(job.request_id)
         self.gw.inflight -= self._counted
         self._counted = 0
-
-    # ---- usage -------------------------------------------------------------------------
-    def usage(self) -> dict[str, Any]:
-        """OpenAI ``usage``: prompts counted once each, completions summed over choices."""
-        prompt = sum(len(p) for p in self.prep.prompts)
-        completion = 0
-        cached: dict[int, int] = {}
-        for j in self.jobs:
-            completion += j.usage.completion_tokens if j.usage and j.usage.completion_tokens else len(j.token_ids)
-            if j.usage:
-                cached[j.prompt_index] = max(cached.get(j.prompt_index, 0), j.usage.cached_tokens)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
-            # tandem's extension: where each choice ran (the page shows it under each answer)
-            "tandem": {"choices": [self._where(j) for j in self.jobs]},
-        }
-
-    def _where(self, job: Job) -> dict[str, Any]:
-        mode, _, worker = job.prefill.partition(":")
-        return {"index": job.index, "decode_worker": job.decode_worker or job.worker_id, "prefill": mode or None,
-                "prefill_worker": worker or None, "prefill_reason": job.prefill_reason or None,
-                "kv_bytes": job.kv_bytes, "kv_transfer": job.kv_transfer or None,
-                "ttft_s": None if job.first_token_s is None else round(job.first_token_s, 4)}
