@@ -313,12 +313,13 @@ class LayerStep:
                             _ptr(tables, torch.long, "block tables", rows_apart=True),
                             _ptr(row_table, torch.long, "row_table"), _ptr(lens, torch.long, "lens"), tables.stride(0),
                             eps, scale, 0, _threads(), kv_half(keys))
-        self.pool = (keys.shape, keys.stride(), keys.dtype)
+        _pool_ptrs(keys, keys)
+        self.pool = (keys.stride(), keys.dtype)
 
     def run(self, layer: Layer, keys: torch.Tensor, values: torch.Tensor) -> None:
         """One layer; its `keys`/`values` views of the pool are laid out as the first layer's were."""
-        if (keys.shape, keys.stride(), keys.dtype) != self.pool or values.stride() != keys.stride():
-            raise ValueError(f"layer K/V views {tuple(keys.shape)} {keys.stride()} unlike the step's {self.pool}")
+        if (keys.stride(), keys.dtype) != self.pool or (values.stride(), values.dtype) != self.pool:
+            raise ValueError(f"layer K/V views {keys.stride()} {keys.dtype} unlike the step's {self.pool}")
         if library().tq_decoder_layer(ctypes.byref(layer), ctypes.byref(self.s), keys.data_ptr(), values.data_ptr()):
             raise MemoryError(f"decoder layer of {self.s.m} rows: out of memory")
 
