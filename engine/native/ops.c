@@ -1221,14 +1221,16 @@ static void attention_tile(const float *q, int64_t q_stride, const uint16_t *kp,
                            int h, int64_t r0, int rows, int64_t past, int64_t window, float qscale, float *out,
                            int64_t out_stride, uint16_t *q16, float *s, uint16_t *p16, float *o) {
     int64_t pos[FA_ROWS];
-    float m[FA_ROWS], l[FA_ROWS];
+    float m[FA_ROWS];
+    __m512 l[FA_ROWS]; /* each row's sum of weights, 16 lanes of it: added up once, at the end */
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80); /* bfloat16 1.0 */
     for (int r = 0; r < FA_ROWS; r++) {
         int64_t row = r0 + (r < rows ? r : rows - 1); /* padding rows repeat the last real one */
         pos[r] = past + row;
         const float *qr = q + row * q_stride + (int64_t)h * d;
         for (int i = 0; i < d; i++) q16[r * d + i] = to_bf16(qr[i] * qscale);
         m[r] = -INFINITY;
-        l[r] = 0.0f;
+        l[r] = _mm512_setzero_ps();
     }
     memset(o, 0, (size_t)FA_ROWS * d * sizeof(float));
     int64_t lo = window > 0 && pos[0] - window + 1 > 0 ? pos[0] - window + 1 : 0;
@@ -1241,19 +1243,18 @@ static void attention_tile(const float *q, int64_t q_stride, const uint16_t *kp,
                                       _mm512_max_ps(_mm512_loadu_ps(sr + 32), _mm512_loadu_ps(sr + 48)));
             float top = _mm512_reduce_max_ps(mx), mnew = top > m[r] ? top : m[r];
             float base = mnew == -INFINITY ? 0.0f : mnew; /* a row that saw no key yet: all weights 0 */
-            float alpha = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - base);
+            /* the rescale of what came before, by the same polynomial (no libm call between vector code) */
+            float alpha = m[r] == -INFINITY ? 0.0f : _mm512_cvtss_f32(exp2_neg(_mm512_set1_ps(m[r] - base)));
             __m512 sum = _mm512_setzero_ps();
             for (int c = 0; c < 4; c += 2) {
                 __m512 e0 = exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c), _mm512_set1_ps(base)));
                 __m512 e1 = exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c + 16), _mm512_set1_ps(base)));
-                __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* lanes 0-15: e0, 16-31: e1 */
-                _mm512_storeu_si512(p16 + r * FA_KEYS + 16 * c, pb);
-                /* the sum of what the values are weighted by: the rounded weights, widened back */
-                __m512i w0 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(pb)), 16);
-                __m512i w1 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pb, 1)), 16);
-                sum = _mm512_add_ps(sum, _mm512_add_ps(_mm512_castsi512_ps(w0), _mm512_castsi512_ps(w1)));
+                __m512bh pb = _mm512_cvtne2ps_pbh(e1, e0); /* lanes 0-15: e0, 16-31: e1 */
+                _mm512_storeu_si512(p16 + r * FA_KEYS + 16 * c, (__m512i)pb);
+                /* the sum of what the values are weighted by: the rounded weights (times 1, exactly) */
+                sum = _mm512_dpbf16_ps(sum, pb, ones);
             }
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+            l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(alpha), sum);
             m[r] = mnew;
             if (alpha != 1.0f) {
                 __m512 a = _mm512_set1_ps(alpha);
@@ -1264,7 +1265,7 @@ static void attention_tile(const float *q, int64_t q_stride, const uint16_t *kp,
         block_values(p16, vp + k0 * d, d, o);
     }
     for (int r = 0; r < rows; r++) {
-        float inv = 1.0f / l[r];
+        float inv = 1.0f / _mm512_reduce_add_ps(l[r]);
         float *dst = out + (r0 + r) * out_stride + (int64_t)h * d;
         for (int i = 0; i < d; i++) dst[i] = o[r * d + i] * inv;
     }
