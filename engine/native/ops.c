@@ -783,28 +783,37 @@ static inline __attribute__((always_inline)) void panel_codes(const int kind, __
     }
 }
 
+/* The 32-byte runs at group g of weight rows [j, j + PANEL) (an int4 group pair, or a Q8_0 group; zeros past n),
+ * transposed as bytes, and their groups' scales d and (int4) offsets m as floats, one per row. */
+static inline __attribute__((always_inline)) void load_runs(const int kind, const void *w, const uint16_t *scales,
+                                                            int64_t n, int64_t k, int64_t j, int64_t g,
+                                                            __m256i r[PANEL], float d[2][PANEL], float m[2][PANEL]) {
+    int64_t groups = k / Q8_GROUP, row_bytes = kind == KIND_Q4 ? k / 2 : k;
+    int64_t scale_stride = kind == KIND_Q4 ? 2 * groups : groups;
+    int step = kind == KIND_Q4 ? 2 : 1; /* groups per 32-byte run */
+    for (int c = 0; c < PANEL; c++) {
+        int live = j + c < n;
+        const uint8_t *run = (const uint8_t *)w + (j + c) * row_bytes + g * Q8_GROUP / step;
+        r[c] = live ? _mm256_loadu_si256((const __m256i *)run) : _mm256_setzero_si256();
+        const uint16_t *sc = scales + (j + c) * scale_stride;
+        for (int s = 0; s < step; s++) {
+            d[s][c] = live ? half_to_float(sc[g + s]) : 0.f;
+            m[s][c] = live && kind == KIND_Q4 ? half_to_float(sc[groups + g + s]) : 0.f;
+        }
+    }
+    transpose_bytes(r);
+}
+
 /* Weight rows [j, j + PANEL) (zeros past n) as panel[i * PANEL + c] = w[j + c, i]: each 32-byte run of the
  * 16 rows (an int4 group pair, or a Q8_0 group) transposed as bytes, then widened to floats 16 at a time. */
 static inline __attribute__((always_inline)) void dequant_panel(const int kind, const void *w,
                                                                 const uint16_t *scales, int64_t n, int64_t k,
                                                                 int64_t j, float *panel) {
-    int64_t groups = k / Q8_GROUP, row_bytes = kind == KIND_Q4 ? k / 2 : k;
-    int64_t scale_stride = kind == KIND_Q4 ? 2 * groups : groups;
-    int step = kind == KIND_Q4 ? 2 : 1; /* groups per 32-byte run */
-    for (int64_t g = 0; g < groups; g += step) {
+    int64_t groups = k / Q8_GROUP;
+    for (int64_t g = 0; g < groups; g += kind == KIND_Q4 ? 2 : 1) {
         __m256i r[PANEL];
         float d[2][PANEL], m[2][PANEL];
-        for (int c = 0; c < PANEL; c++) {
-            int live = j + c < n;
-            const uint8_t *run = (const uint8_t *)w + (j + c) * row_bytes + g * Q8_GROUP / step;
-            r[c] = live ? _mm256_loadu_si256((const __m256i *)run) : _mm256_setzero_si256();
-            const uint16_t *sc = scales + (j + c) * scale_stride;
-            for (int s = 0; s < step; s++) {
-                d[s][c] = live ? half_to_float(sc[g + s]) : 0.f;
-                m[s][c] = live && kind == KIND_Q4 ? half_to_float(sc[groups + g + s]) : 0.f;
-            }
-        }
-        transpose_bytes(r);
+        load_runs(kind, w, scales, n, k, j, g, r, d, m);
         for (int i = 0; i < 16; i++) {
             __m128i lo = _mm256_castsi256_si128(r[i]), hi = _mm256_extracti128_si256(r[i], 1);
             float *o = panel + (g * Q8_GROUP + i) * PANEL;
@@ -921,8 +930,9 @@ static int panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t
 /* ---------------------------------------------------------------- many rows: bfloat16 panels
  * Where the CPU has AVX-512 BF16, vdpbf16ps does 32 multiply-adds where a float32 FMA does 16 (measured on a
  * 2-core AMD EPYC: torch's bf16 GEMM 2.3x its float32 one). The activations are rounded to bfloat16 once per
- * matmul, each panel of BF_PANEL weight rows is dequantized to float32 as above and rounded to bfloat16 pairs
- * bp[(i * BF_PANEL + c) * 2 + e] = w[j + c, 2 i + e], and BF_R x BF_PANEL tiles accumulate in float32. Both
+ * matmul, each panel of BF_PANEL weight rows is widened to the floats of the float32 panels above and rounded
+ * straight to bfloat16 pairs bp[(i * BF_PANEL + c) * 2 + e] = w[j + c, 2 i + e], and BF_R x BF_PANEL tiles
+ * (fewer rows at a chunk's end) accumulate in float32. Both
  * roundings are to nearest even (2^-9 relative); the sums run over k in one order in every tile, so a row's
  * result does not depend on the other rows. Only long prompt chunks take it (engine/quant.py): there the
  * perplexity moved x1.0005, where every matmul of 16 rows or more on it (decode batches, short prompts)
@@ -931,16 +941,54 @@ static int panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t
 #define BF_PANEL 32
 #define BF_R 12
 
-/* Two float32 panels of 16 columns [k][16] as one bfloat16 pair panel of 32 columns. */
-static void pack_bf16_panel(const float *p0, const float *p1, int64_t k, uint16_t *bp) {
+/* 16 codes (one per panel column, unsigned int4 or signed int8) as floats d q + m: the float32 panels' values. */
+static inline __attribute__((always_inline)) __m512 codes16(const int kind, __m128i b, __m512 d, __m512 m) {
+    __m512 q = _mm512_cvtepi32_ps(kind == KIND_Q4 ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b));
+    return kind == KIND_Q4 ? _mm512_fmadd_ps(q, d, m) : _mm512_mul_ps(q, d);
+}
+
+/* Weight rows [j, j + BF_PANEL) (zeros past n) as the bfloat16 pair panel bp[(i * BF_PANEL + c) * 2 + e] =
+ * w[j + c, 2 i + e]: each 16-row half's 32-byte runs transposed as bytes (as dequant_panel), two neighbouring k
+ * widened to the same floats as the float32 panels hold and rounded to bfloat16 pairs, with no float32 panel
+ * written and read back between. */
+static inline __attribute__((always_inline)) void dequant_bf16_panel(const int kind, const void *w,
+                                                                     const uint16_t *scales, int64_t n, int64_t k,
+                                                                     int64_t j, uint16_t *bp) {
     /* cvtne2ps_pbh(odd, even) holds even k in lanes 0-15 and odd k in 16-31; interleave them per column */
-    __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                     21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    for (int64_t i = 0; i < k / 2; i++) {
-        for (int h = 0; h < 2; h++) {
-            const float *p = (h ? p1 : p0) + 2 * i * PANEL;
-            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + PANEL), _mm512_loadu_ps(p));
-            _mm512_storeu_si512(bp + (i * BF_PANEL + 16 * h) * 2, _mm512_permutexvar_epi16(order, (__m512i)v));
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    int64_t groups = k / Q8_GROUP;
+    for (int h = 0; h < 2; h++) {
+        for (int64_t g = 0; g < groups; g += kind == KIND_Q4 ? 2 : 1) {
+            __m256i r[PANEL];
+            float d[2][PANEL], m[2][PANEL];
+            load_runs(kind, w, scales, n, k, j + h * PANEL, g, r, d, m);
+            __m512 d0 = _mm512_loadu_ps(d[0]), m0 = _mm512_loadu_ps(m[0]);
+            __m512 d1 = _mm512_loadu_ps(d[1]), m1 = _mm512_loadu_ps(m[1]);
+            for (int i = 0; i < 16; i += 2) { /* elements i, i + 1 of the run: one pair of k */
+                __m128i lo[2] = {_mm256_castsi256_si128(r[i]), _mm256_castsi256_si128(r[i + 1])};
+                __m128i hi[2] = {_mm256_extracti128_si256(r[i], 1), _mm256_extracti128_si256(r[i + 1], 1)};
+                __m512 f[4][2]; /* [which k of the run][even, odd] */
+                int parts = kind == KIND_Q4 ? 4 : 2;
+                for (int e = 0; e < 2; e++) {
+                    if (kind == KIND_Q4) {
+                        f[0][e] = codes16(kind, _mm_and_si128(lo[e], low), d0, m0);
+                        f[1][e] = codes16(kind, _mm_and_si128(hi[e], low), d0, m0);
+                        f[2][e] = codes16(kind, _mm_and_si128(_mm_srli_epi16(lo[e], 4), low), d1, m1);
+                        f[3][e] = codes16(kind, _mm_and_si128(_mm_srli_epi16(hi[e], 4), low), d1, m1);
+                    } else {
+                        f[0][e] = codes16(kind, lo[e], d0, m0);
+                        f[1][e] = codes16(kind, hi[e], d0, m0);
+                    }
+                }
+                for (int p = 0; p < parts; p++) {
+                    int64_t at = g * Q8_GROUP + 16 * p + i; /* the even k */
+                    __m512bh v = _mm512_cvtne2ps_pbh(f[p][1], f[p][0]);
+                    _mm512_storeu_si512(bp + ((at / 2) * BF_PANEL + 16 * h) * 2,
+                                        _mm512_permutexvar_epi16(order, (__m512i)v));
+                }
+            }
         }
     }
 }
@@ -994,8 +1042,8 @@ static void rows_to_bf16(const float *x, int64_t m, int64_t k, uint16_t *x16, in
 static inline __attribute__((always_inline)) void share_bf16_panels(const int kind, const void *w,
                                                                     const uint16_t *scales, int64_t n, int64_t k,
                                                                     const uint16_t *x16, int64_t m, float *out,
-                                                                    float *f32, uint16_t *bp, float *spill,
-                                                                    Share *shares, int threads) {
+                                                                    uint16_t *bp, float *spill, Share *shares,
+                                                                    int threads) {
     /* each panel is dequantized once and meets every row (rows in blocks that stayed in L2 dequantized it once a
      * block: 0.83-0.88x at 256 rows, measured on the model's four shapes) */
     int64_t chunk = share_chunk((n + BF_PANEL - 1) / BF_PANEL, threads);
@@ -1003,9 +1051,7 @@ static inline __attribute__((always_inline)) void share_bf16_panels(const int ki
     for (int64_t b, e; share_next(shares, threads, tid, chunk, &b, &e);)
     for (int64_t j = b * BF_PANEL; j < e * BF_PANEL && j < n; j += BF_PANEL) {
         int cols = n - j < BF_PANEL ? (int)(n - j) : BF_PANEL;
-        dequant_panel(kind, w, scales, n, k, j, f32);
-        dequant_panel(kind, w, scales, n, k, j + PANEL, f32 + PANEL * k);
-        pack_bf16_panel(f32, f32 + PANEL * k, k, bp);
+        dequant_bf16_panel(kind, w, scales, n, k, j, bp);
         for (int64_t r = 0; r < m; r += BF_R) {
             int rows = m - r < BF_R ? (int)(m - r) : BF_R, whole = cols == BF_PANEL;
             if (rows == BF_R)
@@ -1020,20 +1066,18 @@ static inline __attribute__((always_inline)) void share_bf16_panels(const int ki
 }
 
 static void share_bf16_panels_q4(const void *w, const uint16_t *s, int64_t n, int64_t k, const uint16_t *x16,
-                                 int64_t m, float *out, float *f32, uint16_t *bp, float *spill, Share *shares,
-                                 int threads) {
-    share_bf16_panels(KIND_Q4, w, s, n, k, x16, m, out, f32, bp, spill, shares, threads);
+                                 int64_t m, float *out, uint16_t *bp, float *spill, Share *shares, int threads) {
+    share_bf16_panels(KIND_Q4, w, s, n, k, x16, m, out, bp, spill, shares, threads);
 }
 static void share_bf16_panels_q8(const void *w, const uint16_t *s, int64_t n, int64_t k, const uint16_t *x16,
-                                 int64_t m, float *out, float *f32, uint16_t *bp, float *spill, Share *shares,
-                                 int threads) {
-    share_bf16_panels(KIND_Q8, w, s, n, k, x16, m, out, f32, bp, spill, shares, threads);
+                                 int64_t m, float *out, uint16_t *bp, float *spill, Share *shares, int threads) {
+    share_bf16_panels(KIND_Q8, w, s, n, k, x16, m, out, bp, spill, shares, threads);
 }
 
 static int bf16_panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
                              int64_t m, float *out, int threads) {
-    /* per thread: two float32 panels, one bfloat16 pair panel, a spill tile (all multiples of 64 bytes) */
-    int64_t per_thread = 2 * PANEL * k * 4 + BF_PANEL * k * 2 + BF_R * BF_PANEL * 4;
+    /* per thread: a bfloat16 pair panel, a spill tile (both multiples of 64 bytes) */
+    int64_t per_thread = BF_PANEL * k * 2 + BF_R * BF_PANEL * 4;
     uint16_t *x16 = (uint16_t *)aligned_alloc(64, (size_t)(m * k) * sizeof(uint16_t));
     char *scratch = (char *)aligned_alloc(64, (size_t)(threads * per_thread));
     Share *shares = shares_new(1, threads, (n + BF_PANEL - 1) / BF_PANEL);
@@ -1048,13 +1092,12 @@ static int bf16_panel_matmul(int kind, const void *w, const uint16_t *scales, in
     {
         int tid = thread_num();
         char *mine = scratch + tid * per_thread;
-        float *f32 = (float *)mine;
-        uint16_t *bp = (uint16_t *)(mine + 2 * PANEL * k * 4);
-        float *spill = (float *)(mine + 2 * PANEL * k * 4 + BF_PANEL * k * 2);
+        uint16_t *bp = (uint16_t *)mine;
+        float *spill = (float *)(mine + BF_PANEL * k * 2);
         if (kind == KIND_Q4)
-            share_bf16_panels_q4(w, scales, n, k, x16, m, out, f32, bp, spill, shares, threads);
+            share_bf16_panels_q4(w, scales, n, k, x16, m, out, bp, spill, shares, threads);
         else
-            share_bf16_panels_q8(w, scales, n, k, x16, m, out, f32, bp, spill, shares, threads);
+            share_bf16_panels_q8(w, scales, n, k, x16, m, out, bp, spill, shares, threads);
     }
     free(shares);
     free(scratch);
