@@ -1286,8 +1286,10 @@ static void attention_tile(const float *q, int64_t q_stride, const uint16_t *kp,
                                       _mm512_max_ps(_mm512_loadu_ps(sr + 32), _mm512_loadu_ps(sr + 48)));
             float top = _mm512_reduce_max_ps(mx), mnew = top > m[r] ? top : m[r];
             float base = mnew == -INFINITY ? 0.0f : mnew; /* a row that saw no key yet: all weights 0 */
-            /* the rescale of what came before, by the same polynomial (no libm call between vector code) */
-            float alpha = m[r] == -INFINITY ? 0.0f : _mm512_cvtss_f32(exp2_neg(_mm512_set1_ps(m[r] - base)));
+            /* the rescale of what came before (1 while the running max stands: exp2_neg(0) is 1 - 8e-7), by the
+             * same polynomial, with no libm call between vector code */
+            float alpha = m[r] == -INFINITY ? 0.0f
+                          : mnew == m[r] ? 1.0f : _mm512_cvtss_f32(exp2_neg(_mm512_set1_ps(m[r] - base)));
             __m512 sum = _mm512_setzero_ps();
             for (int c = 0; c < 4; c += 2) {
                 __m512 e0 = exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c), _mm512_set1_ps(base)));
