@@ -508,3 +508,32 @@ def test_baseline_engine_answers_bench_engines_measures(tmp_path: Path, monkeypa
     assert old.proc.returncode == 0
     with pytest.raises(subprocess.CalledProcessError):
         source_tree("no-such-rev")
+
+
+def test_kernel_ab_takes_turns_between_two_builds_of_ops_c(capsys):
+    """bench.kernel_ab with the installed library as the old one too: every measure prints both columns and their
+    ratio, the two give the same bits, and engine.native calls its own library again afterwards."""
+    import torch
+
+    from bench import kernel_ab
+    from engine import native
+    from engine.native import dispatch
+    from engine.native.build import VARIANTS
+
+    if native.library() is None or native.kernel_path() != "avx512_bf16":
+        pytest.skip("the bfloat16 kernels do not run here")
+    lib = dispatch.variant_file(next(v for v in VARIANTS if v.name == native.variant()))
+    threads, real = torch.get_num_threads(), native.library
+    try:
+        assert kernel_ab.main(["--old", str(lib), "--rows", "13", "--chunks", "130:200", "--prefill", "130",
+                               "--rounds", "1", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert native.library is real
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x |" in line]
+    assert [r.split(" |")[0] for r in rows] == ["| bfloat16 matmul, 13 rows (GFLOP/s)",
+                                                 "| bfloat16 attention, 130 rows over 200 tokens (ms)",
+                                                 "| prefill, 130 tokens (prompt tok/s)"]
+    assert rows[0].endswith("| yes |") and rows[1].endswith("| yes |")
+    with pytest.raises(SystemExit):
+        kernel_ab.main([])  # --old or --baseline is required

@@ -1,0 +1,188 @@
+"""Two builds of engine/native/ops.c side by side in one process: an earlier commit's and this tree's.
+
+    python -m bench.kernel_ab --baseline REV [--prefill 256,1024,2000] [--rows 255,256,512] [--rounds 5]
+    python -m bench.kernel_ab --old PATH/TO/_ops_avx512....so
+
+On a shared machine whose speed moves from one minute to the next, two kernel versions compare fairly only when
+they take turns call by call. `--baseline REV` extracts REV (`bench.baseline.source_tree`), builds its ops.c
+there (`setup.py build_ext --inplace`), and loads the build of this process's variant next to this tree's
+library with ctypes; `engine.native`'s wrappers call whichever library is swapped in. Measured, old then new in
+turn: the bfloat16 matmul on the default model's four shapes (GFLOP/s, and whether both give the same bits),
+the bfloat16 attention of a long chunk, and whole prompts through the engine (prompt tok/s). Only the C
+differs: the Python is this tree's, so the old library must export what this tree declares
+(`engine.native.dispatch.SIGNATURES`) with the same meaning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+
+import torch
+
+import engine.native as native
+from bench.baseline import source_tree
+from bench.engine import engine_prefill
+from engine.engine import EngineConfig, LLMEngine
+from engine.loader import load_model
+from engine.model_files import DEFAULT_MODEL
+from engine.native import dispatch
+from engine.native.build import VARIANTS
+from engine.quant import Int4Weight
+
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # the default model's linear layers (n, k)
+HEADS, KV_HEADS, D, BLOCK = 9, 3, 64, 16  # its attention
+
+
+def build_of(rev: str) -> Path:
+    """The library of this process's variant built from `rev`'s ops.c (built once per commit)."""
+    tree = source_tree(rev)
+    variant = next(v for v in VARIANTS if v.name == native.variant())
+    lib = tree / "engine" / "native" / f"{variant.module}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if not lib.exists():
+        subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, check=True,
+                       capture_output=True)
+    if not lib.exists():
+        raise SystemExit(f"bench.kernel_ab: {rev} did not build {lib.name}")
+    return lib
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A library with this tree's signatures, on the kernel path this process runs."""
+    lib = ctypes.CDLL(str(path))
+    for name, args in dispatch.SIGNATURES.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, dispatch.RETURNS.get(name)
+    lib.tq_set_row_invariant(int(native.row_invariant()))
+    return lib
+
+
+@contextmanager
+def swapped(lib: ctypes.CDLL) -> Iterator[None]:
+    """engine.native's calls go to `lib` inside."""
+    real = native.library
+    native.library = lambda: lib
+    try:
+        yield
+    finally:
+        native.library = real
+
+
+def turns(libs: dict[str, ctypes.CDLL], run: Callable[[], object], rounds: int) -> dict[str, tuple[float, object]]:
+    """Each library's median seconds of `run` over `rounds` turns (after one each to warm up), and its last
+    result."""
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    last: dict[str, object] = {}
+    for r in range(rounds + 1):
+        for name, lib in libs.items():
+            with swapped(lib):
+                t = time.perf_counter()
+                last[name] = run()
+                if r:
+                    times[name].append(time.perf_counter() - t)
+    return {name: (statistics.median(times[name]), last[name]) for name in libs}
+
+
+def _matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    return native.bf16_matmul("int4", x, w.qs, w.dm)
+
+
+def _attend(qkv: torch.Tensor, context: int, table: torch.Tensor, keys: torch.Tensor,
+            values: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(qkv.shape[0], HEADS * D)
+    native.bf16_attention(qkv, 0, qkv.shape[0], context, table, keys, values, HEADS, 0.125, 0, out)
+    return out
+
+
+def _prefill(engine: LLMEngine, n: int, seeds: Iterator[int]) -> float:
+    return engine_prefill(engine, n, next(seeds))
+
+
+def matmuls(libs: dict[str, ctypes.CDLL], rows: list[int], rounds: int) -> list[str]:
+    lines = []
+    for m in rows:
+        took = {name: 0.0 for name in libs}
+        same, flops = True, 0
+        for n, k in SHAPES:
+            w, x = Int4Weight.quantize(torch.randn(n, k) * 0.05), torch.randn(m, k)
+            got = turns(libs, partial(_matmul, x, w), rounds)
+            for name in libs:
+                took[name] += got[name][0]
+            same &= torch.equal(got["old"][1], got["new"][1])
+            flops += 2 * m * n * k
+        lines.append(f"| bfloat16 matmul, {m} rows (GFLOP/s) | {flops / took['old'] / 1e9:,.0f} | "
+                     f"{flops / took['new'] / 1e9:,.0f} | {took['old'] / took['new']:.3f}x | {'yes' if same else 'no'} |")
+    return lines
+
+
+def attention(libs: dict[str, ctypes.CDLL], chunks: list[tuple[int, int]], rounds: int) -> list[str]:
+    lines = []
+    for length, context in chunks:
+        blocks = (context + BLOCK - 1) // BLOCK
+        keys = torch.randn(blocks, BLOCK, KV_HEADS, D).half()
+        values = torch.randn(blocks, BLOCK, KV_HEADS, D).half()
+        qkv, table = torch.randn(length, (HEADS + 2 * KV_HEADS) * D), torch.randperm(blocks)
+        got = turns(libs, partial(_attend, qkv, context, table, keys, values), rounds)
+        (old, a), (new, b) = got["old"], got["new"]
+        lines.append(f"| bfloat16 attention, {length} rows over {context} tokens (ms) | {old * 1e3:.2f} | "
+                     f"{new * 1e3:.2f} | {old / new:.3f}x | {'yes' if torch.equal(a, b) else 'no'} |")
+    return lines
+
+
+def prefills(libs: dict[str, ctypes.CDLL], lengths: list[int], rounds: int) -> list[str]:
+    engine = LLMEngine(load_model(DEFAULT_MODEL, "float32", "auto"),
+                       EngineConfig(num_blocks=1024, enable_prefix_cache=False, speculative="off"))
+    lines = []
+    for n in lengths:
+        got = turns(libs, partial(_prefill, engine, n, iter(range(10**6))), rounds)
+        old, new = (n / got[name][0] for name in ("old", "new"))
+        lines.append(f"| prefill, {n} tokens (prompt tok/s) | {old:,.0f} | {new:,.0f} | {new / old:.3f}x | |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.kernel_ab", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    old = ap.add_mutually_exclusive_group(required=True)
+    old.add_argument("--baseline", metavar="REV", help="the commit whose ops.c to compare")
+    old.add_argument("--old", metavar="PATH", help="a built library to compare (of this process's variant)")
+    ap.add_argument("--rows", default="255,256,512", help="matmul rows (default 255,256,512)")
+    ap.add_argument("--chunks", default="256:256,512:1024,512:2000",
+                    help="attention chunks as rows:context (default 256:256,512:1024,512:2000)")
+    ap.add_argument("--prefill", default="256,1024,2000", help="prompt lengths (default 256,1024,2000; 0: none)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if native.library() is None:
+        raise SystemExit("bench.kernel_ab: engine.native is not built here")
+    if native.kernel_path() != "avx512_bf16":
+        raise SystemExit(f"bench.kernel_ab: kernel path {native.kernel_path()}: the bfloat16 kernels do not run")
+    libs = {"old": load(build_of(args.baseline) if args.baseline else Path(args.old)), "new": native.library()}
+    print(f"`python -m bench.kernel_ab {' '.join(argv if argv is not None else sys.argv[1:])}`: "
+          f"{native.variant()} build, {args.threads} threads, medians of {args.rounds} turns each, one process\n")
+    print("| measure | old | new | new / old speed | same bits |")
+    print("|---|---:|---:|---:|---|")
+    for line in matmuls(libs, [int(r) for r in args.rows.split(",")], args.rounds):
+        print(line, flush=True)
+    chunks = [tuple(int(v) for v in c.split(":")) for c in args.chunks.split(",")]
+    for line in attention(libs, chunks, args.rounds):
+        print(line, flush=True)
+    lengths = [int(n) for n in args.prefill.split(",") if int(n)]
+    for line in prefills(libs, lengths, args.rounds) if lengths else []:
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
