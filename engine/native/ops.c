@@ -941,6 +941,14 @@ static int panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t
 #define BF_PANEL 32
 #define BF_R 12
 
+/* 16 columns' values at an even k and at the next odd one as 16 bfloat16 pairs (column c: even, odd at 2c, 2c + 1),
+ * rounded to nearest even: cvtne2ps_pbh holds the evens in lanes 0-15 and the odds in 16-31, interleaved here. */
+static inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
 /* 16 codes (one per panel column, unsigned int4 or signed int8) as floats d q + m: the float32 panels' values. */
 static inline __attribute__((always_inline)) __m512 codes16(const int kind, __m128i b, __m512 d, __m512 m) {
     __m512 q = _mm512_cvtepi32_ps(kind == KIND_Q4 ? _mm512_cvtepu8_epi32(b) : _mm512_cvtepi8_epi32(b));
@@ -954,9 +962,6 @@ static inline __attribute__((always_inline)) __m512 codes16(const int kind, __m1
 static inline __attribute__((always_inline)) void dequant_bf16_panel(const int kind, const void *w,
                                                                      const uint16_t *scales, int64_t n, int64_t k,
                                                                      int64_t j, uint16_t *bp) {
-    /* cvtne2ps_pbh(odd, even) holds even k in lanes 0-15 and odd k in 16-31; interleave them per column */
-    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m128i low = _mm_set1_epi8(0x0F);
     int64_t groups = k / Q8_GROUP;
     for (int h = 0; h < 2; h++) {
@@ -984,9 +989,7 @@ static inline __attribute__((always_inline)) void dequant_bf16_panel(const int k
                 }
                 for (int p = 0; p < parts; p++) {
                     int64_t at = g * Q8_GROUP + 16 * p + i; /* the even k */
-                    __m512bh v = _mm512_cvtne2ps_pbh(f[p][1], f[p][0]);
-                    _mm512_storeu_si512(bp + ((at / 2) * BF_PANEL + 16 * h) * 2,
-                                        _mm512_permutexvar_epi16(order, (__m512i)v));
+                    _mm512_storeu_si512(bp + ((at / 2) * BF_PANEL + 16 * h) * 2, bf16_pairs(f[p][0], f[p][1]));
                 }
             }
         }
@@ -1174,8 +1177,6 @@ static void pack_kv_block(const void *keys, const void *values, int64_t block_st
                           int block_size, int kv_heads, int d, int g, int64_t k0, int64_t first, int64_t context,
                           int half, uint16_t *kp, uint16_t *vp) {
     static const float zeros[FA_MAX_D] = {0};
-    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     uint32_t pairs[FA_KEYS * FA_MAX_D / 2];
     int64_t kv = (int64_t)kv_heads * d;
     int npairs = d / 2;
@@ -1195,8 +1196,7 @@ static void pack_kv_block(const void *keys, const void *values, int64_t block_st
                                                                  kv_load16(k[e], i, half)));
         for (int i = 0; i < d; i += 16) /* v[j][i], v[j + 1][i] side by side */
             _mm512_storeu_si512(vp + ((int64_t)(j / 2) * d + i) * 2,
-                                _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(
-                                    kv_load16(v[1], i, half), kv_load16(v[0], i, half))));
+                                bf16_pairs(kv_load16(v[0], i, half), kv_load16(v[1], i, half)));
     }
     uint32_t *kp32 = (uint32_t *)kp;
     for (int i = 0; i < npairs; i++)
