@@ -37,7 +37,7 @@ from engine.native.dispatch import (
 
 __all__ = ["BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "POOL_DTYPES", "Layer", "LayerStep", "Linear",
            "argmax", "available", "bf16_attention", "bf16_matmul", "int4_dequantize", "kernel_path", "kernel_paths",
-           "kv_half", "layer", "library", "linear", "paged_attention", "panel_min_rows", "q4_matmul", "q8_matmul",
+           "layer", "library", "linear", "paged_attention", "panel_min_rows", "q4_matmul", "q8_matmul",
            "rms_norm", "rope_store", "row_invariant", "silu_mul", "use_kernel_path", "variant", "variant_file"]
 
 
@@ -97,20 +97,19 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 POOL_DTYPES = (torch.float32, torch.float16)  # the KV pool dtypes the C attention reads
 
 
-def kv_half(keys: torch.Tensor) -> int:
-    """1 for a float16 pool, 0 for float32 (what ops.c's K/V readers and writers take)."""
-    if keys.dtype not in POOL_DTYPES:
-        raise ValueError(f"engine.native's attention reads a float32 or float16 KV pool, not {keys.dtype}")
-    return int(keys.dtype == torch.float16)
+def _pool_view(view: torch.Tensor, what: str) -> tuple[int, int]:
+    """A view of the pool [blocks, block_size, kv_heads, d] (one block every view.stride(0)) for ops.c: its
+    address, and 1 where it holds float16, 0 for float32 (what ops.c's K/V readers and writers take)."""
+    return _ptr(view, POOL_DTYPES, what, rows_apart=True), int(view.dtype == torch.float16)
 
 
-def _pool_ptrs(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
-    """The pool's key and value views [blocks, block_size, kv_heads, d], one block every keys.stride(0)."""
+def _pool_ptrs(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int, int]:
+    """The pool's key and value views for ops.c, laid out alike: their addresses and their float16 flag."""
     if values.shape != keys.shape or values.stride() != keys.stride() or values.dtype != keys.dtype:
         raise ValueError(f"engine.native: the pool's keys {tuple(keys.shape)} {keys.stride()} and values "
                          f"{tuple(values.shape)} {values.stride()} must be laid out alike")
-    return (_ptr(keys, POOL_DTYPES, "the pool's keys", rows_apart=True),
-            _ptr(values, POOL_DTYPES, "the pool's values", rows_apart=True))
+    (k_ptr, half), (v_ptr, _) = _pool_view(keys, "the pool's keys"), _pool_view(values, "the pool's values")
+    return k_ptr, v_ptr, half
 
 
 def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
@@ -123,12 +122,12 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
     d = cos.shape[-1]
     if positions.shape != (m,) or blocks.shape != (m,) or offsets.shape != (m,) or keys.shape[-1] != d:
         raise ValueError(f"rope_store of {m} rows: positions, blocks and offsets need one each, the pool head size {d}")
-    k_ptr, v_ptr = _pool_ptrs(keys, values)
+    k_ptr, v_ptr, half = _pool_ptrs(keys, values)
     library().tq_rope_store(_ptr(qkv, torch.float32, "rope_store's qkv"), m, width,
                             _ptr(positions, torch.long, "positions"), _ptr(cos, torch.float32, "the cos table"),
                             _ptr(sin, torch.float32, "the sin table"), heads, kv_heads, d, k_ptr, v_ptr,
                             keys.stride(0), _ptr(blocks, torch.long, "slot blocks"),
-                            _ptr(offsets, torch.long, "slot offsets"), kv_half(keys), _threads())
+                            _ptr(offsets, torch.long, "slot offsets"), half, _threads())
 
 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
@@ -142,13 +141,13 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, t
     _, block_size, kv_heads, d = keys.shape
     if row_table.shape != (rows,) or lens.shape != (rows,):
         raise ValueError(f"paged_attention of {rows} rows: row_table {tuple(row_table.shape)}, lens {tuple(lens.shape)}")
-    k_ptr, v_ptr = _pool_ptrs(keys, values)
+    k_ptr, v_ptr, half = _pool_ptrs(keys, values)
     out = torch.empty(rows, heads * d, dtype=torch.float32)
     library().tq_paged_attention(_ptr(q, torch.float32, "paged_attention's q", rows_apart=True), q.stride(0), k_ptr,
                                  v_ptr, keys.stride(0), _ptr(tables, torch.long, "block tables", rows_apart=True),
                                  tables.stride(0), _ptr(row_table, torch.long, "row_table"),
                                  _ptr(lens, torch.long, "lens"), rows, heads, kv_heads, d, block_size, scale, window,
-                                 out.data_ptr(), kv_half(keys), _threads())
+                                 out.data_ptr(), half, _threads())
     return out
 
 
@@ -224,13 +223,13 @@ def bf16_attention(qkv: torch.Tensor, start: int, length: int, context: int, blo
     if start + length > min(qkv.shape[0], out.shape[0]) or blocks.numel() * block_size < context:
         raise ValueError(f"bf16_attention of rows [{start}, {start + length}) over {context} tokens: qkv has "
                          f"{qkv.shape[0]} rows, out {out.shape[0]}, {blocks.numel()} blocks")
-    k_ptr, v_ptr = _pool_ptrs(keys, values)
+    k_ptr, v_ptr, half = _pool_ptrs(keys, values)
     rc = library().tq_bf16_attention(_ptr(qkv[start:], torch.float32, "bf16_attention's qkv", rows_apart=True),
                                      qkv.stride(0), k_ptr, v_ptr, keys.stride(0),
                                      _ptr(blocks.contiguous(), torch.long, "blocks"), length, context, heads,
                                      kv_heads, d, block_size, scale, window,
                                      _ptr(out[start:], torch.float32, "bf16_attention's out", rows_apart=True),
-                                     out.stride(0), kv_half(keys), _threads())
+                                     out.stride(0), half, _threads())
     if rc:
         raise {-1: MemoryError(f"bfloat16 attention of {length} rows over {context} tokens: out of memory"),
                -2: RuntimeError("this build has no AVX-512 BF16")}.get(rc, ValueError(f"head size {d}: not a multiple of 64"))
@@ -305,6 +304,7 @@ class LayerStep:
         if first.wqkv.k != hidden or any(t.shape != (m,) for t in (positions, blocks, offsets, row_table, lens)):
             raise ValueError(f"a decoder layer step of {m} rows of {hidden}: one position, slot, table row and length "
                              f"each, and layers of that hidden size")
+        _, half = _pool_view(keys, "the pool's keys")
         self.s = _LayerStep(m, hidden, heads * d, width, ffn, _ptr(h, torch.float32, "the residual stream"),
                             *(b[k].data_ptr() for k in b), _ptr(positions, torch.long, "positions"),
                             _ptr(blocks, torch.long, "slot blocks"), _ptr(offsets, torch.long, "slot offsets"),
@@ -312,8 +312,7 @@ class LayerStep:
                             heads, kv_heads, d, block_size, keys.stride(0),
                             _ptr(tables, torch.long, "block tables", rows_apart=True),
                             _ptr(row_table, torch.long, "row_table"), _ptr(lens, torch.long, "lens"), tables.stride(0),
-                            eps, scale, 0, _threads(), kv_half(keys))
-        _pool_ptrs(keys, keys)
+                            eps, scale, 0, _threads(), half)
         self.pool = (keys.stride(), keys.dtype)
 
     def run(self, layer: Layer, keys: torch.Tensor, values: torch.Tensor) -> None:
