@@ -24,13 +24,17 @@ class BuildVariants(build_ext):
     does not build leaves no library behind: one an earlier build left was compiled from another ops.c, and
     engine.native would refuse it (its source hash) and run torch's operations instead of the next variant."""
 
+    def initialize_options(self) -> None:
+        super().initialize_options()
+        self.left_out: list[Extension] = []
+
     def build_extension(self, ext: Extension) -> None:
         shared = self.build_temp
         self.build_temp = os.path.join(shared, ext.name)
         try:
             super().build_extension(ext)
         except (CCompilerError, CompileError, LinkError, OSError) as e:
-            self.left_out = [*getattr(self, "left_out", []), ext]
+            self.left_out.append(ext)
             Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
             self.warn(f"engine.native: cannot build {ext.name} ({e}); it is left out")
         finally:
@@ -38,10 +42,9 @@ class BuildVariants(build_ext):
 
     def copy_extensions_to_source(self) -> None:
         """--inplace (and pip install -e): copy the variants that built, remove the others' old copies."""
-        left_out = getattr(self, "left_out", [])
-        for ext in left_out:
+        for ext in self.left_out:
             Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
-        built, self.extensions = self.extensions, [e for e in self.extensions if e not in left_out]
+        built, self.extensions = self.extensions, [e for e in self.extensions if e not in self.left_out]
         try:
             super().copy_extensions_to_source()
         finally:

@@ -58,11 +58,7 @@ def build_of(rev: str) -> Path:
 
 def load(path: Path) -> ctypes.CDLL:
     """A library with this tree's signatures, on the kernel path this process runs."""
-    lib = ctypes.CDLL(str(path))
-    for name, args in dispatch.SIGNATURES.items():
-        if hasattr(lib, name):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, dispatch.RETURNS.get(name)
+    lib = dispatch.declare(ctypes.CDLL(str(path)))
     lib.tq_set_row_invariant(int(native.row_invariant()))
     return lib
 

@@ -88,6 +88,16 @@ def _pick_variant() -> tuple[Variant, Path]:
     return built[0]
 
 
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib`'s functions with the argument and return types this tree's ops.c has (`SIGNATURES`, `RETURNS`); a
+    function a library lacks is left out (a library built from another ops.c: its source hash says so next)."""
+    for name, args in SIGNATURES.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, RETURNS.get(name)
+    return lib
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled ops, or None (and one warning saying why) where none is installed for this CPU."""
@@ -100,9 +110,7 @@ def library() -> ctypes.CDLL | None:
     except OSError as e:
         log.warning("engine.native: %s; %s", e, _FALLBACK)
         return None
-    for name, args in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, RETURNS.get(name)
+    declare(lib)
     built_from = lib.tq_source_hash().decode()
     if built_from != source_hash():
         log.warning("engine.native: %s was built from another ops.c (rebuild it: pip install -e . or python "
