@@ -7,8 +7,9 @@ On a shared machine whose speed moves from one minute to the next, two kernel ve
 they take turns call by call. `--baseline REV` extracts REV (`bench.baseline.source_tree`), builds its ops.c
 there (`setup.py build_ext --inplace`), and loads the build of this process's variant next to this tree's
 library with ctypes; `engine.native`'s wrappers call whichever library is swapped in. Measured, old then new in
-turn: the bfloat16 matmul on the default model's four shapes (GFLOP/s, and whether both give the same bits),
-the bfloat16 attention of a long chunk, and whole prompts through the engine (prompt tok/s). Only the C
+turn: the long-chunk matmuls on the default model's four shapes (bfloat16 panels, and int8 activations where
+both builds have them; GFLOP/s, and whether both give the same bits), the bfloat16 attention of a long chunk, and
+whole prompts through the engine (prompt tok/s, on the fastest kernel path both builds have). Only the C
 differs: the Python is this tree's, so the old library must export what this tree declares
 (`engine.native.dispatch.SIGNATURES`) with the same meaning.
 """
@@ -89,8 +90,15 @@ def turns(libs: dict[str, ctypes.CDLL], run: Callable[[], object], rounds: int) 
     return {name: (statistics.median(times[name]), last[name]) for name in libs}
 
 
-def _matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    return native.bf16_matmul("int4", x, w.qs, w.dm)
+MATMULS = {"bfloat16": (native.bf16_matmul, "tq_bf16_matmul"), "int8": (native.i8_matmul, "tq_i8_matmul")}
+
+
+def _matmul(kind: str, x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    return MATMULS[kind][0]("int4", x, w.qs, w.dm)
+
+
+def _both_have(libs: dict[str, ctypes.CDLL], symbol: str) -> bool:
+    return all(hasattr(lib, symbol) for lib in libs.values())
 
 
 def _attend(qkv: torch.Tensor, context: int, table: torch.Tensor, keys: torch.Tensor,
@@ -106,17 +114,17 @@ def _prefill(engine: LLMEngine, n: int, seeds: Iterator[int]) -> float:
 
 def matmuls(libs: dict[str, ctypes.CDLL], rows: list[int], rounds: int) -> list[str]:
     lines = []
-    for m in rows:
+    for kind, m in [(kind, m) for kind, (_, symbol) in MATMULS.items() if _both_have(libs, symbol) for m in rows]:
         took = {name: 0.0 for name in libs}
         same, flops = True, 0
         for n, k in SHAPES:
             w, x = Int4Weight.quantize(torch.randn(n, k) * 0.05), torch.randn(m, k)
-            got = turns(libs, partial(_matmul, x, w), rounds)
+            got = turns(libs, partial(_matmul, kind, x, w), rounds)
             for name in libs:
                 took[name] += got[name][0]
             same &= torch.equal(got["old"][1], got["new"][1])
             flops += 2 * m * n * k
-        lines.append(f"| bfloat16 matmul, {m} rows (GFLOP/s) | {flops / took['old'] / 1e9:,.0f} | "
+        lines.append(f"| {kind} matmul, {m} rows (GFLOP/s) | {flops / took['old'] / 1e9:,.0f} | "
                      f"{flops / took['new'] / 1e9:,.0f} | {took['old'] / took['new']:.3f}x | {'yes' if same else 'no'} |")
     return lines
 
@@ -139,10 +147,14 @@ def prefills(libs: dict[str, ctypes.CDLL], lengths: list[int], rounds: int) -> l
     engine = LLMEngine(load_model(DEFAULT_MODEL, "float32", "auto"),
                        EngineConfig(num_blocks=1024, enable_prefix_cache=False, speculative="off"))
     lines = []
+    path = "avx512_vnni" if _both_have(libs, "tq_i8_matmul") else "avx512_bf16"
+    here = native.kernel_path()
+    native.use_kernel_path(path)
     for n in lengths:
         got = turns(libs, partial(_prefill, engine, n, iter(range(10**6))), rounds)
         old, new = (n / got[name][0] for name in ("old", "new"))
-        lines.append(f"| prefill, {n} tokens (prompt tok/s) | {old:,.0f} | {new:,.0f} | {new / old:.3f}x | |")
+        lines.append(f"| prefill on {path}, {n} tokens (prompt tok/s) | {old:,.0f} | {new:,.0f} | {new / old:.3f}x | |")
+    native.use_kernel_path(here)
     return lines
 
 
@@ -162,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if native.library() is None:
         raise SystemExit("bench.kernel_ab: engine.native is not built here")
-    if native.kernel_path() != "avx512_bf16":
-        raise SystemExit(f"bench.kernel_ab: kernel path {native.kernel_path()}: the bfloat16 kernels do not run")
+    if "avx512_bf16" not in native.kernel_paths():
+        raise SystemExit(f"bench.kernel_ab: kernel paths {native.kernel_paths()}: the bfloat16 kernels do not run")
     libs = {"old": load(build_of(args.baseline) if args.baseline else Path(args.old)), "new": native.library()}
     print(f"`python -m bench.kernel_ab {' '.join(argv if argv is not None else sys.argv[1:])}`: "
           f"{native.variant()} build, {args.threads} threads, medians of {args.rounds} turns each, one process\n")

@@ -8,7 +8,9 @@ matmul, bfloat16 panels on avx512_bf16, dequantized weights and MKL elsewhere; `
 chunks of `small_rows()` tokens (every row on the quantized kernels with int16 activations, as decode
 batches below `native.panel_min_rows` are); greedy agreement is the share of a fixed set of chat prompts
 whose first 16 greedy tokens equal those of `--quantization none` (float32 of the dequantized weights),
-decoded in batches of `small_rows()` and all in one batch (where int4 layers take the float32 panels).
+decoded in batches of `small_rows()` and all in one batch (where int4 layers take the float32 panels); and of
+20 passages of the text, LONG_PROMPT tokens each, read alone as one chunk (on the long-chunk matmul: int8
+activations on avx512_vnni), how many continue with the same 16 greedy tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from engine.quant import KERNELS
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "perplexity.txt"
 WINDOW = 1024
 GREEDY_TOKENS = 16
+LONG_PROMPT = 300  # tokens of a passage: one chunk past KERNELS.kernel_max_chunk, so on the long-chunk matmul
+LONG_PROMPTS = 20
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
     "List three prime numbers.", "Who wrote Hamlet?", "What is 12 times 7?", "Give me a recipe for pancakes.",
@@ -47,6 +51,7 @@ class Quality:
     kernel_perplexity: float  # windows in chunks that run on the kernels with int16 activations
     greedy: list[list[int]]  # all prompts decoded in one batch
     greedy_small: list[list[int]]  # in batches of small_rows()
+    greedy_long: list[list[int]]  # the continuations of LONG_PROMPTS passages of the text, each alone
 
 
 def small_rows() -> int:
@@ -67,7 +72,8 @@ def score(loaded: LoadedModel, text: str = "") -> Quality:
     together = [s.output_ids for s in engine.generate(prompts, params)]
     n = small_rows()
     apart = [s.output_ids for i in range(0, len(prompts), n) for s in engine.generate(prompts[i:i + n], params)]
-    return Quality(loaded.quantization, *perplexities, together, apart)
+    long = [engine.generate([p], params)[0].output_ids for p in _passages(loaded, text)]
+    return Quality(loaded.quantization, *perplexities, together, apart, long)
 
 
 def perplexity(loaded: LoadedModel, text: str = "", chunk: int = WINDOW) -> float:
@@ -90,6 +96,16 @@ def _windows(loaded: LoadedModel, text: str) -> list[list[int]]:
     return [bos + ids[s:s + step] for s in range(0, len(ids) - 1, step) if len(ids[s:s + step]) >= 2]
 
 
+def _passages(loaded: LoadedModel, text: str) -> list[list[int]]:
+    """LONG_PROMPTS passages of LONG_PROMPT tokens, evenly spread over the text (BOS first where the model wants
+    one)."""
+    tok = loaded.tokenizer
+    ids = tok.encode(text or TEXT.read_text())
+    bos = [tok.bos_id] if tok.add_bos else []
+    step = max(1, (len(ids) - LONG_PROMPT) // LONG_PROMPTS)
+    return [bos + ids[s:s + LONG_PROMPT] for s in range(0, len(ids) - LONG_PROMPT, step)][:LONG_PROMPTS]
+
+
 def _perplexity(engine: LLMEngine, windows: list[list[int]], chunk: int) -> float:
     """Each window's tokens scored with a forward pass per `chunk` tokens (the window's earlier KV cached)."""
     nll, count = 0.0, 0
@@ -101,9 +117,11 @@ def _perplexity(engine: LLMEngine, windows: list[list[int]], chunk: int) -> floa
     return math.exp(nll / count)
 
 
-def agreement(a: Quality, b: Quality, small: bool = False) -> int:
-    """Prompts whose first greedy tokens are the same under both (decoded in one batch, or `small` ones)."""
-    pairs = zip(a.greedy_small, b.greedy_small) if small else zip(a.greedy, b.greedy)
+def agreement(a: Quality, b: Quality, small: bool = False, long: bool = False) -> int:
+    """Prompts whose first greedy tokens are the same under both (chat prompts decoded in one batch, or in
+    `small` ones; or the `long` passages)."""
+    pairs = zip(a.greedy_long, b.greedy_long) if long else \
+        zip(a.greedy_small, b.greedy_small) if small else zip(a.greedy, b.greedy)
     return sum(x == y for x, y in pairs)
 
 
@@ -125,12 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         f"then in chunks of {small_rows()} that run on the "
         f"quantized kernels with int16 activations, as small decode batches do) and how many of {len(PROMPTS)} "
         f"chat prompts give the same first {GREEDY_TOKENS} greedy tokens as `none` (float32 of the dequantized "
-        f"weights), decoded in batches of {small_rows()} / all {len(PROMPTS)} in one batch (float32 panels).",
+        f"weights), decoded in batches of {small_rows()} / all {len(PROMPTS)} in one batch (float32 panels); and of "
+        f"{len(ref.greedy_long)} passages of the text, {LONG_PROMPT} tokens each read alone as one prompt (on the "
+        f"long-chunk matmul), how many continue with the same {GREEDY_TOKENS} greedy tokens as under `none`.",
         "",
-        "| quantization | weights, kernel path | perplexity | vs none | perplexity, kernels | vs none | greedy 16 tokens equal |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| quantization | weights, kernel path | perplexity | vs none | perplexity, kernels | vs none "
+        "| greedy 16 tokens equal | after a passage |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
         f"| none | none | {ref.perplexity:.3f} | 1.000 | {ref.kernel_perplexity:.3f} | 1.000 | "
-        f"{len(PROMPTS)}/{len(PROMPTS)} |",
+        f"{len(PROMPTS)}/{len(PROMPTS)} | {len(ref.greedy_long)}/{len(ref.greedy_long)} |",
     ]
     paths = [k for k in args.kernels.split(",") if k] or [native.kernel_path()]
     for mode in args.quantization.split(","):
@@ -141,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             q = score(loaded)
             lines.append(f"| {mode} | {q.label}, {path} | {q.perplexity:.3f} | {q.perplexity / ref.perplexity:.4f} | "
                          f"{q.kernel_perplexity:.3f} | {q.kernel_perplexity / ref.kernel_perplexity:.4f} | "
-                         f"{agreement(q, ref, small=True)}/{len(PROMPTS)} / {agreement(q, ref)}/{len(PROMPTS)} |")
+                         f"{agreement(q, ref, small=True)}/{len(PROMPTS)} / {agreement(q, ref)}/{len(PROMPTS)} | "
+                         f"{agreement(q, ref, long=True)}/{len(q.greedy_long)} |")
     report = "\n".join(lines) + "\n"
     print(report)
     if args.write:

@@ -476,7 +476,7 @@ def test_engine_bench_sets_torch_operations_beside_the_native_ones(monkeypatch) 
     # the CPU's peaks this run, and each engine's roofline at them (the same matmul kernels in both columns)
     assert "This CPU's peaks" in report and "float32 FMA" in report and "GB/s" in report
     [peak] = [line for line in report.splitlines() if line.startswith("| roofline: prefill")]
-    precision = "bfloat16" if native.kernel_path() == "avx512_bf16" else "float32"
+    precision = {"avx512_vnni": "int8", "avx512_bf16": "bfloat16"}.get(native.kernel_path(), "float32")
     assert peak.count(f"({precision})") == 2
     [read] = [line for line in report.splitlines() if line.startswith("| roofline: decode batch 1")]
     assert all(float(c.replace(",", "")) > 0 for c in read.strip("|").split("|")[1:])
@@ -520,7 +520,7 @@ def test_kernel_ab_takes_turns_between_two_builds_of_ops_c(capsys):
     from engine.native import dispatch
     from engine.native.build import VARIANTS
 
-    if native.library() is None or native.kernel_path() != "avx512_bf16":
+    if native.library() is None or "avx512_bf16" not in native.kernel_paths():
         pytest.skip("the bfloat16 kernels do not run here")
     lib = dispatch.variant_file(next(v for v in VARIANTS if v.name == native.variant()))
     threads, real = torch.get_num_threads(), native.library
@@ -531,9 +531,12 @@ def test_kernel_ab_takes_turns_between_two_builds_of_ops_c(capsys):
         torch.set_num_threads(threads)
     assert native.library is real
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x |" in line]
+    vnni = "avx512_vnni" in native.kernel_paths()  # the same library twice: it has the int8 matmul or not
     assert [r.split(" |")[0] for r in rows] == ["| bfloat16 matmul, 13 rows (GFLOP/s)",
+                                                 *(["| int8 matmul, 13 rows (GFLOP/s)"] if vnni else []),
                                                  "| bfloat16 attention, 130 rows over 200 tokens (ms)",
-                                                 "| prefill, 130 tokens (prompt tok/s)"]
-    assert rows[0].endswith("| yes |") and rows[1].endswith("| yes |")
+                                                 f"| prefill on {'avx512_vnni' if vnni else 'avx512_bf16'}, 130 tokens "
+                                                 "(prompt tok/s)"]
+    assert all(r.endswith("| yes |") for r in rows[:-1])
     with pytest.raises(SystemExit):
         kernel_ab.main([])  # --old or --baseline is required

@@ -384,8 +384,8 @@ def test_a_short_chunks_token_computes_exactly_as_it_decodes(smollm):
 
 
 def test_the_kernel_path_is_the_best_here_and_tandem_kernels_chooses_another():
-    """Start-up picks the fastest path the CPU has (bfloat16 panels only where bfloat16 dot products outrun
-    float32 FMAs), never the invariant one; TANDEM_KERNELS forces one it has and refuses, naming what there
+    """Start-up picks the fastest path the CPU has (int8 activations and bfloat16 attention, or bfloat16 panels,
+    only where bfloat16 dot products outrun float32 FMAs; int8 first where the build has VNNI), never the invariant one; TANDEM_KERNELS forces one it has and refuses, naming what there
     is, one it lacks."""
     import subprocess
     import sys
@@ -396,11 +396,13 @@ def test_the_kernel_path_is_the_best_here_and_tandem_kernels_chooses_another():
     paths = kernel_paths()
     assert native.kernel_path() == paths[0] != native.INVARIANT and set(paths) <= set(native.KERNEL_PATHS)
     assert KERNEL_CHOICES == ("auto", *native.KERNEL_PATHS)  # --kernels names them without importing torch
+    assert ("avx512_vnni" in paths) == ("avx512_bf16" in paths and bool(native.library().tq_has_i8()))
     if "avx512_bf16" in paths:
         p = peaks.measure(1, iters=200_000)
         ratio = p.bf16_flops / p.fp32_flops  # 2x on AMD Zen 4, 0.5x on a Xeon: a clear side, on a quiet machine
+        fast = "avx512_vnni" if "avx512_vnni" in paths else "avx512_bf16"
         if ratio > 1.6 * native.BF16_MARGIN or ratio < 0.7:
-            assert paths[0] == ("avx512_bf16" if ratio > 1 else "avx2"), p.describe()
+            assert paths[0] == (fast if ratio > 1 else "avx2"), p.describe()
     probe = [sys.executable, "-c", "from engine import native; print(native.kernel_path())"]
     for path in paths:
         env = {**os.environ, "TANDEM_KERNELS": path}
@@ -428,6 +430,55 @@ def test_the_peaks_probe_measures_what_the_cpu_has():
 
 
 BF16 = pytest.mark.skipif("avx512_bf16" not in kernel_paths(), reason="this CPU or build has no AVX-512 BF16")
+VNNI = pytest.mark.skipif("avx512_vnni" not in kernel_paths(), reason="this CPU or build has no AVX-512 VNNI")
+
+
+def _int8_reference(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x @ W.T as ops.c's int8 path defines it, in float64: each group of 32 activations rounded to p = round(x /
+    s) (s = max |x| / 127, ties to even), sum over groups of s (d I + m P), I = p . q, P = sum p."""
+    m, k = x.shape
+    groups = x.view(m, k // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # not 127.0 / amax:
+    p = torch.round(groups * inv).double()  # that is reciprocal(amax) * 127, another rounding
+    s = (amax / 127.0).squeeze(-1).double()
+    n = codes.shape[0]
+    if kind == "q8_0":
+        q = codes.view(n, k // 32, 32).double()
+        d = scales.view(torch.float16).view(n, k // 32).double()
+        offset = torch.zeros_like(d)
+    else:  # int4: a byte's low nibble in group 2j, its high nibble in group 2j + 1
+        pairs = codes.view(n, k // 64, 32)
+        q = torch.stack([pairs & 15, pairs >> 4], 2).view(n, k // 32, 32).double()
+        d, offset = scales.view(torch.float16).view(n, 2, k // 32).double().unbind(1)
+    dots = torch.einsum("mgk,ngk->mng", p, q)
+    return (s[:, None] * (d[None] * dots + offset[None] * p.sum(-1)[:, None])).sum(-1)
+
+
+@VNNI
+@pytest.mark.parametrize("kind, n, k", [("int4", 96, 576), ("int4", 64, 1536), ("q8_0", 35, 96), ("q8_0", 50, 1536)])
+def test_int8_matmul_is_exact_integer_dot_products_of_the_rounded_rows(kind, n, k):
+    """native.i8_matmul (kernel path avx512_vnni's long chunks) computes what `_int8_reference` says: every group's
+    integer dot product exact, then scaled in float32; rows in every tail height of the 6-row tiles, a partial
+    panel (35 or 50 weight rows), a group of zeros and exact rounding ties. And it is not float32's product."""
+    from engine import quant
+
+    torch.manual_seed(n + k)
+    if kind == "int4":
+        w = quant.Int4Weight.quantize(torch.randn(n, k) * 0.05)
+        codes, scales = w.qs, w.dm
+    else:
+        w = quant.Q8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8),
+                           (torch.rand(n, k // 32) * 1e-3).half().view(torch.int16))
+        codes, scales = w.q, w.scales
+    for rows in (1, 5, 6, 7, 13, 40, 150):
+        x = torch.randn(rows, k)
+        x[0, :32] = 0  # a group of zeros: scale 0, no NaN
+        x[-1, 32:36] = torch.tensor([127.0, 2.5, 3.5, -2.5])  # ties: 2.5 -> 2, 3.5 -> 4, -2.5 -> -2
+        got, want = native.i8_matmul(kind, x, codes, scales), _int8_reference(kind, x, codes, scales)
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (kind, n, k, rows)
+        float32 = x @ w.dequantize().T
+        assert (got - float32).abs().max() > 1e-4 * float32.abs().max()
 
 
 @BF16
@@ -472,9 +523,9 @@ def test_bf16_attention_of_a_long_chunk_is_float32_sdpa_to_bfloat16_rounding(len
 
 @BF16
 def test_a_long_prompt_attends_in_bf16_only_where_its_matmuls_do(smollm, monkeypatch):
-    """A quantized model's long prompt chunk attends with the bfloat16 kernel on kernel path avx512_bf16 and with
-    float32 SDPA on avx2; float weights (`none`, the quality reference) keep float32 on every path. The first
-    token's logits agree across the two to bfloat16 rounding."""
+    """A quantized model's long prompt chunk attends with the bfloat16 kernel on kernel paths avx512_bf16 and
+    avx512_vnni and with float32 SDPA on avx2; float weights (`none`, the quality reference) keep float32 on every
+    path. The first token's logits agree across them to bfloat16 (and int8) rounding."""
     from engine.engine import EngineConfig, LLMEngine
     from engine.loader import load_model
     from engine.model_files import DEFAULT_MODEL
@@ -488,12 +539,14 @@ def test_a_long_prompt_attends_in_bf16_only_where_its_matmuls_do(smollm, monkeyp
     try:
         for loaded in (smollm, load_model(DEFAULT_MODEL, "float32", "none")):
             engine = LLMEngine(loaded, EngineConfig(num_blocks=64, max_step_tokens=512, enable_prefix_cache=False))
-            for path in ("avx512_bf16", "avx2"):
+            for path in [p for p in native.BF16_ATTENTION_PATHS if p in kernel_paths()] + ["avx2"]:
                 native.use_kernel_path(path)
                 calls.clear()
                 logits[loaded.quantization, path] = engine.prompt_logits(prompt, [])[-1]
-                assert calls == ([300] * 30 if (path, loaded.quantization) == ("avx512_bf16", "auto:int4+q8_0") else [])
+                rounded = path in native.BF16_ATTENTION_PATHS and loaded.quantization == "auto:int4+q8_0"
+                assert calls == ([300] * 30 if rounded else [])
     finally:
         native.use_kernel_path(here)
-    a, b = logits["auto:int4+q8_0", "avx512_bf16"], logits["auto:int4+q8_0", "avx2"]
-    assert (a - b).abs().max() < 0.05 * b.abs().max()
+    b = logits["auto:int4+q8_0", "avx2"]
+    for path in [p for p in native.BF16_ATTENTION_PATHS if p in kernel_paths()]:
+        assert (logits["auto:int4+q8_0", path] - b).abs().max() < 0.05 * b.abs().max(), path

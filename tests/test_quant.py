@@ -24,7 +24,7 @@ from engine.quant import (
     fp16_supported,
     weight_from_tensors,
 )
-from tests.harness.native import NEEDS_NATIVE, PANEL_TOLERANCE
+from tests.harness.native import NEEDS_NATIVE, PANEL_TOLERANCE, ROUNDED_TILE_ROWS
 
 ROWS, COLS = 96, 256
 BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}
@@ -151,7 +151,7 @@ def test_embedding_rows_are_the_dequantized_rows(cls):
 def test_dequantize_path_splits_large_outputs_into_chunks(monkeypatch):
     from engine import native, quant
 
-    if native.kernel_path() == "avx512_bf16":  # long rows go to bfloat16 panels there, not to dequantize + MKL
+    if native.kernel_path() in ROUNDED_TILE_ROWS:  # long rows go to panels of the compact weights there
         monkeypatch.setattr(native.dispatch, "_chosen", ["avx2"])
     monkeypatch.setattr(quant, "_DEQUANT_ROWS", 64)  # 96 output rows: two chunks
     w = Int4Weight.quantize(torch.randn(96, 128) * 0.05, Workspace(torch.device("cpu")))
@@ -213,9 +213,9 @@ def test_int4_kernel_is_the_codes_times_16_bit_activations():
 @pytest.mark.parametrize("cls", [Int4Weight, Q8Weight])
 def test_long_chunk_rows_on_each_kernel_path(cls, kernel_path):
     """A long prompt chunk's rows (`dequant_rows`) are x @ W.T on every kernel path: float32 GEMM of the
-    dequantized weights, or (avx512_bf16) bfloat16 panels of the compact ones to their rounding, and there a
-    row computes the same bits in a chunk of any length (12-row tiles, tails of every height from 1 to 11 rows, a
-    partial panel)."""
+    dequantized weights, or (avx512_bf16, avx512_vnni) panels of the compact ones to their rounding (bfloat16, int8
+    activations), and there a row computes the same bits in a chunk of any length (12- or 6-row tiles, tails of
+    every height below, a partial panel)."""
     w = cls.quantize(torch.randn(96, 576) * 0.05) if cls is Int4Weight else q8_weight(50, 576)  # Q8: a partial panel
     x = torch.randn(150, 576)
     got, want = w(x, dequant_rows=150), x @ w.dequantize().T
@@ -225,9 +225,10 @@ def test_long_chunk_rows_on_each_kernel_path(cls, kernel_path):
         assert (rest - alone).abs().max() <= 2e-2 * alone.abs().max()
     else:
         assert torch.allclose(rest, alone)
-    if kernel_path == "avx512_bf16":
-        assert (got - want).abs().max() > 1e-6 * want.abs().max()  # it did run in bfloat16
-        for start, stop in [(0, 1), (7, 20), (137, 150)] + [(r, 12 + 2 * r) for r in range(1, 12)]:
+    if kernel_path in ROUNDED_TILE_ROWS:
+        assert (got - want).abs().max() > 1e-6 * want.abs().max()  # it did run rounded
+        tile = ROUNDED_TILE_ROWS[kernel_path]
+        for start, stop in [(0, 1), (7, 20), (137, 150)] + [(r, tile + 2 * r) for r in range(1, tile)]:
             assert torch.equal(w(x[start:stop], dequant_rows=stop - start), got[start:stop]), (start, stop)
 
 
@@ -236,11 +237,11 @@ def test_any_number_of_threads_computes_the_same_bits(cls, kernel_path):
     """Each thread starts on its own range of a matmul's tiles or panels and, once done, takes chunks from the back
     of the others' (ops.c `share_next`). With more threads than cores some are preempted and their chunks taken
     by others: every output must still be computed once, the same way, so 1 to 4 threads give the same bits, again
-    and again (batch 1's 1 x 2 tiles, R x 1 tiles, float32 panels, and a long chunk's bfloat16 panels)."""
+    and again (batch 1's 1 x 2 tiles, R x 1 tiles, float32 panels, and a long chunk's bfloat16 or int8 panels)."""
     if kernel_path == "torch":
         pytest.skip("torch's kernels: their threads are torch's business")
     w = cls.quantize(torch.randn(224, 576) * 0.05) if cls is Int4Weight else q8_weight(200, 576)
-    shapes = [(1, 0), (5, 0), (40, 0)] + ([(40, 40)] if kernel_path == "avx512_bf16" else [])
+    shapes = [(1, 0), (5, 0), (40, 0)] + ([(40, 40)] if kernel_path in ROUNDED_TILE_ROWS else [])
     before = torch.get_num_threads()
     try:
         for rows, dequant_rows in shapes:

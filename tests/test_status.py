@@ -83,7 +83,7 @@ def test_status_json_lists_the_worker(cluster: tuple[str, int]) -> None:
     assert w["metrics_url"].endswith(f":{metrics_port}/metrics")
     assert w["stats_error"] is None and w["incarnation"] and w["restarts"] == 0
     assert (w["cpus"], w["threads"], w["device"]) == (str(PIN), 1, "cpu")
-    assert w["kernels"] in ("avx512_bf16", "avx2", "portable", "torch")  # engine.native.kernel_path()
+    assert w["kernels"] in ("avx512_vnni", "avx512_bf16", "avx2", "portable", "torch")  # engine.native.kernel_path()
     s = Subjects(MODEL)
     pools = {p["pool"]: p for p in data["pools"]}
     assert pools["generate"]["stream"] == s.generate_stream and pools["generate"]["consumer"] == s.generate_consumer
@@ -99,7 +99,7 @@ def test_status_table_and_filters(cluster: tuple[str, int]) -> None:
     assert "1 worker" in res.stdout
     row = next(line for line in res.stdout.splitlines() if f" {WORKER} " in line)
     assert "prefill_and_decode" in row and MODEL in row and f"/{BLOCKS} (" in row and str(metrics_port) in row
-    assert re.search(rf" cores {PIN} ×1 (avx512_bf16|avx2|portable|torch) ", row)
+    assert re.search(rf" cores {PIN} ×1 (avx512_vnni|avx512_bf16|avx2|portable|torch) ", row)
     other = json.loads(run_cli("status", "--json", "--nats-url", url, "--namespace", "elsewhere").stdout)
     assert other["workers"] == []
     none = json.loads(run_cli("status", "--json", "--nats-url", url, "--model", "another-model").stdout)

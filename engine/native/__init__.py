@@ -21,6 +21,7 @@ import ctypes
 import torch
 
 from engine.native.dispatch import (
+    BF16_ATTENTION_PATHS,
     BF16_MARGIN,
     INVARIANT,
     KERNEL_PATHS,
@@ -35,8 +36,8 @@ from engine.native.dispatch import (
     variant_file,
 )
 
-__all__ = ["BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "POOL_DTYPES", "Layer", "LayerStep", "Linear",
-           "argmax", "available", "bf16_attention", "bf16_matmul", "int4_dequantize", "kernel_path", "kernel_paths",
+__all__ = ["BF16_ATTENTION_PATHS", "BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "POOL_DTYPES", "Layer", "LayerStep", "Linear",
+           "argmax", "available", "bf16_attention", "bf16_matmul", "i8_matmul", "int4_dequantize", "kernel_path", "kernel_paths",
            "layer", "library", "linear", "paged_attention", "panel_min_rows", "q4_matmul", "q8_matmul",
            "rms_norm", "rope_store", "row_invariant", "silu_mul", "use_kernel_path", "variant", "variant_file"]
 
@@ -200,15 +201,30 @@ def _quantized_matmul(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, sc
 def bf16_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] on bfloat16 panels, for the weights of `q4_matmul` / `q8_matmul`
     (`kind` "int4" or "q8_0"): operands rounded to bfloat16, sums in float32 (kernel path avx512_bf16)."""
+    return _panel_matmul("tq_bf16_matmul", "bfloat16", "AVX-512 BF16", kind, x, w, scales)
+
+
+def i8_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [m, k] @ W.T as float32 [m, n] for the weights of `q4_matmul` / `q8_matmul` (`kind` "int4" or "q8_0"),
+    x rounded to int8 per group of 32 (scale max |x| / 127) and each group's dot product with the weights' codes
+    summed exactly in int32 by AVX-512 VNNI; the groups' sums scaled and added in float32 (kernel path
+    avx512_vnni)."""
+    return _panel_matmul("tq_i8_matmul", "int8", "AVX-512 VNNI", kind, x, w, scales)
+
+
+def _panel_matmul(symbol: str, precision: str, isa: str, kind: str, x: torch.Tensor, w: torch.Tensor,
+                  scales: torch.Tensor) -> torch.Tensor:
+    """A long chunk's matmul on panels of the compact weights (ops.c `symbol`: 0, -1 without memory, -2 where the
+    build lacks `isa`)."""
     x = x.float().contiguous()
     m, k = x.shape
     w_ptr, s_ptr, n, _ = _weight_ptrs(kind, w, scales, k)
     out = torch.empty(m, n, dtype=torch.float32)
-    rc = library().tq_bf16_matmul(KINDS[kind], w_ptr, s_ptr, n, k, _ptr(x, torch.float32, "activations"), m,
-                                  out.data_ptr(), _threads())
+    rc = getattr(library(), symbol)(KINDS[kind], w_ptr, s_ptr, n, k, _ptr(x, torch.float32, "activations"), m,
+                                    out.data_ptr(), _threads())
     if rc:
-        raise MemoryError(f"{kind} bfloat16 matmul of {m}x{k} by {n}x{k}: out of memory") if rc == -1 else \
-            RuntimeError("this build has no AVX-512 BF16")
+        raise MemoryError(f"{kind} {precision} matmul of {m}x{k} by {n}x{k}: out of memory") if rc == -1 else \
+            RuntimeError(f"this build has no {isa}")
     return out
 
 

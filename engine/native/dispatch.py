@@ -37,6 +37,8 @@ SIGNATURES = {
     "tq_set_row_invariant": [_C],
     "tq_has_bf16": [],
     "tq_bf16_matmul": [_C, _P, _P, _I, _I, _P, _I, _P, _C],
+    "tq_has_i8": [],
+    "tq_i8_matmul": [_C, _P, _P, _I, _I, _P, _I, _P, _C],
     "tq_bf16_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _C, _C, _C, _C, _F, _I, _P, _I, _C, _C],
     "tq_probe_fma": [_I, _C],
     "tq_probe_bf16": [_I, _C],
@@ -46,6 +48,7 @@ SIGNATURES = {
 RETURNS = {"tq_source_hash": ctypes.c_char_p, "tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int,
            "tq_decoder_layer": ctypes.c_int, "tq_panel_min_rows": ctypes.c_int64,
            "tq_has_bf16": ctypes.c_int, "tq_bf16_matmul": ctypes.c_int, "tq_bf16_attention": ctypes.c_int,
+           "tq_has_i8": ctypes.c_int, "tq_i8_matmul": ctypes.c_int,
            "tq_probe_fma": ctypes.c_double, "tq_probe_bf16": ctypes.c_double, "tq_probe_vnni": ctypes.c_double,
            "tq_probe_read": ctypes.c_float}
 _OFF = ("0", "off", "false", "no")
@@ -137,7 +140,7 @@ def available() -> bool:
 
 
 INVARIANT = "invariant"
-KERNEL_PATHS = ("avx512_bf16", "avx2", "portable", INVARIANT)  # every path a build can have; see kernel_path
+KERNEL_PATHS = ("avx512_vnni", "avx512_bf16", "avx2", "portable", INVARIANT)  # every path a build can have; see kernel_path
 _chosen = ["torch"]
 _variant = ["none"]
 
@@ -145,7 +148,8 @@ _variant = ["none"]
 def _paths(lib: ctypes.CDLL) -> list[str]:
     simd = ["avx2"] if lib.tq_panel_min_rows(KINDS["int4"]) < 2**62 else ["portable"]
     if lib.tq_has_bf16():
-        simd = ["avx512_bf16", *simd] if _bf16_pays(lib) else [*simd, "avx512_bf16"]
+        bf16 = ["avx512_vnni", "avx512_bf16"] if lib.tq_has_i8() else ["avx512_bf16"]
+        simd = [*bf16, *simd] if _bf16_pays(lib) else [*simd, *bf16]
     return [*simd, INVARIANT]
 
 
@@ -180,13 +184,17 @@ def kernel_paths() -> list[str]:
 
 
 def kernel_path() -> str:
-    """How this process multiplies int4/Q8_0 weights: ``avx512_bf16`` (long prompt chunks on bfloat16 panels,
-    everything else as ``avx2``), ``avx2`` (int16 activations and float32 panels; long chunks dequantized
+    """How this process multiplies int4/Q8_0 weights: ``avx512_vnni`` (long prompt chunks with int8 activations
+    on AVX-512 VNNI, their attention in bfloat16, everything else as ``avx2``), ``avx512_bf16`` (long prompt chunks
+    and their attention on bfloat16 panels, everything else as ``avx2``), ``avx2`` (int16 activations and float32 panels; long chunks dequantized
     for a float32 GEMM), ``portable`` (the C without SIMD), ``invariant`` (every row on the int16 kernels and
     the C attention, whatever its step holds: a row's bits never depend on its batch; chosen only when asked
     for) or ``torch`` (no native library). The fastest the CPU has (`kernel_paths`) is chosen at start-up, or the one
     ``TANDEM_KERNELS`` (``--kernels``) names."""
     return _chosen[0] if library() is not None else "torch"
+
+
+BF16_ATTENTION_PATHS = ("avx512_vnni", "avx512_bf16")  # kernel paths whose long prompt chunks attend in bfloat16
 
 
 def row_invariant() -> bool:

@@ -1130,6 +1130,218 @@ int tq_bf16_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, i
 #endif
 }
 
+/* ---------------------------------------------------------------- long prompt chunks: int8 activations (VNNI)
+ * vpdpbusd does four times the multiply-adds of a float32 FMA (twice vdpbf16ps's) in the same time. Each
+ * activation row is rounded to int8 per group of 32 (p = round(a / s), s = max |a| / 127, ties to even: llama.cpp's
+ * Q8_0 with a float32 scale) and each group's dot product with the weights' codes is exact in int32; then
+ * out += s d I + s P m in float32, per group in k order (P = sum p). vpdpbusd multiplies unsigned bytes (here the
+ * weights' codes u: int4's 0..15 as they are, w = d u + m; Q8_0's q + 128, w = d u - 128 d) by signed ones (the
+ * activations, broadcast from memory inside the instruction: no separate broadcast, no start value). Panels of
+ * I8_PANEL weight rows hold, per group, the codes as [8 steps][I8_PANEL columns][4 k], d and m (I8_GROUP_BYTES),
+ * gathered once per call and met by every row; tiles of I8_R rows x I8_PANEL columns keep the sums in registers.
+ * A row's result does not depend on the other rows. Only long prompt chunks take it (engine/quant.py). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define I8_PANEL 32
+#define I8_R 6
+#define I8_GROUP_BYTES (8 * I8_PANEL * 4 + 2 * I8_PANEL * 4) /* codes, d, m */
+
+/* Weight rows [j, j + I8_PANEL) (zeros past n) as an int8 panel, group by group (see above). */
+static inline __attribute__((always_inline)) void pack_i8_panel(const int kind, const void *w, const uint16_t *scales,
+                                                                int64_t n, int64_t k, int64_t j, uint8_t *wp) {
+    int64_t groups = k / Q8_GROUP, row_bytes = kind == KIND_Q4 ? k / 2 : k;
+    int64_t scale_stride = kind == KIND_Q4 ? 2 * groups : groups;
+    const uint8_t *base = (const uint8_t *)w + j * row_bytes;
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)row_bytes));
+    const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    for (int h = 0; h < 2; h++) {
+        int64_t first = j + 16 * h, live_rows = n - first < 0 ? 0 : n - first > 16 ? 16 : n - first;
+        __mmask16 live = (__mmask16)((1u << live_rows) - 1u);
+        const __m512i at = _mm512_add_epi32(rows, _mm512_set1_epi32((int)(16 * h * row_bytes)));
+        for (int64_t g = 0; g < groups; g += kind == KIND_Q4 ? 2 : 1) {
+            int parts = kind == KIND_Q4 ? 2 : 1;
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *run = base + (kind == KIND_Q4 ? g * Q8_GROUP / 2 : g * Q8_GROUP) + 4 * s;
+                __m512i dw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, run, 1);
+                __m512i codes[2] = {_mm512_xor_si512(dw, flip), dw};
+                if (kind == KIND_Q4) {
+                    codes[0] = _mm512_and_si512(dw, low);
+                    codes[1] = _mm512_and_si512(_mm512_srli_epi16(dw, 4), low);
+                }
+                for (int p = 0; p < parts; p++)
+                    _mm512_storeu_si512(wp + (g + p) * I8_GROUP_BYTES + s * I8_PANEL * 4 + 64 * h, codes[p]);
+            }
+            for (int p = 0; p < parts; p++) {
+                float *d = (float *)(wp + (g + p) * I8_GROUP_BYTES + 8 * I8_PANEL * 4) + 16 * h, *m = d + I8_PANEL;
+                for (int c = 0; c < 16; c++) {
+                    const uint16_t *sc = scales + (first + c) * scale_stride;
+                    d[c] = c < live_rows ? half_to_float(sc[g + p]) : 0.f;
+                    m[c] = c >= live_rows ? 0.f : kind == KIND_Q4 ? half_to_float(sc[groups + g + p]) : -128.f * d[c];
+                }
+            }
+        }
+    }
+}
+
+/* Activation rows [m, k] as int8 groups: xq = p, xs = s, xsp = s sum p per group (see above). */
+static void rows_to_i8(const float *x, int64_t m, int64_t k, int8_t *xq, float *xs, float *xsp, int threads) {
+    int64_t groups = k / Q8_GROUP;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (m * k > 65536)
+    for (int64_t rg = 0; rg < m * groups; rg++) {
+        __m512 v0 = _mm512_loadu_ps(x + rg * Q8_GROUP), v1 = _mm512_loadu_ps(x + rg * Q8_GROUP + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m512i p0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), p1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        _mm_storeu_si128((__m128i *)(xq + rg * Q8_GROUP), _mm512_cvtepi32_epi8(p0));
+        _mm_storeu_si128((__m128i *)(xq + rg * Q8_GROUP + 16), _mm512_cvtepi32_epi8(p1));
+        float s = amax / 127.f;
+        xs[rg] = s;
+        xsp[rg] = s * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(p0, p1));
+    }
+}
+
+/* out[r * os + c] = sum over groups of s d I + s P m for R <= I8_R rows and I8_PANEL columns. A row's sums are the
+ * same operations whatever R is. */
+static inline __attribute__((always_inline)) void i8_tile(const int R, const int8_t *xq, const float *xs,
+                                                          const float *xsp, int64_t k, const uint8_t *wp, float *out,
+                                                          int64_t os) {
+    int64_t groups = k / Q8_GROUP;
+    __m512 lo[I8_R], hi[I8_R];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *grp = wp + g * I8_GROUP_BYTES;
+        __m512i ilo[I8_R], ihi[I8_R];
+        for (int r = 0; r < R; r++) ilo[r] = ihi[r] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            __m512i w0 = _mm512_loadu_si512(grp + s * I8_PANEL * 4), w1 = _mm512_loadu_si512(grp + s * I8_PANEL * 4 + 64);
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * k + g * Q8_GROUP + 4 * s, 4);
+                ilo[r] = _mm512_dpbusd_epi32(ilo[r], w0, _mm512_set1_epi32(four));
+                ihi[r] = _mm512_dpbusd_epi32(ihi[r], w1, _mm512_set1_epi32(four));
+            }
+        }
+        const float *d = (const float *)(grp + 8 * I8_PANEL * 4);
+        __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
+        __m512 m0 = _mm512_loadu_ps(d + I8_PANEL), m1 = _mm512_loadu_ps(d + I8_PANEL + 16);
+        for (int r = 0; r < R; r++) {
+            __m512 s = _mm512_set1_ps(xs[r * groups + g]), sp = _mm512_set1_ps(xsp[r * groups + g]);
+            lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ilo[r]), _mm512_mul_ps(d0, s), _mm512_fmadd_ps(m0, sp, lo[r]));
+            hi[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ihi[r]), _mm512_mul_ps(d1, s), _mm512_fmadd_ps(m1, sp, hi[r]));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(out + r * os, lo[r]);
+        _mm512_storeu_ps(out + r * os + 16, hi[r]);
+    }
+}
+
+static void i8_tile_rows(int rows, const int8_t *xq, const float *xs, const float *xsp, int64_t k,
+                         const uint8_t *wp, float *out, int64_t os) {
+    switch (rows) {
+#define I8_TILE(R) case R: i8_tile(R, xq, xs, xsp, k, wp, out, os); return;
+    I8_TILE(1) I8_TILE(2) I8_TILE(3) I8_TILE(4) I8_TILE(5)
+#undef I8_TILE
+    default: i8_tile(I8_R, xq, xs, xsp, k, wp, out, os);
+    }
+}
+
+static inline __attribute__((always_inline)) void share_i8_panels(const int kind, const void *w,
+                                                                  const uint16_t *scales, int64_t n, int64_t k,
+                                                                  const int8_t *xq, const float *xs,
+                                                                  const float *xsp, int64_t m, float *out,
+                                                                  uint8_t *wp, float *spill, Share *shares,
+                                                                  int threads) {
+    int64_t chunk = share_chunk((n + I8_PANEL - 1) / I8_PANEL, threads), groups = k / Q8_GROUP;
+    int tid = thread_num();
+    for (int64_t b, e; share_next(shares, threads, tid, chunk, &b, &e);)
+    for (int64_t j = b * I8_PANEL; j < e * I8_PANEL && j < n; j += I8_PANEL) {
+        int cols = n - j < I8_PANEL ? (int)(n - j) : I8_PANEL;
+        pack_i8_panel(kind, w, scales, n, k, j, wp);
+        for (int64_t r = 0; r < m; r += I8_R) {
+            int rows = m - r < I8_R ? (int)(m - r) : I8_R, whole = cols == I8_PANEL;
+            float *o = whole ? out + r * n + j : spill;
+            int64_t os = whole ? n : I8_PANEL;
+            if (rows == I8_R)
+                i8_tile(I8_R, xq + r * k, xs + r * groups, xsp + r * groups, k, wp, o, os);
+            else
+                i8_tile_rows(rows, xq + r * k, xs + r * groups, xsp + r * groups, k, wp, o, os);
+            if (!whole)
+                for (int64_t t = r; t < r + rows; t++)
+                    memcpy(out + t * n + j, spill + (t - r) * I8_PANEL, (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+static void share_i8_panels_q4(const void *w, const uint16_t *sc, int64_t n, int64_t k, const int8_t *xq,
+                               const float *xs, const float *xsp, int64_t m, float *out, uint8_t *wp, float *spill,
+                               Share *shares, int threads) {
+    share_i8_panels(KIND_Q4, w, sc, n, k, xq, xs, xsp, m, out, wp, spill, shares, threads);
+}
+static void share_i8_panels_q8(const void *w, const uint16_t *sc, int64_t n, int64_t k, const int8_t *xq,
+                               const float *xs, const float *xsp, int64_t m, float *out, uint8_t *wp, float *spill,
+                               Share *shares, int threads) {
+    share_i8_panels(KIND_Q8, w, sc, n, k, xq, xs, xsp, m, out, wp, spill, shares, threads);
+}
+
+static int i8_panel_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x,
+                           int64_t m, float *out, int threads) {
+    int64_t groups = k / Q8_GROUP;
+    /* per thread: an int8 panel, a spill tile (both multiples of 64 bytes) */
+    int64_t per_thread = groups * I8_GROUP_BYTES + I8_R * I8_PANEL * 4;
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
+    float *xs = (float *)malloc((size_t)(2 * m * groups) * sizeof(float));
+    char *scratch = (char *)aligned_alloc(64, (size_t)(threads * per_thread));
+    Share *shares = shares_new(1, threads, (n + I8_PANEL - 1) / I8_PANEL);
+    if (!xq || !xs || !scratch || !shares) {
+        free(xq);
+        free(xs);
+        free(scratch);
+        free(shares);
+        return -1;
+    }
+    float *xsp = xs + m * groups;
+    rows_to_i8(x, m, k, xq, xs, xsp, threads);
+    #pragma omp parallel num_threads(threads)
+    {
+        int tid = thread_num();
+        char *mine = scratch + tid * per_thread;
+        uint8_t *wp = (uint8_t *)mine;
+        float *spill = (float *)(mine + groups * I8_GROUP_BYTES);
+        if (kind == KIND_Q4)
+            share_i8_panels_q4(w, scales, n, k, xq, xs, xsp, m, out, wp, spill, shares, threads);
+        else
+            share_i8_panels_q8(w, scales, n, k, xq, xs, xsp, m, out, wp, spill, shares, threads);
+    }
+    free(shares);
+    free(scratch);
+    free(xs);
+    free(xq);
+    return 0;
+}
+#endif
+
+/* 1 where i8_matmul is compiled (AVX-512 VNNI), else 0. */
+int tq_has_i8(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [m, n] = x [m, k] @ W.T with x rounded to int8 per group of 32 (kind KIND_Q4 or KIND_Q8): -1 without memory,
+ * -2 where the build has no AVX-512 VNNI. For long prompt chunks. */
+int tq_i8_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, const float *x, int64_t m,
+                 float *out, int threads) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return i8_panel_matmul(kind, w, scales, n, k, x, m, out, threads);
+#else
+    (void)kind, (void)w, (void)scales, (void)n, (void)k, (void)x, (void)m, (void)out, (void)threads;
+    return -2;
+#endif
+}
+
 /* ---------------------------------------------------------------- long prompt chunks: attention in bfloat16
  * A prompt chunk over KERNELS.kernel_max_chunk tokens is GEMM-shaped attention: torch's float32 SDPA ran it at
  * about half this CPU's float32 peak, half of a 2,048-token prefill. Here, flash-attention style: q (times
