@@ -376,29 +376,21 @@ def _split_call(weight: Int4Weight | Int8Weight | Q8Weight, x: torch.Tensor, deq
     """Rows [0, dequant_rows) through dequantize + MKL, the rest through the weight-only kernel."""
     if dequant_rows <= 0:
         return weight.kernel(x)
-    long_rows = _dequant_matmul
-    if not isinstance(weight, Int8Weight):
-        long_rows = _LONG_ROWS.get(native.kernel_path(), _dequant_matmul)
+    panels = None if isinstance(weight, Int8Weight) else _PANEL_MATMULS.get(native.kernel_path())
+    long_rows = _dequant_matmul if panels is None else _panel_matmul
     if dequant_rows >= x.shape[0]:
         return long_rows(weight, x)
     return torch.cat([long_rows(weight, x[:dequant_rows]), weight.kernel(x[dequant_rows:]).to(x.dtype)])
 
 
-def _bf16_matmul(weight: Int4Weight | Q8Weight, x: torch.Tensor) -> torch.Tensor:
-    """x @ W.T on bfloat16 panels of the compact weights (no float32 copy of them)."""
-    if isinstance(weight, Int4Weight):
-        return native.bf16_matmul("int4", x, weight.qs, weight.dm).to(x.dtype)
-    return native.bf16_matmul("q8_0", x, weight.q, weight.scales).to(x.dtype)
+#: kernel path -> its long chunks' matmul on panels of the compact weights: int8 activations (AVX-512 VNNI) or
+#: bfloat16 operands (no float32 copy of the weights on either)
+_PANEL_MATMULS = {"avx512_vnni": "i8_matmul", "avx512_bf16": "bf16_matmul"}
 
 
-def _i8_matmul(weight: Int4Weight | Q8Weight, x: torch.Tensor) -> torch.Tensor:
-    """x @ W.T with x rounded to int8 per group of 32, each group's products summed exactly (AVX-512 VNNI)."""
-    if isinstance(weight, Int4Weight):
-        return native.i8_matmul("int4", x, weight.qs, weight.dm).to(x.dtype)
-    return native.i8_matmul("q8_0", x, weight.q, weight.scales).to(x.dtype)
-
-
-_LONG_ROWS = {"avx512_vnni": _i8_matmul, "avx512_bf16": _bf16_matmul}  # kernel path -> long chunks' matmul
+def _panel_matmul(weight: Int4Weight | Q8Weight, x: torch.Tensor) -> torch.Tensor:
+    codes = ("int4", weight.qs, weight.dm) if isinstance(weight, Int4Weight) else ("q8_0", weight.q, weight.scales)
+    return getattr(native, _PANEL_MATMULS[native.kernel_path()])(codes[0], x, *codes[1:]).to(x.dtype)
 
 
 def _dequant_matmul(weight: Int4Weight | Int8Weight | Q8Weight, x: torch.Tensor) -> torch.Tensor:
