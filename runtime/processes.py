@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import shlex
@@ -50,6 +51,19 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
     """The kernel SIGTERMs this child when the thread that started it dies."""
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _interruptible() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """SIGINT at its default in the child, as from a terminal: a shell starts a background job (``cmd &``) with
+    SIGINT ignored, which every child would inherit, and then a Ctrl-C sent to it (`ChildProcess.signal`) would do
+    nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _child_setup(die_with_parent: bool) -> None:  # pragma: no cover - runs in the child between fork and exec
+    _interruptible()
+    if die_with_parent:
+        _die_with_parent()
 
 
 class ChildError(RuntimeError):
@@ -126,12 +140,12 @@ class ChildProcess:
         if self.err_tail is not None:
             self.err_tail.clear()
         self._ready.clear()
-        preexec = _die_with_parent if (self.die_with_parent and _LIBC is not None) else None
         try:
             self.proc = subprocess.Popen(
                 self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE if self.err_tail is not None else subprocess.STDOUT,
-                env=self.env, cwd=self.cwd, start_new_session=True, preexec_fn=preexec,
+                env=self.env, cwd=self.cwd, start_new_session=True,
+                preexec_fn=functools.partial(_child_setup, self.die_with_parent),
             )
         except OSError as e:
             raise ChildError(f"cannot start {self.name} ({shlex.join(self.cmd)}): {e}") from e

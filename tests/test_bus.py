@@ -186,6 +186,8 @@ def test_main_runs_until_interrupt(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        # as from a terminal: pytest run in the background (`cmd &`) has SIGINT ignored, and so would the child
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stdout is not None
