@@ -16,9 +16,10 @@ import time
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
+from engine.linear_paths import dense_matmul
 from engine.loader import load_model
 from engine.model_files import DEFAULT_MODEL
-from engine.quant import DenseWeight, dense_matmul
+from engine.quant import DenseWeight
 
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256, 512)
 

@@ -24,10 +24,10 @@ import torch
 
 from engine import native
 from engine.engine import EngineConfig, LLMEngine
+from engine.linear_paths import KERNELS
 from engine.loader import LoadedModel, load_model
 from engine.model_files import DEFAULT_MODEL, model_name
 from engine.params import SamplingParams
-from engine.quant import KERNELS
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "perplexity.txt"
 WINDOW = 1024

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from engine import native
 from engine.forward_batch import ForwardBatch, PrefillSpan
-from engine.quant import KERNELS
+from engine.linear_paths import KERNELS
 
 
 def span_attention(q, k, v, kc, vc, span: PrefillSpan, out: torch.Tensor, scale: float, window: int = 0) -> None:

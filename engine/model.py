@@ -27,7 +27,8 @@ from engine import native
 from engine.attention import DecodeAttention, PagedAttention, span_attention
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.quant import KERNELS, DenseWeight, Int4Weight, Q8Weight, Weight, Workspace, weight_from_tensors
+from engine.linear_paths import KERNELS, Workspace
+from engine.quant import DenseWeight, Int4Weight, Q8Weight, Weight, weight_from_tensors
 from engine.rope import apply_rope, rope_frequencies
 from kv.pool import KVPool
 

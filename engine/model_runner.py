@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch, PrefillSpan
+from engine.linear_paths import KERNELS
 from engine.model import DecoderModel
-from engine.quant import KERNELS
 from engine.sampling import Sampler, TokenLogprob, draw_seed
 from engine.sequence import Sequence
 from kv.pool import KVPool

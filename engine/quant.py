@@ -14,85 +14,19 @@ rounded to int16 per group of 32 (a relative error of ~1e-5: the first 16 greedy
 equal float32's) and each group's dot product is integer; from there on the weights are dequantized into
 float32 panels and multiplied with FMAs (compute-bound, where integer products are no faster on AVX2). int8
 activations (llama.cpp's Q8_1) were 1.07-1.26x faster at batch 1 but changed 12 of those 20 greedy outputs,
-bfloat16 (torch's int4 kernel, the fallback without a C compiler) 3 of them.
-
-Two paths, chosen per chunk so that a token's result does not depend on what else is in its step beyond
-its row count:
-
-- the kernels read the compact weights directly; a row's result does not depend on the other rows
-  (on either side of `panel_min_rows`). Decode rows and short prefill chunks use them.
-- for the rows of prefill chunks longer than ``KERNELS.kernel_max_chunk``: on kernel path ``avx512_vnni``
-  (`native.kernel_path`) int8 activations times the weights' own codes (`native.i8_matmul`, 1.3x the bfloat16
-  panels; perplexity x1.0021), on ``avx512_bf16`` bfloat16 panels of the compact weights (2-3x a float32 GEMM;
-  perplexity x1.0000); elsewhere dequantize + MKL, where a float32 GEMM is faster than the kernel: the weights are expanded into a
-  shared float32 workspace (in chunks of output rows) and multiplied in float32.
+bfloat16 (torch's int4 kernel, the fallback without a C compiler) 3 of them. Which rows take the kernels
+and which the long-chunk matmul of the kernel path: `engine.linear_paths`.
 """
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
-
 import torch
 
 from engine import native
+from engine.linear_paths import Workspace, dense_matmul, split_call
 
 GROUP = 32  # weights per int4 scale/offset group (GGUF's block size)
 KERNEL_DTYPE = torch.bfloat16  # activation dtype of torch's int4/int8 CPU kernels (fp16/fp32 run unvectorized)
-_DEQUANT_ROWS = 4096  # output rows expanded at once on the dequantize path (bounds the workspace)
-
-
-@dataclass
-class KernelChoice:
-    """Where the dequantize + MKL path takes over from the weight-only kernels (see bench/kernels.py: their
-    float32 panels lead MKL up to ~256-512 rows; a chunk on them also takes the C attention, one query row
-    at a time, which is what falls behind SDPA past ~128 tokens)."""
-
-    kernel_max_chunk: int = 128  # prefill chunks up to this many tokens use the kernels, as decode rows do
-    lm_head_kernel_max_rows: int = 256  # more logit rows than this (scoring a whole text) dequantize
-
-    def long_chunk(self) -> int:
-        """Prefill chunks longer than this leave the kernels (none on the row-invariant kernel path)."""
-        return sys.maxsize if native.row_invariant() else self.kernel_max_chunk
-
-    def lm_head_rows(self) -> int:
-        """More logit rows than this dequantize the LM head (never on the row-invariant kernel path)."""
-        return sys.maxsize if native.row_invariant() else self.lm_head_kernel_max_rows
-
-
-KERNELS = KernelChoice()
-
-
-class Workspace:
-    """A grow-only float32 buffer shared by every layer of one model: dequantized weights land here.
-
-    Reused rather than allocated per call: fresh pages cost 20-40x a warm copy on first touch.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.buf = torch.empty(0, dtype=torch.float32, device=device)
-
-    def take(self, rows: int, cols: int) -> torch.Tensor:
-        n = rows * cols
-        if self.buf.numel() < n:
-            self.buf = torch.empty(n, dtype=torch.float32, device=self.device)
-        return self.buf[:n].view(rows, cols)
-
-
-def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T, shaped for MKL on the CPU.
-
-    For up to 128 rows (decode batches, short chunks) MKL is much faster computed as (w @ x.T).T,
-    and a single row is fastest padded to two: its matrix-vector path streams the weights at less
-    than half the bandwidth of the two-column product (whole model: 45 ms vs 19 ms here).
-    """
-    n = x.shape[0]
-    if x.device.type != "cpu" or n > 128:
-        return x @ w.T
-    if n == 1:
-        return torch.mm(w, torch.cat([x, x]).T)[:, :1].T.contiguous()
-    return torch.mm(w, x.T).T.contiguous()
 
 
 class DenseWeight:
@@ -173,6 +107,10 @@ class Int4Weight:
         dm = self.dm[rows].view(torch.float16).float()
         return dm[:, 0], dm[:, 1]
 
+    def panel_codes(self) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """What `engine.native`'s long-chunk matmuls take: (kind, codes, scales)."""
+        return "int4", self.qs, self.dm
+
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if native.available():
             return native.q4_matmul(x, self.qs, self.dm)
@@ -184,7 +122,7 @@ class Int4Weight:
         return torch._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), packed, GROUP, scales_zeros).float()
 
     def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
-        return _split_call(self, x, dequant_rows)
+        return split_call(self, x, dequant_rows)
 
     def dequantize_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 weights of output rows [start, stop)."""
@@ -230,11 +168,15 @@ class Int8Weight:
         q = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
         return cls(q, scale, workspace)
 
+    def panel_codes(self) -> None:
+        """None: a long chunk's rows dequantize (`engine.native` has no panels of per-row int8)."""
+        return None
+
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.scales)
 
     def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
-        return _split_call(self, x, dequant_rows)
+        return split_call(self, x, dequant_rows)
 
     def dequantize_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 weights of output rows [start, stop)."""
@@ -288,6 +230,10 @@ class Q8Weight:
         """(codes [n, k] int8, scales [n, k / 32] as int16 bits): what the constructor takes."""
         return self.q, self.scales
 
+    def panel_codes(self) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """What `engine.native`'s long-chunk matmuls take: (kind, codes, scales)."""
+        return "q8_0", self.q, self.scales
+
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if native.available():
             return native.q8_matmul(x, self.q, self.scales)
@@ -296,7 +242,7 @@ class Q8Weight:
         return self._fallback.kernel(x)
 
     def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
-        return _split_call(self, x, dequant_rows)
+        return split_call(self, x, dequant_rows)
 
     def dequantize_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 weights of output rows [start, stop)."""
@@ -370,41 +316,6 @@ def fp16_supported() -> bool:
 
 Weight = DenseWeight | Int4Weight | Int8Weight | Q8Weight | FP16Weight
 
-
-
-def _split_call(weight: Int4Weight | Int8Weight | Q8Weight, x: torch.Tensor, dequant_rows: int) -> torch.Tensor:
-    """Rows [0, dequant_rows) through dequantize + MKL, the rest through the weight-only kernel."""
-    if dequant_rows <= 0:
-        return weight.kernel(x)
-    panels = None if isinstance(weight, Int8Weight) else _PANEL_MATMULS.get(native.kernel_path())
-    long_rows = _dequant_matmul if panels is None else _panel_matmul
-    if dequant_rows >= x.shape[0]:
-        return long_rows(weight, x)
-    return torch.cat([long_rows(weight, x[:dequant_rows]), weight.kernel(x[dequant_rows:]).to(x.dtype)])
-
-
-#: kernel path -> its long chunks' matmul on panels of the compact weights: int8 activations (AVX-512 VNNI) or
-#: bfloat16 operands (no float32 copy of the weights on either)
-_PANEL_MATMULS = {"avx512_vnni": "i8_matmul", "avx512_bf16": "bf16_matmul"}
-
-
-def _panel_matmul(weight: Int4Weight | Q8Weight, x: torch.Tensor) -> torch.Tensor:
-    codes = ("int4", weight.qs, weight.dm) if isinstance(weight, Int4Weight) else ("q8_0", weight.q, weight.scales)
-    return getattr(native, _PANEL_MATMULS[native.kernel_path()])(codes[0], x, *codes[1:]).to(x.dtype)
-
-
-def _dequant_matmul(weight: Int4Weight | Int8Weight | Q8Weight, x: torch.Tensor) -> torch.Tensor:
-    """x @ W.T in float32, the weights expanded into the workspace `_DEQUANT_ROWS` outputs at a time."""
-    xf = x.float()
-    n, k = weight.out_features, weight.in_features
-    ws = weight.workspace or Workspace(x.device)
-    if n <= _DEQUANT_ROWS:
-        return dense_matmul(xf, weight.dequantize_rows(0, n, ws.take(n, k))).to(x.dtype)
-    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
-    for start in range(0, n, _DEQUANT_ROWS):
-        stop = min(n, start + _DEQUANT_ROWS)
-        out[:, start:stop] = dense_matmul(xf, weight.dequantize_rows(start, stop, ws.take(stop - start, k)))
-    return out.to(x.dtype)
 
 
 def encode_weight(w: torch.Tensor, kind: str, prefix: str, dtype: torch.dtype = torch.float32

@@ -366,8 +366,8 @@ def test_a_short_chunks_token_computes_exactly_as_it_decodes(smollm):
     chunk's rows run the decode rows' kernels and attention. (A longer chunk's linear layers run on float32
     panels: the same tokens, logprobs equal to float32 rounding; test_resume checks those streams.)"""
     from engine.engine import EngineConfig, LLMEngine
+    from engine.linear_paths import KERNELS
     from engine.params import SamplingParams
-    from engine.quant import KERNELS
 
     prompt = smollm.tokenizer.encode("Rivers of Europe: the")
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)

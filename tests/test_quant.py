@@ -13,14 +13,13 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from engine.linear_paths import KERNELS, Workspace
 from engine.loader import GGUFWeights
 from engine.quant import (
-    KERNELS,
     FP16Weight,
     Int4Weight,
     Int8Weight,
     Q8Weight,
-    Workspace,
     fp16_supported,
     weight_from_tensors,
 )
@@ -149,11 +148,11 @@ def test_embedding_rows_are_the_dequantized_rows(cls):
 
 
 def test_dequantize_path_splits_large_outputs_into_chunks(monkeypatch):
-    from engine import native, quant
+    from engine import linear_paths, native
 
     if native.kernel_path() in ROUNDED_TILE_ROWS:  # long rows go to panels of the compact weights there
         monkeypatch.setattr(native.dispatch, "_chosen", ["avx2"])
-    monkeypatch.setattr(quant, "_DEQUANT_ROWS", 64)  # 96 output rows: two chunks
+    monkeypatch.setattr(linear_paths, "_DEQUANT_ROWS", 64)  # 96 output rows: two chunks
     w = Int4Weight.quantize(torch.randn(96, 128) * 0.05, Workspace(torch.device("cpu")))
     x = torch.randn(7, 128)
     assert torch.allclose(w(x, dequant_rows=7), x @ w.dequantize().T, atol=1e-4)

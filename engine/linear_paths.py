@@ -1,0 +1,127 @@
+"""Which path a step's rows take through a quantized weight (`engine.quant`), and what the long-chunk paths need.
+
+Two paths, chosen per chunk so that a token's result does not depend on what else is in its step beyond
+its row count:
+
+- the kernels read the compact weights directly; a row's result does not depend on the other rows
+  (on either side of `panel_min_rows`). Decode rows and short prefill chunks use them.
+- for the rows of prefill chunks longer than ``KERNELS.kernel_max_chunk``: on kernel path ``avx512_vnni``
+  (`native.kernel_path`) int8 activations times the weights' own codes (`native.i8_matmul`, 1.3x the bfloat16
+  panels; perplexity x1.0017), on ``avx512_bf16`` bfloat16 panels of the compact weights (2-3x a float32 GEMM;
+  perplexity x1.0000); elsewhere dequantize + MKL, where a float32 GEMM is faster than the kernel: the weights are expanded into a
+  shared float32 workspace (in chunks of output rows) and multiplied in float32.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine import native
+
+_DEQUANT_ROWS = 4096  # output rows expanded at once on the dequantize path (bounds the workspace)
+
+
+@dataclass
+class KernelChoice:
+    """Where the dequantize + MKL path takes over from the weight-only kernels (see bench/kernels.py: their
+    float32 panels lead MKL up to ~256-512 rows; a chunk on them also takes the C attention, one query row
+    at a time, which is what falls behind SDPA past ~128 tokens)."""
+
+    kernel_max_chunk: int = 128  # prefill chunks up to this many tokens use the kernels, as decode rows do
+    lm_head_kernel_max_rows: int = 256  # more logit rows than this (scoring a whole text) dequantize
+
+    def long_chunk(self) -> int:
+        """Prefill chunks longer than this leave the kernels (none on the row-invariant kernel path)."""
+        return sys.maxsize if native.row_invariant() else self.kernel_max_chunk
+
+    def lm_head_rows(self) -> int:
+        """More logit rows than this dequantize the LM head (never on the row-invariant kernel path)."""
+        return sys.maxsize if native.row_invariant() else self.lm_head_kernel_max_rows
+
+
+KERNELS = KernelChoice()
+
+
+class Workspace:
+    """A grow-only float32 buffer shared by every layer of one model: dequantized weights land here.
+
+    Reused rather than allocated per call: fresh pages cost 20-40x a warm copy on first touch.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buf = torch.empty(0, dtype=torch.float32, device=device)
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        n = rows * cols
+        if self.buf.numel() < n:
+            self.buf = torch.empty(n, dtype=torch.float32, device=self.device)
+        return self.buf[:n].view(rows, cols)
+
+
+def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T, shaped for MKL on the CPU.
+
+    For up to 128 rows (decode batches, short chunks) MKL is much faster computed as (w @ x.T).T,
+    and a single row is fastest padded to two: its matrix-vector path streams the weights at less
+    than half the bandwidth of the two-column product (whole model: 45 ms vs 19 ms here).
+    """
+    n = x.shape[0]
+    if x.device.type != "cpu" or n > 128:
+        return x @ w.T
+    if n == 1:
+        return torch.mm(w, torch.cat([x, x]).T)[:, :1].T.contiguous()
+    return torch.mm(w, x.T).T.contiguous()
+
+
+class QuantizedWeight(Protocol):
+    """What `split_call` needs of a weight of integer codes (`engine.quant`'s Int4Weight, Q8Weight, Int8Weight)."""
+
+    out_features: int
+    in_features: int
+    workspace: Workspace | None
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def panel_codes(self) -> tuple[str, torch.Tensor, torch.Tensor] | None: ...
+
+    def dequantize_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def split_call(weight: QuantizedWeight, x: torch.Tensor, dequant_rows: int) -> torch.Tensor:
+    """Rows [0, dequant_rows) through dequantize + MKL, the rest through the weight-only kernel."""
+    if dequant_rows <= 0:
+        return weight.kernel(x)
+    panels = None if weight.panel_codes() is None else _PANEL_MATMULS.get(native.kernel_path())
+    long_rows = _dequant_matmul if panels is None else _panel_matmul
+    if dequant_rows >= x.shape[0]:
+        return long_rows(weight, x)
+    return torch.cat([long_rows(weight, x[:dequant_rows]), weight.kernel(x[dequant_rows:]).to(x.dtype)])
+
+
+#: kernel path -> its long chunks' matmul on panels of the compact weights: int8 activations (AVX-512 VNNI) or
+#: bfloat16 operands (no float32 copy of the weights on either)
+_PANEL_MATMULS = {"avx512_vnni": "i8_matmul", "avx512_bf16": "bf16_matmul"}
+
+
+def _panel_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    kind, codes, scales = weight.panel_codes()
+    return getattr(native, _PANEL_MATMULS[native.kernel_path()])(kind, x, codes, scales).to(x.dtype)
+
+
+def _dequant_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T in float32, the weights expanded into the workspace `_DEQUANT_ROWS` outputs at a time."""
+    xf = x.float()
+    n, k = weight.out_features, weight.in_features
+    ws = weight.workspace or Workspace(x.device)
+    if n <= _DEQUANT_ROWS:
+        return dense_matmul(xf, weight.dequantize_rows(0, n, ws.take(n, k))).to(x.dtype)
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    for start in range(0, n, _DEQUANT_ROWS):
+        stop = min(n, start + _DEQUANT_ROWS)
+        out[:, start:stop] = dense_matmul(xf, weight.dequantize_rows(start, stop, ws.take(stop - start, k)))
+    return out.to(x.dtype)
