@@ -94,9 +94,6 @@ class DecodeRun:
             self.engine.abort(s.request_id)
 
 
-PRECISIONS = {"avx512_vnni": "int8", "avx512_bf16": "bfloat16"}  # kernel path -> what long prompt chunks multiply in
-
-
 def decode_step_budget(batches: list[int], prefills: list[int]) -> int:
     """max_step_tokens for the bench's engines: the longest prompt measured, or every decode batch's prompts
     in one step. (Prefilled in chunks, the first rows would decode while the last were still prefilling, and
@@ -250,7 +247,7 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
     peak_one = peaks.measure(1) if threads > 1 else peak
     for column, e in engines.items():  # what each engine could do at this machine's peaks
         path = paths[column] or native.kernel_path()
-        precision = PRECISIONS.get(path, "float32") if on_kernels[column] else "float32"
+        precision = native.PANEL_PRECISION.get(path, "float32") if on_kernels[column] else "float32"
         flops = {"int8": peak.int8_ops, "bfloat16": peak.bf16_flops, "float32": peak.fp32_flops}[precision]
         facts[column]["roofline: prefill at the matmul peak (tok/s)"] = f"{flops / linear_flops(e):,.0f} ({precision})"
         facts[column]["roofline: decode batch 1 at read bandwidth (tok/s)"] = f"{peak.read_bytes / weight_bytes(e):,.1f}"

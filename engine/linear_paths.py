@@ -14,7 +14,9 @@ its row count:
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -96,21 +98,26 @@ def split_call(weight: QuantizedWeight, x: torch.Tensor, dequant_rows: int) -> t
     """Rows [0, dequant_rows) through dequantize + MKL, the rest through the weight-only kernel."""
     if dequant_rows <= 0:
         return weight.kernel(x)
-    panels = None if weight.panel_codes() is None else _PANEL_MATMULS.get(native.kernel_path())
-    long_rows = _dequant_matmul if panels is None else _panel_matmul
+    long_rows = _long_rows(weight)
     if dequant_rows >= x.shape[0]:
-        return long_rows(weight, x)
-    return torch.cat([long_rows(weight, x[:dequant_rows]), weight.kernel(x[dequant_rows:]).to(x.dtype)])
+        return long_rows(x)
+    return torch.cat([long_rows(x[:dequant_rows]), weight.kernel(x[dequant_rows:]).to(x.dtype)])
 
 
-#: kernel path -> its long chunks' matmul on panels of the compact weights: int8 activations (AVX-512 VNNI) or
-#: bfloat16 operands (no float32 copy of the weights on either)
-_PANEL_MATMULS = {"avx512_vnni": "i8_matmul", "avx512_bf16": "bf16_matmul"}
+#: what a long chunk's rows multiply in (`native.PANEL_PRECISION`) -> engine.native's matmul on panels of the
+#: compact weights (no float32 copy of them)
+_PANEL_MATMULS = {"int8": "i8_matmul", "bfloat16": "bf16_matmul"}
 
 
-def _panel_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-    kind, codes, scales = weight.panel_codes()
-    return getattr(native, _PANEL_MATMULS[native.kernel_path()])(kind, x, codes, scales).to(x.dtype)
+def _long_rows(weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A long chunk's matmul with `weight` on this process's kernel path: panels of its codes where the path has
+    them and the weight gives them, else dequantize + MKL."""
+    codes, precision = weight.panel_codes(), native.PANEL_PRECISION.get(native.kernel_path())
+    if codes is None or precision is None:
+        return functools.partial(_dequant_matmul, weight)
+    matmul = getattr(native, _PANEL_MATMULS[precision])
+    kind, w, scales = codes
+    return lambda x: matmul(kind, x, w, scales).to(x.dtype)
 
 
 def _dequant_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:

@@ -476,7 +476,7 @@ def test_engine_bench_sets_torch_operations_beside_the_native_ones(monkeypatch) 
     # the CPU's peaks this run, and each engine's roofline at them (the same matmul kernels in both columns)
     assert "This CPU's peaks" in report and "float32 FMA" in report and "GB/s" in report
     [peak] = [line for line in report.splitlines() if line.startswith("| roofline: prefill")]
-    precision = {"avx512_vnni": "int8", "avx512_bf16": "bfloat16"}.get(native.kernel_path(), "float32")
+    precision = native.PANEL_PRECISION.get(native.kernel_path(), "float32")
     assert peak.count(f"({precision})") == 2
     [read] = [line for line in report.splitlines() if line.startswith("| roofline: decode batch 1")]
     assert all(float(c.replace(",", "")) > 0 for c in read.strip("|").split("|")[1:])

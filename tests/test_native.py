@@ -385,7 +385,8 @@ def test_a_short_chunks_token_computes_exactly_as_it_decodes(smollm):
 
 def test_the_kernel_path_is_the_best_here_and_tandem_kernels_chooses_another():
     """Start-up picks the fastest path the CPU has (int8 activations and bfloat16 attention, or bfloat16 panels,
-    only where bfloat16 dot products outrun float32 FMAs; int8 first where the build has VNNI), never the invariant one; TANDEM_KERNELS forces one it has and refuses, naming what there
+    only where bfloat16 dot products outrun float32 FMAs; int8 first where the build has VNNI), never the
+    invariant one; TANDEM_KERNELS forces one it has and refuses, naming what there
     is, one it lacks."""
     import subprocess
     import sys

@@ -26,6 +26,7 @@ from engine.native.dispatch import (
     INVARIANT,
     KERNEL_PATHS,
     KINDS,
+    PANEL_PRECISION,
     available,
     kernel_path,
     kernel_paths,
@@ -36,9 +37,10 @@ from engine.native.dispatch import (
     variant_file,
 )
 
-__all__ = ["BF16_ATTENTION_PATHS", "BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "POOL_DTYPES", "Layer", "LayerStep", "Linear",
-           "argmax", "available", "bf16_attention", "bf16_matmul", "i8_matmul", "int4_dequantize", "kernel_path", "kernel_paths",
-           "layer", "library", "linear", "paged_attention", "panel_min_rows", "q4_matmul", "q8_matmul",
+__all__ = ["BF16_ATTENTION_PATHS", "BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES",
+           "Layer", "LayerStep", "Linear", "argmax", "available", "bf16_attention", "bf16_matmul", "i8_matmul",
+           "int4_dequantize", "kernel_path", "kernel_paths", "layer", "library", "linear", "paged_attention",
+           "panel_min_rows", "q4_matmul", "q8_matmul",
            "rms_norm", "rope_store", "row_invariant", "silu_mul", "use_kernel_path", "variant", "variant_file"]
 
 

@@ -194,7 +194,10 @@ def kernel_path() -> str:
     return _chosen[0] if library() is not None else "torch"
 
 
-BF16_ATTENTION_PATHS = ("avx512_vnni", "avx512_bf16")  # kernel paths whose long prompt chunks attend in bfloat16
+#: kernel path -> what its long prompt chunks' matmuls multiply in, on panels of the compact weights (the paths not
+#: named dequantize the weights for a float32 GEMM); both of these attend in bfloat16 too
+PANEL_PRECISION = {"avx512_vnni": "int8", "avx512_bf16": "bfloat16"}
+BF16_ATTENTION_PATHS = tuple(PANEL_PRECISION)
 
 
 def row_invariant() -> bool:

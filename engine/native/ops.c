@@ -1042,6 +1042,18 @@ static void rows_to_bf16(const float *x, int64_t m, int64_t k, uint16_t *x16, in
     }
 }
 
+/* A tile of `rows` rows from row r of a panel of `width` columns at column j: where it writes (out itself, or the
+ * spill tile where the panel runs past n, `cols` < width), and `unspill` copies those columns out afterwards. */
+static inline float *tile_out(float *out, int64_t n, int64_t r, int64_t j, int cols, int width, float *spill) {
+    return cols == width ? out + r * n + j : spill;
+}
+
+static inline void unspill(float *out, int64_t n, int64_t r, int64_t j, int rows, int cols, int width,
+                           const float *spill) {
+    if (cols < width)
+        for (int t = 0; t < rows; t++) memcpy(out + (r + t) * n + j, spill + t * width, (size_t)cols * sizeof(float));
+}
+
 static inline __attribute__((always_inline)) void share_bf16_panels(const int kind, const void *w,
                                                                     const uint16_t *scales, int64_t n, int64_t k,
                                                                     const uint16_t *x16, int64_t m, float *out,
@@ -1056,14 +1068,14 @@ static inline __attribute__((always_inline)) void share_bf16_panels(const int ki
         int cols = n - j < BF_PANEL ? (int)(n - j) : BF_PANEL;
         dequant_bf16_panel(kind, w, scales, n, k, j, bp);
         for (int64_t r = 0; r < m; r += BF_R) {
-            int rows = m - r < BF_R ? (int)(m - r) : BF_R, whole = cols == BF_PANEL;
+            int rows = m - r < BF_R ? (int)(m - r) : BF_R;
+            float *o = tile_out(out, n, r, j, cols, BF_PANEL, spill);
+            int64_t os = cols == BF_PANEL ? n : BF_PANEL;
             if (rows == BF_R)
-                bf16_tile(BF_R, x16 + r * k, k, bp, whole ? out + r * n + j : spill, whole ? n : BF_PANEL);
+                bf16_tile(BF_R, x16 + r * k, k, bp, o, os);
             else
-                bf16_tile_rows(rows, x16 + r * k, k, bp, whole ? out + r * n + j : spill, whole ? n : BF_PANEL);
-            if (!whole)
-                for (int64_t t = r; t < r + rows; t++)
-                    memcpy(out + t * n + j, spill + (t - r) * BF_PANEL, (size_t)cols * sizeof(float));
+                bf16_tile_rows(rows, x16 + r * k, k, bp, o, os);
+            unspill(out, n, r, j, rows, cols, BF_PANEL, spill);
         }
     }
 }
@@ -1136,7 +1148,7 @@ int tq_bf16_matmul(int kind, const void *w, const uint16_t *scales, int64_t n, i
  * Q8_0 with a float32 scale) and each group's dot product with the weights' codes is exact in int32; then
  * out += s d I + s P m in float32, per group in k order (P = sum p). vpdpbusd multiplies unsigned bytes (here the
  * weights' codes u: int4's 0..15 as they are, w = d u + m; Q8_0's q + 128, w = d u - 128 d) by signed ones (the
- * activations, broadcast from memory inside the instruction: no separate broadcast, no start value). Panels of
+ * activations, each 4 bytes broadcast to both column halves; so a group's sum starts at 0). Panels of
  * I8_PANEL weight rows hold, per group, the codes as [8 steps][I8_PANEL columns][4 k], d and m (I8_GROUP_BYTES),
  * gathered once per call and met by every row; tiles of I8_R rows x I8_PANEL columns keep the sums in registers.
  * A row's result does not depend on the other rows. Only long prompt chunks take it (engine/quant.py). */
@@ -1259,16 +1271,14 @@ static inline __attribute__((always_inline)) void share_i8_panels(const int kind
         int cols = n - j < I8_PANEL ? (int)(n - j) : I8_PANEL;
         pack_i8_panel(kind, w, scales, n, k, j, wp);
         for (int64_t r = 0; r < m; r += I8_R) {
-            int rows = m - r < I8_R ? (int)(m - r) : I8_R, whole = cols == I8_PANEL;
-            float *o = whole ? out + r * n + j : spill;
-            int64_t os = whole ? n : I8_PANEL;
+            int rows = m - r < I8_R ? (int)(m - r) : I8_R;
+            float *o = tile_out(out, n, r, j, cols, I8_PANEL, spill);
+            int64_t os = cols == I8_PANEL ? n : I8_PANEL;
             if (rows == I8_R)
                 i8_tile(I8_R, xq + r * k, xs + r * groups, xsp + r * groups, k, wp, o, os);
             else
                 i8_tile_rows(rows, xq + r * k, xs + r * groups, xsp + r * groups, k, wp, o, os);
-            if (!whole)
-                for (int64_t t = r; t < r + rows; t++)
-                    memcpy(out + t * n + j, spill + (t - r) * I8_PANEL, (size_t)cols * sizeof(float));
+            unspill(out, n, r, j, rows, cols, I8_PANEL, spill);
         }
     }
 }
