@@ -90,11 +90,13 @@ def turns(libs: dict[str, ctypes.CDLL], run: Callable[[], object], rounds: int) 
     return {name: (statistics.median(times[name]), last[name]) for name in libs}
 
 
-MATMULS = {"bfloat16": (native.bf16_matmul, "tq_bf16_matmul"), "int8": (native.i8_matmul, "tq_i8_matmul")}
+MATMULS = {"bfloat16": "tq_bf16_matmul", "int8": "tq_i8_pack"}  # a long chunk's matmul -> what a library needs for it
 
 
 def _matmul(kind: str, x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    return MATMULS[kind][0]("int4", x, w.qs, w.dm)
+    if kind == "int8":  # packed by whichever library ran first: the layout is part of what both must share
+        return native.i8_matmul(x, w.i8_panels(), 1)
+    return native.bf16_matmul("int4", x, w.qs, w.dm)
 
 
 def _both_have(libs: dict[str, ctypes.CDLL], symbol: str) -> bool:
@@ -114,7 +116,7 @@ def _prefill(engine: LLMEngine, n: int, seeds: Iterator[int]) -> float:
 
 def matmuls(libs: dict[str, ctypes.CDLL], rows: list[int], rounds: int) -> list[str]:
     lines = []
-    for kind, m in [(kind, m) for kind, (_, symbol) in MATMULS.items() if _both_have(libs, symbol) for m in rows]:
+    for kind, m in [(kind, m) for kind, symbol in MATMULS.items() if _both_have(libs, symbol) for m in rows]:
         took = {name: 0.0 for name in libs}
         same, flops = True, 0
         for n, k in SHAPES:
@@ -147,7 +149,7 @@ def prefills(libs: dict[str, ctypes.CDLL], lengths: list[int], rounds: int) -> l
     engine = LLMEngine(load_model(DEFAULT_MODEL, "float32", "auto"),
                        EngineConfig(num_blocks=1024, enable_prefix_cache=False, speculative="off"))
     lines = []
-    path = "avx512_vnni" if _both_have(libs, "tq_i8_matmul") else "avx512_bf16"
+    path = "avx512_vnni" if _both_have(libs, MATMULS["int8"]) else "avx512_bf16"
     here = native.kernel_path()
     native.use_kernel_path(path)
     for n in lengths:

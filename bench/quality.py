@@ -5,10 +5,11 @@
 The text is tests/data/perplexity.txt (original prose shipped with the tests), scored in windows of
 1,024 tokens, twice: each window as one prompt (the prefill path: `native.kernel_path()`'s long-chunk
 matmul, bfloat16 panels on avx512_bf16, dequantized weights and MKL elsewhere; `--kernels` scores each) and as
-chunks of `small_rows()` tokens (every row on the quantized kernels with int16 activations, as decode
-batches below `native.panel_min_rows` are); greedy agreement is the share of a fixed set of chat prompts
+chunks of `small_rows()` tokens (every row on the quantized kernels with int16 activations, two int8 digits on
+avx512_vnni, as decode batches below `native.panel_min_rows` are); greedy agreement is the share of a fixed set of chat prompts
 whose first 16 greedy tokens equal those of `--quantization none` (float32 of the dequantized weights),
-decoded in batches of `small_rows()` and all in one batch (where int4 layers take the float32 panels); and of
+decoded in batches of `small_rows()` and all in one batch (where int4 layers take the float32 panels, but on
+avx512_vnni the same kernels as any batch); and of
 20 passages of the text, LONG_PROMPT tokens each, read alone as one chunk (on the long-chunk matmul: int8
 activations on avx512_vnni), how many continue with the same 16 greedy tokens.
 """
@@ -141,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         f"`python -m bench.quality` on {args.model}: perplexity of tests/data/perplexity.txt "
         f"(windows of {WINDOW} tokens, each as one prompt, its rows on the kernel path's long-chunk matmul, "
         f"then in chunks of {small_rows()} that run on the "
-        f"quantized kernels with int16 activations, as small decode batches do) and how many of {len(PROMPTS)} "
+        f"quantized kernels with int16 activations, two int8 digits on avx512_vnni, as small decode batches do) "
+        f"and how many of {len(PROMPTS)} "
         f"chat prompts give the same first {GREEDY_TOKENS} greedy tokens as `none` (float32 of the dequantized "
-        f"weights), decoded in batches of {small_rows()} / all {len(PROMPTS)} in one batch (float32 panels); and of "
+        f"weights), decoded in batches of {small_rows()} / all {len(PROMPTS)} in one batch (float32 panels; on "
+        f"avx512_vnni its kernels again); and of "
         f"{len(ref.greedy_long)} passages of the text, {LONG_PROMPT} tokens each read alone as one prompt (on the "
         f"long-chunk matmul), how many continue with the same {GREEDY_TOKENS} greedy tokens as under `none`.",
         "",

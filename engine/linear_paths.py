@@ -4,11 +4,13 @@ Two paths, chosen per chunk so that a token's result does not depend on what els
 its row count:
 
 - the kernels read the compact weights directly; a row's result does not depend on the other rows
-  (on either side of `panel_min_rows`). Decode rows and short prefill chunks use them.
-- for the rows of prefill chunks longer than ``KERNELS.kernel_max_chunk``: on kernel path ``avx512_vnni``
-  (`native.kernel_path`) int8 activations times the weights' own codes (`native.i8_matmul`, 1.3x the bfloat16
-  panels; perplexity x1.0017), on ``avx512_bf16`` bfloat16 panels of the compact weights (2-3x a float32 GEMM;
-  perplexity x1.0000); elsewhere dequantize + MKL, where a float32 GEMM is faster than the kernel: the weights are expanded into a
+  (on either side of `panel_min_rows`; on kernel path ``avx512_vnni`` there is no such side: int8 dot products of
+  the weights packed at load, `native.i8_matmul` with 15-bit activations, ~2x the int16 kernel at batch 1). Decode
+  rows and short prefill chunks use them.
+- for the rows of prefill chunks longer than ``KERNELS.kernel_max_chunk``: on kernel path ``avx512_vnni`` the same
+  packed weights with 8-bit activations (`native.i8_matmul`, one digit: 1.3x the bfloat16 panels; perplexity
+  x1.0017), on ``avx512_bf16`` bfloat16 panels of the compact weights (2-3x a float32 GEMM; perplexity x1.0000);
+  elsewhere dequantize + MKL, where a float32 GEMM is faster than the kernel: the weights are expanded into a
   shared float32 workspace (in chunks of output rows) and multiplied in float32.
 """
 
@@ -80,6 +82,22 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(w, x.T).T.contiguous()
 
 
+VNNI = "avx512_vnni"  # the kernel path that multiplies every row with `native.i8_matmul`
+KERNEL_DIGITS = 2  # its kernel rows' activations: two int8 digits (15 bits; one changed greedy outputs)
+
+
+class PackedForVnni:
+    """A weight of integer codes that kernel path avx512_vnni multiplies as `native.I8Panels`, packed on first use
+    (a process on another path never packs; the model packs its layers when it loads on this one)."""
+
+    _i8: native.I8Panels | None = None
+
+    def i8_panels(self) -> native.I8Panels:
+        if self._i8 is None:
+            self._i8 = native.i8_pack(*self.panel_codes())
+        return self._i8
+
+
 class QuantizedWeight(Protocol):
     """What `split_call` needs of a weight of integer codes (`engine.quant`'s Int4Weight, Q8Weight, Int8Weight)."""
 
@@ -90,6 +108,8 @@ class QuantizedWeight(Protocol):
     def kernel(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def panel_codes(self) -> tuple[str, torch.Tensor, torch.Tensor] | None: ...
+
+    def i8_panels(self) -> native.I8Panels: ...
 
     def dequantize_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -104,20 +124,17 @@ def split_call(weight: QuantizedWeight, x: torch.Tensor, dequant_rows: int) -> t
     return torch.cat([long_rows(x[:dequant_rows]), weight.kernel(x[dequant_rows:]).to(x.dtype)])
 
 
-#: what a long chunk's rows multiply in (`native.PANEL_PRECISION`) -> engine.native's matmul on panels of the
-#: compact weights (no float32 copy of them)
-_PANEL_MATMULS = {"int8": "i8_matmul", "bfloat16": "bf16_matmul"}
-
-
 def _long_rows(weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
     """A long chunk's matmul with `weight` on this process's kernel path: panels of its codes where the path has
     them and the weight gives them, else dequantize + MKL."""
     codes, precision = weight.panel_codes(), native.PANEL_PRECISION.get(native.kernel_path())
     if codes is None or precision is None:
         return functools.partial(_dequant_matmul, weight)
-    matmul = getattr(native, _PANEL_MATMULS[precision])
+    if precision == "int8":
+        panels = weight.i8_panels()
+        return lambda x: native.i8_matmul(x, panels, 1).to(x.dtype)
     kind, w, scales = codes
-    return lambda x: matmul(kind, x, w, scales).to(x.dtype)
+    return lambda x: native.bf16_matmul(kind, x, w, scales).to(x.dtype)
 
 
 def _dequant_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:

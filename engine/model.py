@@ -27,7 +27,7 @@ from engine import native
 from engine.attention import DecodeAttention, PagedAttention, span_attention
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.linear_paths import KERNELS, Workspace
+from engine.linear_paths import KERNELS, VNNI, Workspace
 from engine.quant import DenseWeight, Int4Weight, Q8Weight, Weight, weight_from_tensors
 from engine.rope import apply_rope, rope_frequencies
 from kv.pool import KVPool
@@ -94,7 +94,8 @@ class DecoderModel:
         self.native = self.device.type == "cpu" and dtype == torch.float32 and native.available()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.fused = self._fused_layers()
+        self._fused: dict[str, list[native.Layer] | None] = {}  # per kernel path: avx512_vnni's are packed
+        self.fused_layers()
         # long prompt chunks may attend in bfloat16 (as their matmuls run on bfloat16 panels); float weights keep
         # float32 throughout, the reference the quality bench measures against
         self.quantized = any(isinstance(w, Int4Weight | Q8Weight) for layer in self.layers
@@ -143,8 +144,9 @@ class DecoderModel:
         by_group = [batch.group(g) for g in range(pool.layout.num_groups)]
         if self.native and pool.tensor.dtype in native.POOL_DTYPES:
             paged = [PagedAttention(b, cfg.num_heads, cfg.softmax_scale, self.quantized) for b in by_group]
-            if self.fused is not None and len(paged) == 1 and batch.dequant_rows == 0 and not paged[0].long_spans:
-                self._fused_forward(h, batch, paged[0], pool, layer_done)
+            fused = self.fused_layers()
+            if fused is not None and len(paged) == 1 and batch.dequant_rows == 0 and not paged[0].long_spans:
+                self._fused_forward(fused, h, batch, paged[0], pool, layer_done)
             else:
                 self._layer_ops(h, batch, pool, layer_done, paged=paged)
         else:
@@ -217,31 +219,35 @@ class DecoderModel:
         qkv[:, q_size:q_size + self.kv_size] = self._norm(k, layer.k_norm).view(n, self.kv_size)
         return qkv
 
-    def _fused_forward(self, h: torch.Tensor, batch: ForwardBatch, paged: PagedAttention, pool: KVPool,
-                       layer_done: Callable[[int], None] | None) -> None:
+    def _fused_forward(self, fused: list[native.Layer], h: torch.Tensor, batch: ForwardBatch, paged: PagedAttention,
+                       pool: KVPool, layer_done: Callable[[int], None] | None) -> None:
         """Each layer as one `engine.native` call (all linear layers int4/Q8_0, every row on the kernels)."""
         cfg = self.cfg
-        step = native.LayerStep(h, self.fused[0], batch.positions, batch.slot_blocks, batch.slot_offsets, self.cos,
+        step = native.LayerStep(h, fused[0], batch.positions, batch.slot_blocks, batch.slot_offsets, self.cos,
                                 self.sin, cfg.num_heads, cfg.num_kv_heads, pool.keys(0), paged.tables,
                                 paged.row_table, paged.lens, cfg.rms_eps, cfg.softmax_scale)
-        for li, layer in enumerate(self.fused):
+        for li, layer in enumerate(fused):
             step.run(layer, pool.keys(li), pool.values(li))
             if layer_done is not None:
                 layer_done(li)
         h.add_(step.pending)
 
-    def _fused_layers(self) -> list[native.Layer] | None:
-        """The layers for `engine.native`'s one-call-per-layer path, where every linear layer is a kind it
-        multiplies; None elsewhere."""
+    def fused_layers(self) -> list[native.Layer] | None:
+        """The layers for `engine.native`'s one-call-per-layer path on this process's kernel path, where every linear
+        layer is a kind it multiplies; None elsewhere. Built once per path (avx512_vnni's pack the weights)."""
+        path = native.kernel_path()
+        if path not in self._fused:
+            self._fused[path] = self._fused_layers(path == VNNI)
+        return self._fused[path]
+
+    def _fused_layers(self, packed: bool) -> list[native.Layer] | None:
         if not self.native or not self.cfg.plain_llama:
             return None
 
         def linear(w: Weight) -> native.Linear | None:
-            if isinstance(w, Int4Weight):
-                return native.linear("int4", w.qs, w.dm)
-            if isinstance(w, Q8Weight):
-                return native.linear("q8_0", w.q, w.scales)
-            return None
+            if not isinstance(w, Int4Weight | Q8Weight):
+                return None
+            return native.i8_linear(w.i8_panels()) if packed else native.linear(*w.panel_codes())
 
         layers = []
         for layer in self.layers:

@@ -12,10 +12,11 @@ float32, int8 in bfloat16, the others in x's dtype:
 The int4 and Q8_0 kernels are `engine.native`'s. Below `native.panel_min_rows` rows the activations are
 rounded to int16 per group of 32 (a relative error of ~1e-5: the first 16 greedy tokens of the quality prompts
 equal float32's) and each group's dot product is integer; from there on the weights are dequantized into
-float32 panels and multiplied with FMAs (compute-bound, where integer products are no faster on AVX2). int8
-activations (llama.cpp's Q8_1) were 1.07-1.26x faster at batch 1 but changed 12 of those 20 greedy outputs,
-bfloat16 (torch's int4 kernel, the fallback without a C compiler) 3 of them. Which rows take the kernels
-and which the long-chunk matmul of the kernel path: `engine.linear_paths`.
+float32 panels and multiplied with FMAs (compute-bound, where integer products are no faster on AVX2). On kernel
+path ``avx512_vnni`` every row count instead takes int8 dot products of the weights packed at load
+(`native.i8_matmul`), with the activations in two int8 digits (15 bits, ~5e-5): int8 activations alone (llama.cpp's
+Q8_1) changed 12 of those 20 greedy outputs, bfloat16 (torch's int4 kernel, the fallback without a C compiler) 3 of
+them. Which rows take the kernels and which the long-chunk matmul of the kernel path: `engine.linear_paths`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine import native
-from engine.linear_paths import Workspace, dense_matmul, split_call
+from engine.linear_paths import KERNEL_DIGITS, VNNI, PackedForVnni, Workspace, dense_matmul, split_call
 
 GROUP = 32  # weights per int4 scale/offset group (GGUF's block size)
 KERNEL_DTYPE = torch.bfloat16  # activation dtype of torch's int4/int8 CPU kernels (fp16/fp32 run unvectorized)
@@ -54,13 +55,13 @@ class DenseWeight:
         return {prefix: self.w}
 
 
-class Int4Weight:
+class Int4Weight(PackedForVnni):
     """int4 codes (0..15) with a float16 scale d and offset m per group of 32 along a row, w = d q + m:
     GGUF's Q4_0/Q4_1 blocks exactly (Q4_0: m = -8 d).
 
     ``qs`` [n, k / 2] holds the codes in pairs of groups (byte i of pair p: element i of group 2p in the low
     nibble, of group 2p + 1 in the high one) and ``dm`` [n, 2, k / 32] the row's d's then its m's, as int16
-    bits: `engine.native`'s kernel reads them as they are, with activations quantized to int8 per group of 32.
+    bits: `engine.native`'s kernel reads them as they are (kernel path avx512_vnni: a packed copy).
     Without that library, torch's int4 kernel on a copy in its own layout (bfloat16 activations).
     """
 
@@ -113,6 +114,8 @@ class Int4Weight:
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if native.available():
+            if native.kernel_path() == VNNI:
+                return native.i8_matmul(x, self.i8_panels(), KERNEL_DIGITS)
             return native.q4_matmul(x, self.qs, self.dm)
         if self._torch_layout is None:
             d, m = self.scales()
@@ -197,7 +200,7 @@ class Int8Weight:
         return {f"{prefix}.int8": self.q, f"{prefix}.scales": self.scales}
 
 
-class Q8Weight:
+class Q8Weight(PackedForVnni):
     """A GGUF's Q8_0 blocks as they are: int8 codes with a float16 scale per 32 weights along a row
     (``w = scale * q``), so nothing is rounded again (a per-row int8 copy raised perplexity 0.5%).
 
@@ -236,6 +239,8 @@ class Q8Weight:
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if native.available():
+            if native.kernel_path() == VNNI:
+                return native.i8_matmul(x, self.i8_panels(), KERNEL_DIGITS)
             return native.q8_matmul(x, self.q, self.scales)
         if self._fallback is None:
             self._fallback = Int8Weight.quantize(self.dequantize())

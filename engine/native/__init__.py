@@ -17,6 +17,7 @@ bare addresses.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -38,8 +39,8 @@ from engine.native.dispatch import (
 )
 
 __all__ = ["BF16_ATTENTION_PATHS", "BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES",
-           "Layer", "LayerStep", "Linear", "argmax", "available", "bf16_attention", "bf16_matmul", "i8_matmul",
-           "int4_dequantize", "kernel_path", "kernel_paths", "layer", "library", "linear", "paged_attention",
+           "I8Panels", "Layer", "LayerStep", "Linear", "argmax", "available", "bf16_attention", "bf16_matmul",
+           "i8_linear", "i8_matmul", "i8_pack", "int4_dequantize", "kernel_path", "kernel_paths", "layer", "library", "linear", "paged_attention",
            "panel_min_rows", "q4_matmul", "q8_matmul",
            "rms_norm", "rope_store", "row_invariant", "silu_mul", "use_kernel_path", "variant", "variant_file"]
 
@@ -169,8 +170,11 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tens
 
 def panel_min_rows(kind: str) -> int:
     """The fewest rows a matmul of `kind` ("int4", "q8_0") computes with float32 panels instead of int16
-    activations: a row's bits are the same in any batch on its side of this (ops.c says why it switches)."""
-    return 2**63 - 1 if row_invariant() else int(library().tq_panel_min_rows(KINDS[kind]))
+    activations: a row's bits are the same in any batch on its side of this (ops.c says why it switches). Never
+    on kernel paths invariant and avx512_vnni, whose kernel rows take one computation at any count."""
+    if row_invariant() or kernel_path() == "avx512_vnni":
+        return 2**63 - 1
+    return int(library().tq_panel_min_rows(KINDS[kind]))
 
 
 _CODES = {"int4": torch.uint8, "q8_0": torch.int8}  # each weight kind's code bytes
@@ -203,30 +207,56 @@ def _quantized_matmul(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, sc
 def bf16_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] on bfloat16 panels, for the weights of `q4_matmul` / `q8_matmul`
     (`kind` "int4" or "q8_0"): operands rounded to bfloat16, sums in float32 (kernel path avx512_bf16)."""
-    return _panel_matmul("tq_bf16_matmul", "bfloat16", "AVX-512 BF16", kind, x, w, scales)
-
-
-def i8_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [m, k] @ W.T as float32 [m, n] for the weights of `q4_matmul` / `q8_matmul` (`kind` "int4" or "q8_0"),
-    x rounded to int8 per group of 32 (scale max |x| / 127) and each group's dot product with the weights' codes
-    summed exactly in int32 by AVX-512 VNNI; the groups' sums scaled and added in float32 (kernel path
-    avx512_vnni)."""
-    return _panel_matmul("tq_i8_matmul", "int8", "AVX-512 VNNI", kind, x, w, scales)
-
-
-def _panel_matmul(symbol: str, precision: str, isa: str, kind: str, x: torch.Tensor, w: torch.Tensor,
-                  scales: torch.Tensor) -> torch.Tensor:
-    """A long chunk's matmul on panels of the compact weights (ops.c `symbol`: 0, -1 without memory, -2 where the
-    build lacks `isa`)."""
     x = x.float().contiguous()
     m, k = x.shape
     w_ptr, s_ptr, n, _ = _weight_ptrs(kind, w, scales, k)
     out = torch.empty(m, n, dtype=torch.float32)
-    rc = getattr(library(), symbol)(KINDS[kind], w_ptr, s_ptr, n, k, _ptr(x, torch.float32, "activations"), m,
-                                    out.data_ptr(), _threads())
+    rc = library().tq_bf16_matmul(KINDS[kind], w_ptr, s_ptr, n, k, _ptr(x, torch.float32, "activations"), m,
+                                  out.data_ptr(), _threads())
     if rc:
-        raise MemoryError(f"{kind} {precision} matmul of {m}x{k} by {n}x{k}: out of memory") if rc == -1 else \
-            RuntimeError(f"this build has no {isa}")
+        raise MemoryError(f"{kind} bfloat16 matmul of {m}x{k} by {n}x{k}: out of memory") if rc == -1 else \
+            RuntimeError("this build has no AVX-512 BF16")
+    return out
+
+
+@dataclass(frozen=True)
+class I8Panels:
+    """An int4 or Q8_0 weight [n, k] packed for `i8_matmul` (ops.c's `tq_i8_pack`: the same bytes, in panels of 32
+    rows)."""
+
+    kind: str
+    n: int
+    k: int
+    data: torch.Tensor
+
+
+I8_PANELS = 16  # ops.c's KIND_I8: a `Linear` of packed panels
+
+
+def i8_pack(kind: str, w: torch.Tensor, scales: torch.Tensor) -> I8Panels:
+    """The weights of `q4_matmul` / `q8_matmul` (`kind` "int4" or "q8_0") packed for `i8_matmul`."""
+    w_ptr, s_ptr, n, k = _weight_ptrs(kind, w, scales)
+    lib = library()
+    data = torch.empty(lib.tq_i8_packed_bytes(KINDS[kind], n, k), dtype=torch.uint8)
+    lib.tq_i8_pack(KINDS[kind], w_ptr, s_ptr, n, k, data.data_ptr(), _threads())
+    return I8Panels(kind, n, k, data)
+
+
+def i8_matmul(x: torch.Tensor, w: I8Panels, digits: int) -> torch.Tensor:
+    """x [m, k] @ W.T as float32 [m, n] on AVX-512 VNNI (kernel path avx512_vnni): x rounded per group of 32 to
+    `digits` int8 digits (2: 15 bits, decode rows and short chunks; 1: 8 bits, long chunks), each group's dot
+    product with the weights' codes exact in int32, then scaled and summed in float32."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    if k != w.k or digits not in (1, 2):
+        raise ValueError(f"engine.native: i8_matmul of rows of {k} in {digits} digits by a {w.kind} weight of "
+                         f"{w.n}x{w.k}")
+    out = torch.empty(m, w.n, dtype=torch.float32)
+    rc = library().tq_i8_matmul(KINDS[w.kind], _ptr(w.data, torch.uint8, "i8 panels"), w.n, k,
+                                _ptr(x, torch.float32, "activations"), m, out.data_ptr(), digits, _threads())
+    if rc:
+        raise MemoryError(f"{w.kind} int8 matmul of {m}x{k} by {w.n}x{k}: out of memory") if rc == -1 else \
+            RuntimeError("this build has no AVX-512 VNNI")
     return out
 
 
@@ -290,6 +320,11 @@ class _LayerStep(ctypes.Structure):
 def linear(kind: str, w: torch.Tensor, scales: torch.Tensor) -> Linear:
     w_ptr, s_ptr, n, k = _weight_ptrs(kind, w, scales)
     return Linear(KINDS[kind], w_ptr, s_ptr, n, k)
+
+
+def i8_linear(w: I8Panels) -> Linear:
+    """A layer's weight as `tq_decoder_layer` multiplies it on kernel path avx512_vnni (`i8_matmul`, two digits)."""
+    return Linear(KINDS[w.kind] | I8_PANELS, _ptr(w.data, torch.uint8, "i8 panels"), None, w.n, w.k)
 
 
 def layer(attn_norm: torch.Tensor, ffn_norm: torch.Tensor, wqkv: Linear, wo: Linear, gate_up: Linear,

@@ -38,7 +38,9 @@ SIGNATURES = {
     "tq_has_bf16": [],
     "tq_bf16_matmul": [_C, _P, _P, _I, _I, _P, _I, _P, _C],
     "tq_has_i8": [],
-    "tq_i8_matmul": [_C, _P, _P, _I, _I, _P, _I, _P, _C],
+    "tq_i8_packed_bytes": [_C, _I, _I],
+    "tq_i8_pack": [_C, _P, _P, _I, _I, _P, _C],
+    "tq_i8_matmul": [_C, _P, _I, _I, _P, _I, _P, _C, _C],
     "tq_bf16_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _C, _C, _C, _C, _F, _I, _P, _I, _C, _C],
     "tq_probe_fma": [_I, _C],
     "tq_probe_bf16": [_I, _C],
@@ -48,7 +50,7 @@ SIGNATURES = {
 RETURNS = {"tq_source_hash": ctypes.c_char_p, "tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int,
            "tq_decoder_layer": ctypes.c_int, "tq_panel_min_rows": ctypes.c_int64,
            "tq_has_bf16": ctypes.c_int, "tq_bf16_matmul": ctypes.c_int, "tq_bf16_attention": ctypes.c_int,
-           "tq_has_i8": ctypes.c_int, "tq_i8_matmul": ctypes.c_int,
+           "tq_has_i8": ctypes.c_int, "tq_i8_matmul": ctypes.c_int, "tq_i8_packed_bytes": ctypes.c_int64,
            "tq_probe_fma": ctypes.c_double, "tq_probe_bf16": ctypes.c_double, "tq_probe_vnni": ctypes.c_double,
            "tq_probe_read": ctypes.c_float}
 _OFF = ("0", "off", "false", "no")
@@ -184,9 +186,10 @@ def kernel_paths() -> list[str]:
 
 
 def kernel_path() -> str:
-    """How this process multiplies int4/Q8_0 weights: ``avx512_vnni`` (long prompt chunks with int8 activations
-    on AVX-512 VNNI, their attention in bfloat16, everything else as ``avx2``), ``avx512_bf16`` (long prompt chunks
-    and their attention on bfloat16 panels, everything else as ``avx2``), ``avx2`` (int16 activations and float32 panels; long chunks dequantized
+    """How this process multiplies int4/Q8_0 weights: ``avx512_vnni`` (every row on int8 dot products of the weights
+    packed at load, `native.i8_matmul`: decode rows and short chunks with 15-bit activations, long prompt chunks with
+    8-bit ones and their attention in bfloat16), ``avx512_bf16`` (long prompt chunks and their attention on bfloat16
+    panels, everything else as ``avx2``), ``avx2`` (int16 activations and float32 panels; long chunks dequantized
     for a float32 GEMM), ``portable`` (the C without SIMD), ``invariant`` (every row on the int16 kernels and
     the C attention, whatever its step holds: a row's bits never depend on its batch; chosen only when asked
     for) or ``torch`` (no native library). The fastest the CPU has (`kernel_paths`) is chosen at start-up, or the one
