@@ -13,6 +13,7 @@ on or off. Rejected rows leave K/V past the sequence's end; the next step overwr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,33 +45,50 @@ SEQ_PRIOR = 2.0  # pseudo-verifications a sequence's estimate starts from: the e
 ENGINE_DECAY = 0.98  # the same across every sequence, per tail length
 ENGINE_PRIOR = (4.0, 1.0)  # (kept, missed) before any draft: a long tail's continuation is usually right
 COST_DECAY = 0.98  # weight of earlier steps in the fit of step time against rows
+SIZE_DECAY = 0.8  # weight of earlier steps in a row count's own running mean
 
 
 class StepCost:
-    """Step time against rows, fitted to the engine's own decode steps (weighted least squares, recent steps
-    weigh most): t = F + r rows. Its F / r says how many rows a draft row costs relative to a token."""
+    """Step time against rows, from the engine's own decode steps: a running mean per row count that has run, and
+    elsewhere the straight line t = F + r rows fitted to every step (weighted least squares, recent steps weigh
+    most). The line alone misjudged the packed int8 kernels, where 1-3 rows take about one weight pass and each
+    row past 4 a row's compute: it priced a draft row at batch 4 at 0.8 tokens when it cost 1.0."""
 
     def __init__(self, default_rows: float):
         self.default_rows = default_rows
         self.sums = [0.0] * 5  # weight, x, y, xx, xy
+        self.by_rows: dict[int, float] = {}  # rows -> running mean seconds
 
     def observe(self, rows: int, seconds: float) -> None:
         for i, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
             self.sums[i] = COST_DECAY * self.sums[i] + v
+        seen = self.by_rows.get(rows)
+        self.by_rows[rows] = seconds if seen is None else SIZE_DECAY * seen + (1 - SIZE_DECAY) * seconds
 
-    def step_rows(self) -> float:
+    def _line(self) -> tuple[float, float] | None:
+        """(F, r) of the fitted line, or None before steps of several sizes have run."""
         w, x, y, xx, xy = self.sums
-        if w < 4 or xx / w - (x / w) ** 2 < 0.25:  # too few steps, or all of one size: the default
-            return self.default_rows
+        if w < 4 or xx / w - (x / w) ** 2 < 0.25:  # too few steps, or all of one size
+            return None
         slope = (w * xy - x * y) / (w * xx - x * x)
         intercept = (y - slope * x) / w
-        if slope <= 0 or intercept <= 0:
-            return self.default_rows
-        return min(max(intercept / slope, 0.25), 16.0)
+        return (intercept, slope) if slope > 0 and intercept > 0 else None
 
-    def row_cost(self, batch: int) -> float:
-        """A draft row's cost relative to a token of plain decoding in a batch of `batch`: r / ((F + r B) / B)."""
-        return batch / (self.step_rows() + batch)
+    def step_rows(self) -> float:
+        """F / r of the line: a step's fixed cost in rows (the default until it is fitted)."""
+        line = self._line()
+        return self.default_rows if line is None else min(max(line[0] / line[1], 0.25), 16.0)
+
+    def relative(self, batch: int, draft: int) -> float:
+        """A step of `batch` decoding sequences that each verify `draft` tokens, against one without drafts."""
+        rows = batch * (1 + draft)
+        line = self._line()
+        if line is None or not draft:
+            return 1.0 + draft * batch / (self.step_rows() + batch)
+
+        def seconds(n: int) -> float:
+            return self.by_rows.get(n, line[0] + line[1] * n)
+        return max(seconds(rows) / seconds(batch), 1.0)
 
 
 @dataclass
@@ -84,12 +102,13 @@ class DraftState:
     tail: int = 0  # length of the tail the latest draft matched; 0: the grammar forced it
 
 
-def draft_length(acceptance: float, row_cost: float, most: int) -> int:
+def draft_length(acceptance: float, cost: Callable[[int], float], most: int) -> int:
     """The draft length that gives the most tokens per unit of step cost: a draft of k tokens each kept with
-    probability a (after the one before) yields (1 - a^(k+1)) / (1 - a) tokens for 1 + row_cost k."""
+    probability a (after the one before) yields (1 - a^(k+1)) / (1 - a) tokens for a step that costs cost(k) of one
+    without drafts."""
     def rate(k: int) -> float:
         tokens = k + 1 if acceptance >= 1.0 else (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
-        return tokens / (1.0 + row_cost * k)
+        return tokens / cost(k)
     return max(range(most + 1), key=rate)
 
 
@@ -152,7 +171,7 @@ class PromptLookup:
 
     def _take(self, state: DraftState, tail: int, candidates: list[int], batch: int) -> list[int]:
         """As many of the candidate tokens as pay for their rows in a step of `batch` decoding sequences."""
-        want = draft_length(self.acceptance(state, tail), self.cost.row_cost(batch), len(candidates))
+        want = draft_length(self.acceptance(state, tail), lambda k: self.cost.relative(batch, k), len(candidates))
         if want <= 0:  # the sequence's estimate drifts back to the engine's, so it tries again later
             state.kept *= SEQ_DECAY
             state.missed *= SEQ_DECAY

@@ -35,18 +35,28 @@ def test_draft_length_follows_acceptance_and_the_measured_row_cost():
     """Tokens per unit of step cost: no draft where a row costs much and drafts are seldom kept, long drafts
     where they are kept. A row's cost comes from the engine's own steps; a sequence's acceptance from its
     recent drafts on top of the engine's for the same tail length."""
-    assert draft_length(0.3, 0.45, 8) == 0 and draft_length(0.5, 0.45, 8) == 1
-    assert draft_length(0.9, 0.45, 8) == 3 and draft_length(0.99, 0.45, 8) == 8
-    assert draft_length(0.9, 0.1, 8) == 8 and draft_length(0.9, 0.45, 2) == 2
+    def linear(row_cost: float):
+        return lambda k: 1.0 + row_cost * k
+
+    assert draft_length(0.3, linear(0.45), 8) == 0 and draft_length(0.5, linear(0.45), 8) == 1
+    assert draft_length(0.9, linear(0.45), 8) == 3 and draft_length(0.99, linear(0.45), 8) == 8
+    assert draft_length(0.9, linear(0.1), 8) == 8 and draft_length(0.9, linear(0.45), 2) == 2
     cost = StepCost(default_rows=1.5)
-    assert cost.row_cost(1) == 1 / 2.5
+    assert cost.relative(1, 1) == 1 + 1 / 2.5
     for _ in range(10):
         cost.observe(1, 0.008)  # steps of one size say nothing of a row's cost
     assert cost.step_rows() == 1.5
     for rows in (2, 3, 5, 9) * 5:
         cost.observe(rows, 0.004 + 0.004 * rows)  # F = 4 ms, r = 4 ms: a step costs one row more than its rows
     assert cost.step_rows() == pytest.approx(1.0, rel=0.05)
-    assert 0 < cost.row_cost(1) < cost.row_cost(8) < 1  # relative to a token, a row costs more in a larger batch
+    # a size that ran is priced by its own steps (1 row's stale 8 ms has decayed), others by the line
+    assert cost.relative(4, 1) == pytest.approx((0.004 + 0.004 * 8) / (0.004 + 0.004 * 4), rel=0.05)
+    assert cost.relative(2, 1) == pytest.approx(0.02 / 0.012)
+    assert 1 < cost.relative(1, 1) < cost.relative(8, 1) < 2  # relative to a token, a row costs more in a larger batch
+    for rows in (4, 8) * 10:  # the packed int8 kernels: 4 rows cost one weight pass, 8 rows twice that
+        cost.observe(rows, 0.006 * (rows // 4))
+    assert cost.relative(4, 1) == pytest.approx(2.0)
+    assert draft_length(0.8, lambda k: cost.relative(4, k), 8) == 0  # the line alone would have drafted here
 
     drafter = PromptLookup(SpeculationConfig())
     seq = Sequence("s", [1, 2, 3, 4, 5, 6, 1, 2, 3], SamplingParams())
