@@ -79,16 +79,18 @@ class StepCost:
         line = self._line()
         return self.default_rows if line is None else min(max(line[0] / line[1], 0.25), 16.0)
 
-    def relative(self, batch: int, draft: int) -> float:
-        """A step of `batch` decoding sequences that each verify `draft` tokens, against one without drafts."""
-        rows = batch * (1 + draft)
+    def relative(self, batch: int) -> Callable[[int], float]:
+        """cost(k): a step of `batch` decoding sequences that each verify k draft tokens, against one without
+        drafts (the line fitted once, for every k a draft decision weighs)."""
         line = self._line()
-        if line is None or not draft:
-            return 1.0 + draft * batch / (self.step_rows() + batch)
+        if line is None:
+            row = batch / (self.default_rows + batch)
+            return lambda k: 1.0 + k * row
 
         def seconds(n: int) -> float:
             return self.by_rows.get(n, line[0] + line[1] * n)
-        return max(seconds(rows) / seconds(batch), 1.0)
+        base = seconds(batch)
+        return lambda k: max(seconds(batch * (1 + k)) / base, 1.0)
 
 
 @dataclass
@@ -171,7 +173,7 @@ class PromptLookup:
 
     def _take(self, state: DraftState, tail: int, candidates: list[int], batch: int) -> list[int]:
         """As many of the candidate tokens as pay for their rows in a step of `batch` decoding sequences."""
-        want = draft_length(self.acceptance(state, tail), lambda k: self.cost.relative(batch, k), len(candidates))
+        want = draft_length(self.acceptance(state, tail), self.cost.relative(batch), len(candidates))
         if want <= 0:  # the sequence's estimate drifts back to the engine's, so it tries again later
             state.kept *= SEQ_DECAY
             state.missed *= SEQ_DECAY

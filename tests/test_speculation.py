@@ -42,7 +42,7 @@ def test_draft_length_follows_acceptance_and_the_measured_row_cost():
     assert draft_length(0.9, linear(0.45), 8) == 3 and draft_length(0.99, linear(0.45), 8) == 8
     assert draft_length(0.9, linear(0.1), 8) == 8 and draft_length(0.9, linear(0.45), 2) == 2
     cost = StepCost(default_rows=1.5)
-    assert cost.relative(1, 1) == 1 + 1 / 2.5
+    assert cost.relative(1)(1) == 1 + 1 / 2.5
     for _ in range(10):
         cost.observe(1, 0.008)  # steps of one size say nothing of a row's cost
     assert cost.step_rows() == 1.5
@@ -50,13 +50,13 @@ def test_draft_length_follows_acceptance_and_the_measured_row_cost():
         cost.observe(rows, 0.004 + 0.004 * rows)  # F = 4 ms, r = 4 ms: a step costs one row more than its rows
     assert cost.step_rows() == pytest.approx(1.0, rel=0.05)
     # a size that ran is priced by its own steps (1 row's stale 8 ms has decayed), others by the line
-    assert cost.relative(4, 1) == pytest.approx((0.004 + 0.004 * 8) / (0.004 + 0.004 * 4), rel=0.05)
-    assert cost.relative(2, 1) == pytest.approx(0.02 / 0.012)
-    assert 1 < cost.relative(1, 1) < cost.relative(8, 1) < 2  # relative to a token, a row costs more in a larger batch
+    assert cost.relative(4)(1) == pytest.approx((0.004 + 0.004 * 8) / (0.004 + 0.004 * 4), rel=0.05)
+    assert cost.relative(2)(1) == pytest.approx(0.02 / 0.012)
+    assert 1 < cost.relative(1)(1) < cost.relative(8)(1) < 2  # relative to a token, a row costs more in a larger batch
     for rows in (4, 8) * 10:  # the packed int8 kernels: 4 rows cost one weight pass, 8 rows twice that
         cost.observe(rows, 0.006 * (rows // 4))
-    assert cost.relative(4, 1) == pytest.approx(2.0)
-    assert draft_length(0.8, lambda k: cost.relative(4, k), 8) == 0  # the line alone would have drafted here
+    assert cost.relative(4)(1) == pytest.approx(2.0)
+    assert draft_length(0.8, cost.relative(4), 8) == 0  # the line alone would have drafted here
 
     drafter = PromptLookup(SpeculationConfig())
     seq = Sequence("s", [1, 2, 3, 4, 5, 6, 1, 2, 3], SamplingParams())
