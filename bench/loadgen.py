@@ -19,12 +19,14 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
+import msgspec
 
 from bench.datasets import Prompt
 from bench.target import Target
@@ -132,51 +134,73 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: Prompt, index:
 
 async def _stream(client: httpx.AsyncClient, target: Target, path: str, body: dict[str, Any], t0: float,
                   rec: RequestRecord, opts: Options) -> None:
-    counted = 0
-    done = False
+    """Read the SSE stream, noting when each content chunk arrived; its tokens are counted once it has ended,
+    so the tokenizer's CPU is not taken from a server that shares the machine while it streams."""
+    arrivals: list[tuple[float, str]] = []
+    try:
+        done = await _read_events(client, target, path, body, t0, rec, arrivals)
+    finally:
+        if arrivals:
+            rec.ttft = arrivals[0][0]
+        count = opts.count_tokens
+        rec.chunks = [(at, max(1, count(text)) if count else 1) for at, text in arrivals]
+    if rec.ok and not done:
+        rec.error_kind, rec.error = "incomplete", "the stream ended without data: [DONE]"
+    elif rec.ok and rec.usage_source != "server":
+        rec.output_tokens = sum(k for _, k in rec.chunks)
+
+
+async def _read_events(client: httpx.AsyncClient, target: Target, path: str, body: dict[str, Any], t0: float,
+                       rec: RequestRecord, arrivals: list[tuple[float, str]]) -> bool:
+    """Each content chunk's arrival and text into `arrivals`, usage and errors into `rec`; True at ``[DONE]``."""
     async with client.stream("POST", target.base_url + path, json=body, headers=target.headers()) as r:
         if r.status_code != 200:
             rec.error_kind, rec.error = _error_of(r.status_code, (await r.aread()).decode("utf-8", "replace"))
-            return
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue  # blank separators, ": keep-alive" comments
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            try:
-                event = json.loads(data)
-            except ValueError:
-                rec.error_kind, rec.error = "bad_event", f"not JSON: {data[:200]}"
-                return
-            if event.get("error"):
-                err = event["error"]
-                code = err.get("code") if isinstance(err, dict) else None
-                rec.error_kind = "stream_error" + (f":{code}" if code else "")
-                rec.error = str(err.get("message") if isinstance(err, dict) else err)[:300]
-                return
-            usage = event.get("usage")
-            if usage and usage.get("completion_tokens") is not None:
-                rec.output_tokens = int(usage["completion_tokens"])
-                rec.usage_source = "server"
-                if usage.get("prompt_tokens") is not None:
-                    rec.prompt_tokens = int(usage["prompt_tokens"])
-            for choice in event.get("choices") or []:
-                delta = choice.get("delta") or {}
-                text = delta.get("content") or delta.get("reasoning_content") or choice.get("text") or ""
-                if not text:
-                    continue
-                now = time.perf_counter() - t0
-                k = max(1, opts.count_tokens(text)) if opts.count_tokens else 1
-                if rec.ttft is None:
-                    rec.ttft = now
-                rec.chunks.append((now, k))
-                counted += k
-    if not done:
-        rec.error_kind, rec.error = "incomplete", "the stream ended without data: [DONE]"
-    elif rec.usage_source != "server":
-        rec.output_tokens = counted
+            return False
+        async with aclosing(_sse_data(r)) as events:
+            async for data in events:
+                if data == b"[DONE]":
+                    return True
+                try:
+                    event = _decode_event(data)
+                except msgspec.DecodeError:
+                    rec.error_kind, rec.error = "bad_event", f"not JSON: {data[:200].decode('utf-8', 'replace')}"
+                    return False
+                if event.get("error"):
+                    err = event["error"]
+                    code = err.get("code") if isinstance(err, dict) else None
+                    rec.error_kind = "stream_error" + (f":{code}" if code else "")
+                    rec.error = str(err.get("message") if isinstance(err, dict) else err)[:300]
+                    return False
+                usage = event.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    rec.output_tokens = int(usage["completion_tokens"])
+                    rec.usage_source = "server"
+                    if usage.get("prompt_tokens") is not None:
+                        rec.prompt_tokens = int(usage["prompt_tokens"])
+                for choice in event.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    text = delta.get("content") or delta.get("reasoning_content") or choice.get("text") or ""
+                    if text:
+                        arrivals.append((time.perf_counter() - t0, text))
+    return False
+
+
+_decode_event = msgspec.json.Decoder(dict).decode
+
+
+async def _sse_data(r: httpx.Response) -> AsyncIterator[bytes]:
+    """The payload of each ``data:`` line of a server-sent event stream, as it arrives (comments and blank
+    separators skipped)."""
+    pending = b""
+    async for chunk in r.aiter_bytes():
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+    if pending.startswith(b"data:"):
+        yield pending[5:].strip()
 
 
 def arrival_gaps(rate: float, burstiness: float, rng: random.Random) -> Callable[[], float]:

@@ -169,6 +169,13 @@ def fake_llama_server(seen: list[dict]) -> httpx.MockTransport:
         if content == "fails":
             return httpx.Response(200, content=sse(words[0], {"error": {"message": "boom", "code": "worker_lost"}},
                                                    b"[DONE]"))
+        if content == "pieces":  # two tokens in one chunk, the bytes arriving 3 at a time (lines cut anywhere)
+            body = sse(words[0], {"choices": [{"delta": {"content": " capital is"}}]}, words[3], b"[DONE]")
+
+            async def by_three():
+                for i in range(0, len(body), 3):
+                    yield body[i:i + 3]
+            return httpx.Response(200, content=by_three())
         return httpx.Response(200, content=b": keep-alive\n\n" + sse({"choices": [{"delta": {"role": "assistant"}}]},
                                                                      *words, b"[DONE]"))
     return httpx.MockTransport(handler)
@@ -185,11 +192,11 @@ def test_stream_parsing_and_server_identity() -> None:
         async with httpx.AsyncClient(transport=transport) as client:
             server = await identify(client, "http://llama:8080/v1")
             recs = [await send(client, target, Prompt([{"role": "user", "content": c}], None, 4, None), i, 0.0,
-                               Options())
-                    for i, c in enumerate(("ok", "busy", "cut", "fails"))]
+                               Options(count_tokens=lambda text: len(text.split())))
+                    for i, c in enumerate(("ok", "busy", "cut", "fails", "pieces"))]
         return server, recs
 
-    server, (ok, busy, cut, fails) = asyncio.run(go())
+    server, (ok, busy, cut, fails, pieces) = asyncio.run(go())
     assert server["kind"] == "llama.cpp" and server["models"] == ["smol.gguf"]
     assert server["props"] == {"total_slots": 16, "n_ctx": 32768, "build_info": "b1"}
     assert seen[0]["ignore_eos"] is True and seen[0]["stream"] is True and seen[0]["max_tokens"] == 4
@@ -198,6 +205,9 @@ def test_stream_parsing_and_server_identity() -> None:
     assert ok.ttft == ok.chunks[0][0] and ok.e2e >= ok.ttft
     assert (busy.error_kind, busy.error) == ("http_503:no_workers", "no slot")
     assert cut.error_kind == "incomplete" and fails.error_kind == "stream_error:worker_lost"
+    assert len(cut.chunks) == 2 and len(fails.chunks) == 1  # what arrived before the stream went wrong
+    assert pieces.ok and [k for _, k in pieces.chunks] == [1, 2, 1] and pieces.output_tokens == 4
+    assert len(pieces.gaps()) == 3
     assert normalize_base_url("http://h:1/") == normalize_base_url("http://h:1/v1") == "http://h:1/v1"
     with pytest.raises(ValueError, match="expected http://host:port"):
         normalize_base_url("h:1")
