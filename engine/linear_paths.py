@@ -82,13 +82,14 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(w, x.T).T.contiguous()
 
 
-VNNI = "avx512_vnni"  # the kernel path that multiplies every row with `native.i8_matmul`
-KERNEL_DIGITS = 2  # its kernel rows' activations: two int8 digits (15 bits; one changed greedy outputs)
+KERNEL_DIGITS = 2  # kernel path avx512_vnni's kernel rows: two int8 digits (15 bits; one changed greedy outputs)
 
 
-class PackedForVnni:
-    """A weight of integer codes that kernel path avx512_vnni multiplies as `native.I8Panels`, packed on first use
-    (a process on another path never packs; the model packs its layers when it loads on this one)."""
+class CodedWeight:
+    """A weight of int4/Q8_0 codes and its kernel rows on this process's path: int8 panels on avx512_vnni (packed
+    on first use: a process on another path never packs, the model packs its layers when it loads on this one),
+    the weight's own int16 kernel (`native_kernel`) on the other native paths, torch's (`torch_kernel`) without
+    the native library."""
 
     _i8: native.I8Panels | None = None
 
@@ -96,6 +97,13 @@ class PackedForVnni:
         if self._i8 is None:
             self._i8 = native.i8_pack(*self.panel_codes())
         return self._i8
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if not native.available():
+            return self.torch_kernel(x)
+        if native.kernel_path() == native.VNNI:
+            return native.i8_matmul(x, self.i8_panels(), KERNEL_DIGITS)
+        return self.native_kernel(x)
 
 
 class QuantizedWeight(Protocol):

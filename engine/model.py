@@ -27,7 +27,7 @@ from engine import native
 from engine.attention import DecodeAttention, PagedAttention, span_attention
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.linear_paths import KERNELS, VNNI, Workspace
+from engine.linear_paths import KERNELS, Workspace
 from engine.quant import DenseWeight, Int4Weight, Q8Weight, Weight, weight_from_tensors
 from engine.rope import apply_rope, rope_frequencies
 from kv.pool import KVPool
@@ -237,7 +237,7 @@ class DecoderModel:
         layer is a kind it multiplies; None elsewhere. Built once per path (avx512_vnni's pack the weights)."""
         path = native.kernel_path()
         if path not in self._fused:
-            self._fused[path] = self._fused_layers(path == VNNI)
+            self._fused[path] = self._fused_layers(path == native.VNNI)
         return self._fused[path]
 
     def _fused_layers(self, packed: bool) -> list[native.Layer] | None:

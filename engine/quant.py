@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine import native
-from engine.linear_paths import KERNEL_DIGITS, VNNI, PackedForVnni, Workspace, dense_matmul, split_call
+from engine.linear_paths import CodedWeight, Workspace, dense_matmul, split_call
 
 GROUP = 32  # weights per int4 scale/offset group (GGUF's block size)
 KERNEL_DTYPE = torch.bfloat16  # activation dtype of torch's int4/int8 CPU kernels (fp16/fp32 run unvectorized)
@@ -55,7 +55,7 @@ class DenseWeight:
         return {prefix: self.w}
 
 
-class Int4Weight(PackedForVnni):
+class Int4Weight(CodedWeight):
     """int4 codes (0..15) with a float16 scale d and offset m per group of 32 along a row, w = d q + m:
     GGUF's Q4_0/Q4_1 blocks exactly (Q4_0: m = -8 d).
 
@@ -112,11 +112,10 @@ class Int4Weight(PackedForVnni):
         """What `engine.native`'s long-chunk matmuls take: (kind, codes, scales)."""
         return "int4", self.qs, self.dm
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if native.available():
-            if native.kernel_path() == VNNI:
-                return native.i8_matmul(x, self.i8_panels(), KERNEL_DIGITS)
-            return native.q4_matmul(x, self.qs, self.dm)
+    def native_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return native.q4_matmul(x, self.qs, self.dm)
+
+    def torch_kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self._torch_layout is None:
             d, m = self.scales()
             packed = torch._convert_weight_to_int4pack_for_cpu(self.codes().to(torch.int32), 2)
@@ -200,7 +199,7 @@ class Int8Weight:
         return {f"{prefix}.int8": self.q, f"{prefix}.scales": self.scales}
 
 
-class Q8Weight(PackedForVnni):
+class Q8Weight(CodedWeight):
     """A GGUF's Q8_0 blocks as they are: int8 codes with a float16 scale per 32 weights along a row
     (``w = scale * q``), so nothing is rounded again (a per-row int8 copy raised perplexity 0.5%).
 
@@ -237,11 +236,10 @@ class Q8Weight(PackedForVnni):
         """What `engine.native`'s long-chunk matmuls take: (kind, codes, scales)."""
         return "q8_0", self.q, self.scales
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if native.available():
-            if native.kernel_path() == VNNI:
-                return native.i8_matmul(x, self.i8_panels(), KERNEL_DIGITS)
-            return native.q8_matmul(x, self.q, self.scales)
+    def native_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return native.q8_matmul(x, self.q, self.scales)
+
+    def torch_kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self._fallback is None:
             self._fallback = Int8Weight.quantize(self.dequantize())
         return self._fallback.kernel(x)

@@ -28,6 +28,7 @@ from engine.native.dispatch import (
     KERNEL_PATHS,
     KINDS,
     PANEL_PRECISION,
+    VNNI,
     available,
     kernel_path,
     kernel_paths,
@@ -38,7 +39,7 @@ from engine.native.dispatch import (
     variant_file,
 )
 
-__all__ = ["BF16_ATTENTION_PATHS", "BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES",
+__all__ = ["BF16_ATTENTION_PATHS", "BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES", "VNNI",
            "I8Panels", "Layer", "LayerStep", "Linear", "argmax", "available", "bf16_attention", "bf16_matmul",
            "i8_linear", "i8_matmul", "i8_pack", "int4_dequantize", "kernel_path", "kernel_paths", "layer", "library", "linear", "paged_attention",
            "panel_min_rows", "q4_matmul", "q8_matmul",
@@ -172,7 +173,7 @@ def panel_min_rows(kind: str) -> int:
     """The fewest rows a matmul of `kind` ("int4", "q8_0") computes with float32 panels instead of int16
     activations: a row's bits are the same in any batch on its side of this (ops.c says why it switches). Never
     on kernel paths invariant and avx512_vnni, whose kernel rows take one computation at any count."""
-    if row_invariant() or kernel_path() == "avx512_vnni":
+    if row_invariant() or kernel_path() == VNNI:
         return 2**63 - 1
     return int(library().tq_panel_min_rows(KINDS[kind]))
 

@@ -142,7 +142,8 @@ def available() -> bool:
 
 
 INVARIANT = "invariant"
-KERNEL_PATHS = ("avx512_vnni", "avx512_bf16", "avx2", "portable", INVARIANT)  # every path a build can have; see kernel_path
+VNNI = "avx512_vnni"  # every row on int8 dot products of packed weights (`engine.native.i8_matmul`)
+KERNEL_PATHS = (VNNI, "avx512_bf16", "avx2", "portable", INVARIANT)  # every path a build can have; see kernel_path
 _chosen = ["torch"]
 _variant = ["none"]
 
@@ -150,7 +151,7 @@ _variant = ["none"]
 def _paths(lib: ctypes.CDLL) -> list[str]:
     simd = ["avx2"] if lib.tq_panel_min_rows(KINDS["int4"]) < 2**62 else ["portable"]
     if lib.tq_has_bf16():
-        bf16 = ["avx512_vnni", "avx512_bf16"] if lib.tq_has_i8() else ["avx512_bf16"]
+        bf16 = [VNNI, "avx512_bf16"] if lib.tq_has_i8() else ["avx512_bf16"]
         simd = [*bf16, *simd] if _bf16_pays(lib) else [*simd, *bf16]
     return [*simd, INVARIANT]
 
@@ -199,7 +200,7 @@ def kernel_path() -> str:
 
 #: kernel path -> what its long prompt chunks' matmuls multiply in, on panels of the compact weights (the paths not
 #: named dequantize the weights for a float32 GEMM); both of these attend in bfloat16 too
-PANEL_PRECISION = {"avx512_vnni": "int8", "avx512_bf16": "bfloat16"}
+PANEL_PRECISION = {VNNI: "int8", "avx512_bf16": "bfloat16"}
 BF16_ATTENTION_PATHS = tuple(PANEL_PRECISION)
 
 
