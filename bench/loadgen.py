@@ -2,8 +2,8 @@
 
 Each request streams (``stream_options.include_usage`` and ``ignore_eos``, which tandem,
 llama-server and vLLM all accept) and records when every content chunk arrived and how many
-tokens it carried: counted with the model's tokenizer where there is one (a chunk of *k*
-tokens later counts as *k* gaps), else one per chunk. The output token count comes from the
+tokens it carried: counted with the model's tokenizer where there is one, once the stream has
+ended (a chunk of *k* tokens later counts as *k* gaps), else one per chunk. The output token count comes from the
 stream's usage when the server sends one, else from the chunks (``usage_source``).
 
 Arrivals follow ``vllm bench serve``: gaps drawn from a gamma distribution with shape
