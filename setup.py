@@ -1,4 +1,4 @@
-"""Builds engine/native/ops.c once per instruction-set variant (engine/native/build.py) at install time.
+"""Builds the C of engine/native/csrc once per instruction-set variant (engine/native/build.py) at install time.
 
 A variant the compiler cannot build (an old compiler, another architecture) is left out with a warning; a
 machine where none builds installs anyway and runs torch's operations (engine.native says so at start-up).
@@ -20,8 +20,8 @@ _spec.loader.exec_module(native_build)
 
 
 class BuildVariants(build_ext):
-    """Each variant compiles the same ops.c with its own flags, so each gets its own object folder. A variant that
-    does not build leaves no library behind: one an earlier build left was compiled from another ops.c, and
+    """Each variant compiles the same C with its own flags, so each gets its own object folder. A variant that
+    does not build leaves no library behind: one an earlier build left was compiled from other C, and
     engine.native would refuse it (its source hash) and run torch's operations instead of the next variant."""
 
     def initialize_options(self) -> None:
@@ -54,10 +54,12 @@ class BuildVariants(build_ext):
         return []  # a library of C functions for ctypes, not a Python module
 
 
+_CSRC = Path(__file__).parent / "engine/native/csrc"
 setup(
     ext_modules=[
-        Extension(f"engine.native.{v.module}", sources=["engine/native/ops.c"], extra_compile_args=native_build.compile_args(
-            v, Path(__file__).parent / "engine/native/ops.c"), extra_link_args=["-fopenmp"], libraries=["m"])
+        Extension(f"engine.native.{v.module}", sources=[f"engine/native/csrc/{p.name}" for p in native_build.sources(_CSRC)],
+                  depends=[f"engine/native/csrc/{p.name}" for p in sorted(_CSRC.glob("*.h"))],
+                  extra_compile_args=native_build.compile_args(v, _CSRC), extra_link_args=["-fopenmp"], libraries=["m"])
         for v in native_build.VARIANTS if v.builds_here()
     ],
     cmdclass={"build_ext": BuildVariants},

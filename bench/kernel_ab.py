@@ -1,10 +1,10 @@
-"""Two builds of engine/native/ops.c side by side in one process: an earlier commit's and this tree's.
+"""Two builds of engine/native's C side by side in one process: an earlier commit's and this tree's.
 
     python -m bench.kernel_ab --baseline REV [--prefill 256,1024,2000] [--rows 255,256,512] [--rounds 5]
     python -m bench.kernel_ab --old PATH/TO/_ops_avx512....so
 
 On a shared machine whose speed moves from one minute to the next, two kernel versions compare fairly only when
-they take turns call by call. `--baseline REV` extracts REV (`bench.baseline.source_tree`), builds its ops.c
+they take turns call by call. `--baseline REV` extracts REV (`bench.baseline.source_tree`), builds its C
 there (`setup.py build_ext --inplace`), and loads the build of this process's variant next to this tree's
 library with ctypes; `engine.native`'s wrappers call whichever library is swapped in. Measured, old then new in
 turn: the long-chunk matmuls on the default model's four shapes (bfloat16 panels, and int8 activations where
@@ -45,7 +45,7 @@ HEADS, KV_HEADS, D, BLOCK = 9, 3, 64, 16  # its attention
 
 
 def build_of(rev: str) -> Path:
-    """The library of this process's variant built from `rev`'s ops.c (built once per commit)."""
+    """The library of this process's variant built from `rev`'s C (built once per commit)."""
     tree = source_tree(rev)
     variant = next(v for v in VARIANTS if v.name == native.variant())
     lib = tree / "engine" / "native" / f"{variant.module}{sysconfig.get_config_var('EXT_SUFFIX')}"
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.kernel_ab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     old = ap.add_mutually_exclusive_group(required=True)
-    old.add_argument("--baseline", metavar="REV", help="the commit whose ops.c to compare")
+    old.add_argument("--baseline", metavar="REV", help="the commit whose C to compare")
     old.add_argument("--old", metavar="PATH", help="a built library to compare (of this process's variant)")
     ap.add_argument("--rows", default="255,256,512", help="matmul rows (default 255,256,512)")
     ap.add_argument("--chunks", default="256:256,512:1024,512:2000",

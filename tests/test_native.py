@@ -198,7 +198,7 @@ def test_without_the_library_int4_runs_torchs_kernel_on_the_same_codes(monkeypat
 
 
 def _builds() -> list[str]:
-    """The installed builds of ops.c this CPU runs, best first."""
+    """The installed builds of the C this CPU runs, best first."""
     from engine.native.build import VARIANTS, cpu_flags
 
     return [v.name for v in VARIANTS if v.runs_on(cpu_flags()) and native.variant_file(v) is not None]
@@ -206,7 +206,7 @@ def _builds() -> list[str]:
 
 @contextlib.contextmanager
 def build(monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[None]:
-    """This process on another build of ops.c (TANDEM_NATIVE), the default one back after."""
+    """This process on another build of the C (TANDEM_NATIVE), the default one back after."""
     native.library.cache_clear()
     try:
         with monkeypatch.context() as m:
@@ -219,7 +219,7 @@ def build(monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[None]:
 
 
 def test_the_install_built_the_best_variant_this_cpu_runs():
-    """setup.py compiled ops.c per variant when the package was installed; a process takes the best one."""
+    """setup.py compiled the C per variant when the package was installed; a process takes the best one."""
     from engine.native.build import VARIANTS, cpu_flags
 
     best = next(v for v in VARIANTS if v.runs_on(cpu_flags()))
@@ -230,7 +230,7 @@ def test_the_install_built_the_best_variant_this_cpu_runs():
 
 def test_a_variant_that_does_not_build_leaves_no_old_library_behind(tmp_path):
     """`setup.py build_ext --inplace` (pip install -e) with a compiler that fails: the build still ends well, and
-    every variant's library an earlier build left (compiled from another ops.c, which engine.native would refuse,
+    every variant's library an earlier build left (compiled from other C, which engine.native would refuse,
     falling back to torch's operations) is gone, from the source tree and from build/."""
     import shutil
     import subprocess
@@ -241,12 +241,13 @@ def test_a_variant_that_does_not_build_leaves_no_old_library_behind(tmp_path):
 
     root = pathlib.Path(__file__).parents[1]
     (tmp_path / "engine/native").mkdir(parents=True)
-    for name in ("setup.py", "pyproject.toml", "engine/native/build.py", "engine/native/ops.c"):
+    for name in ("setup.py", "pyproject.toml", "engine/native/build.py"):
         shutil.copy(root / name, tmp_path / name)
+    shutil.copytree(root / "engine/native/csrc", tmp_path / "engine/native/csrc")
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     stale = [tmp_path / "engine/native" / f"{v.module}{suffix}" for v in VARIANTS if v.builds_here()]
     for path in stale:
-        path.write_bytes(b"built from an older ops.c")
+        path.write_bytes(b"built from older C")
     done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "CC": "false"})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -257,7 +258,7 @@ def test_a_variant_that_does_not_build_leaves_no_old_library_behind(tmp_path):
 
 @pytest.mark.parametrize("other", _builds()[1:] or [pytest.param("portable", marks=pytest.mark.skip)])
 def test_every_build_computes_what_the_best_one_does(monkeypatch, other):
-    """Another build of the same ops.c (AVX2 on an AVX-512 machine, or the portable C without SIMD: what a
+    """Another build of the same C (AVX2 on an AVX-512 machine, or the portable C without SIMD: what a
     machine without those instructions loads) gives the same results to float32 rounding or, where one build
     multiplies float32 panels (many rows) and the other int16 activations, to the int16 rounding (~1e-5). The best
     build runs its avx2 path here: avx512_vnni's int8 dot products are their own test's."""
@@ -301,15 +302,15 @@ def test_without_a_library_the_model_runs_torch_operations_and_says_so(monkeypat
             m.setattr(dispatch, "variant_file", lambda variant: None)  # installed without a compiler
             with caplog.at_level("WARNING", logger="tandem.native"):
                 assert library() is None
-            assert "no build of engine/native/ops.c is installed" in caplog.text
+            assert "no build of engine/native/csrc is installed" in caplog.text
             assert "not the native path's numbers" in caplog.text
             library.cache_clear()
             m.undo()
-            m.setattr(dispatch, "source_hash", lambda: "0123456789abcdef")  # ops.c edited since the build
+            m.setattr(dispatch, "source_hash", lambda: "0123456789abcdef")  # the C edited since the build
             caplog.clear()
             with caplog.at_level("WARNING", logger="tandem.native"):
                 assert library() is None
-            assert "was built from another ops.c" in caplog.text and "build_ext --inplace" in caplog.text
+            assert "was built from other C" in caplog.text and "build_ext --inplace" in caplog.text
             library.cache_clear()
             m.undo()
             m.setenv("TANDEM_NATIVE", "sse9")
@@ -442,7 +443,7 @@ VNNI = pytest.mark.skipif("avx512_vnni" not in kernel_paths(), reason="this CPU 
 
 def _int8_reference(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                     digits: int = 1) -> torch.Tensor:
-    """x @ W.T as ops.c's int8 path defines it, in float64: each group of 32 activations rounded to p = round(x /
+    """x @ W.T as the C's int8 path defines it, in float64: each group of 32 activations rounded to p = round(x /
     s) (s = max |x| / top, ties to even; top 127 for one int8 digit, 16383 for two), sum over groups of s (d I + m P),
     I = p . q, P = sum p."""
     top = 127.0 if digits == 1 else 16383.0

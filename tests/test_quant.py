@@ -234,7 +234,7 @@ def test_long_chunk_rows_on_each_kernel_path(cls, kernel_path):
 @pytest.mark.parametrize("cls", [Int4Weight, Q8Weight])
 def test_any_number_of_threads_computes_the_same_bits(cls, kernel_path):
     """Each thread starts on its own range of a matmul's tiles or panels and, once done, takes chunks from the back
-    of the others' (ops.c `share_next`). With more threads than cores some are preempted and their chunks taken
+    of the others' (csrc/threads.c `share_next`). With more threads than cores some are preempted and their chunks taken
     by others: every output must still be computed once, the same way, so 1 to 4 threads give the same bits, again
     and again (batch 1's 1 x 2 tiles, R x 1 tiles, float32 panels, and a long chunk's bfloat16 or int8 panels)."""
     if kernel_path == "torch":

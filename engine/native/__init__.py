@@ -1,4 +1,4 @@
-"""The forward pass in C (``ops.c``): small operations, quantized matmuls, whole layers; built when the
+"""The forward pass in C (``csrc/``, a file per job; ``csrc/ops.h`` lists them): small operations, quantized matmuls, whole layers; built when the
 package is installed and loaded with ctypes.
 
 A decode step of the default model is ~30 layers of tiny tensors; in torch each RMSNorm, RoPE, KV write and
@@ -6,7 +6,7 @@ decode attention is several operations of 2-20 µs dispatch each, which added up
 Here each is one call, the int4/Q8_0 weights are multiplied as the GGUF stores them (`q4_matmul`,
 `q8_matmul`), and a layer of such weights can run as one call (`LayerStep`).
 
-``setup.py`` compiles ``ops.c`` once per instruction-set variant (`engine.native.build`: ``avx512``,
+``setup.py`` compiles ``csrc/`` once per instruction-set variant (`engine.native.build`: ``avx512``,
 ``avx2``, ``portable``); `engine.native.dispatch` loads the best one the CPU runs and picks the kernel path.
 Without one the engine runs torch's operations, which are not the same computation: int4 weights through
 torch's bfloat16 kernel, Q8_0 re-quantized to int8 per channel (the start-up warning says so; `kernel_path` is
@@ -51,7 +51,7 @@ def _threads() -> int:
 
 
 def _ptr(t: torch.Tensor, dtypes: torch.dtype | tuple[torch.dtype, ...], what: str, rows_apart: bool = False) -> int:
-    """`t`'s address for ops.c, once `t` is what the C reads there: CPU memory of one of `dtypes`, dense (with
+    """`t`'s address for the C, once `t` is what the C reads there: CPU memory of one of `dtypes`, dense (with
     `rows_apart`: each row dense, the rows at t.stride(0), which the caller passes along). A mismatch is a
     ValueError here, not a read of the wrong bytes."""
     dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
@@ -103,13 +103,13 @@ POOL_DTYPES = (torch.float32, torch.float16)  # the KV pool dtypes the C attenti
 
 
 def _pool_view(view: torch.Tensor, what: str) -> tuple[int, int]:
-    """A view of the pool [blocks, block_size, kv_heads, d] (one block every view.stride(0)) for ops.c: its
-    address, and 1 where it holds float16, 0 for float32 (what ops.c's K/V readers and writers take)."""
+    """A view of the pool [blocks, block_size, kv_heads, d] (one block every view.stride(0)) for the C: its
+    address, and 1 where it holds float16, 0 for float32 (what the C's K/V readers and writers take)."""
     return _ptr(view, POOL_DTYPES, what, rows_apart=True), int(view.dtype == torch.float16)
 
 
 def _pool_ptrs(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int, int]:
-    """The pool's key and value views for ops.c, laid out alike: their addresses and their float16 flag."""
+    """The pool's key and value views for the C, laid out alike: their addresses and their float16 flag."""
     if values.shape != keys.shape or values.stride() != keys.stride() or values.dtype != keys.dtype:
         raise ValueError(f"engine.native: the pool's keys {tuple(keys.shape)} {keys.stride()} and values "
                          f"{tuple(values.shape)} {values.stride()} must be laid out alike")
@@ -171,7 +171,7 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tens
 
 def panel_min_rows(kind: str) -> int:
     """The fewest rows a matmul of `kind` ("int4", "q8_0") computes with float32 panels instead of int16
-    activations: a row's bits are the same in any batch on its side of this (ops.c says why it switches). Never
+    activations: a row's bits are the same in any batch on its side of this (csrc/panels.c says why it switches). Never
     on kernel paths invariant and avx512_vnni, whose kernel rows take one computation at any count."""
     if row_invariant() or kernel_path() == VNNI:
         return 2**63 - 1
@@ -182,7 +182,7 @@ _CODES = {"int4": torch.uint8, "q8_0": torch.int8}  # each weight kind's code by
 
 
 def _weight_ptrs(kind: str, w: torch.Tensor, scales: torch.Tensor, k: int | None = None) -> tuple[int, int, int, int]:
-    """(codes, scales, n, k) of a `kind` weight for ops.c: int4 codes [n, k / 2] with float16 (d, m) [n, 2, k / 32],
+    """(codes, scales, n, k) of a `kind` weight for the C: int4 codes [n, k / 2] with float16 (d, m) [n, 2, k / 32],
     or Q8_0 codes [n, k] with float16 scales [n, k / 32] (scales as int16 bits); `k` the activations' width."""
     n, cols = w.shape
     width = cols * 2 if kind == "int4" else cols
@@ -222,7 +222,7 @@ def bf16_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tenso
 
 @dataclass(frozen=True)
 class I8Panels:
-    """An int4 or Q8_0 weight [n, k] packed for `i8_matmul` (ops.c's `tq_i8_pack`: the same bytes, in panels of 32
+    """An int4 or Q8_0 weight [n, k] packed for `i8_matmul` (csrc/i8_panels.c `tq_i8_pack`: the same bytes, in panels of 32
     rows)."""
 
     kind: str
@@ -231,7 +231,7 @@ class I8Panels:
     data: torch.Tensor
 
 
-I8_PANELS = 16  # ops.c's KIND_I8: a `Linear` of packed panels
+I8_PANELS = 16  # csrc/layer.c's KIND_I8: a `Linear` of packed panels
 
 
 def i8_pack(kind: str, w: torch.Tensor, scales: torch.Tensor) -> I8Panels:

@@ -1,5 +1,5 @@
-"""How ``ops.c`` is compiled: one shared library per instruction-set variant, built when the package is
-installed (``setup.py``), the best one the CPU runs chosen when a process starts (``engine.native``).
+"""How the C in ``csrc/`` is compiled: one shared library per instruction-set variant, built when the package
+is installed (``setup.py``), the best one the CPU runs chosen when a process starts (``engine.native``).
 
 No imports from the project or torch: ``setup.py`` loads this file by path in the build environment.
 """
@@ -11,13 +11,13 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("ops.c")
+CSRC = Path(__file__).with_name("csrc")  # the library's C: its files, one job each, and the header they share
 COMMON_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-fno-wrapv")  # Python's CFLAGS add -fwrapv
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One build of ops.c: its compiler flags and the CPU flags (``/proc/cpuinfo`` names) it needs."""
+    """One build of the C: its compiler flags and the CPU flags (``/proc/cpuinfo`` names) it needs."""
 
     name: str
     flags: tuple[str, ...]
@@ -50,13 +50,22 @@ VARIANTS = (
 )
 
 
-def source_hash(source: Path = SOURCE) -> str:
-    """What a library says it was built from (``tq_source_hash``): a stale build is refused, not run."""
-    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+def sources(csrc: Path = CSRC) -> list[Path]:
+    """The C files one library is compiled from."""
+    return sorted(csrc.glob("*.c"))
 
 
-def compile_args(variant: Variant, source: Path = SOURCE) -> list[str]:
-    return [*COMMON_FLAGS, *variant.flags, f'-DTQ_SOURCE_HASH="{source_hash(source)}"']
+def source_hash(csrc: Path = CSRC) -> str:
+    """What a library says it was built from (``tq_source_hash``): every file of ``csrc`` (names and bytes), so
+    a stale build is refused, not run."""
+    digest = hashlib.sha256()
+    for path in sorted([*csrc.glob("*.c"), *csrc.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def compile_args(variant: Variant, csrc: Path = CSRC) -> list[str]:
+    return [*COMMON_FLAGS, *variant.flags, f'-DTQ_SOURCE_HASH="{source_hash(csrc)}"']
 
 
 def cpu_flags() -> set[str]:

@@ -1,7 +1,7 @@
-"""Which build of ``ops.c`` this process runs, and which kernel path: chosen once, at start-up, from the CPU's
+"""Which build of the C (``csrc/``) this process runs, and which kernel path: chosen once, at start-up, from the CPU's
 features (``engine.native.build.VARIANTS``), what is installed, and ``TANDEM_NATIVE`` / ``TANDEM_KERNELS``.
 
-The library is loaded with ctypes and refused when it was built from another ``ops.c`` (its source hash); the
+The library is loaded with ctypes and refused when it was built from other C (its source hash); the
 kernel path is the fastest this CPU and build have unless one is named (`kernel_path` says what each does).
 """
 
@@ -20,7 +20,7 @@ from engine.native.build import VARIANTS, Variant, cpu_flags, source_hash
 
 log = logging.getLogger("tandem.native")
 
-KINDS = {"int4": 4, "q8_0": 8}  # weight kinds tq_decoder_layer multiplies (engine.quant's kind -> ops.c's)
+KINDS = {"int4": 4, "q8_0": 8}  # weight kinds tq_decoder_layer multiplies (engine.quant's kind -> the C's)
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {
     "tq_source_hash": [],
@@ -80,12 +80,12 @@ def _pick_variant() -> tuple[Variant, Path]:
             raise ValueError(f"TANDEM_NATIVE={wanted}: this CPU cannot run it (it lacks {', '.join(missing)})")
         path = variant_file(variant)
         if path is None:
-            raise OSError(f"the {wanted} build of engine/native/ops.c is not installed")
+            raise OSError(f"the {wanted} build of engine/native/csrc is not installed")
         return variant, path
     runnable = [v for v in VARIANTS if v.runs_on(flags)]
     built = [(v, path) for v in runnable if (path := variant_file(v)) is not None]
     if not built:
-        raise OSError("no build of engine/native/ops.c is installed for this CPU (a compiler was missing at "
+        raise OSError("no build of engine/native/csrc is installed for this CPU (a compiler was missing at "
                       "install time?)")
     if built[0][0] is not runnable[0]:
         log.warning("engine.native: the %s build is not installed; using the %s build", runnable[0].name,
@@ -94,8 +94,8 @@ def _pick_variant() -> tuple[Variant, Path]:
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib`'s functions with the argument and return types this tree's ops.c has (`SIGNATURES`, `RETURNS`); a
-    function a library lacks is left out (a library built from another ops.c: its source hash says so next)."""
+    """`lib`'s functions with the argument and return types this tree's C has (`SIGNATURES`, `RETURNS`); a
+    function a library lacks is left out (a library built from other C: its source hash says so next)."""
     for name, args in SIGNATURES.items():
         if hasattr(lib, name):
             fn = getattr(lib, name)
@@ -118,7 +118,7 @@ def library() -> ctypes.CDLL | None:
     declare(lib)
     built_from = lib.tq_source_hash().decode()
     if built_from != source_hash():
-        log.warning("engine.native: %s was built from another ops.c (rebuild it: pip install -e . or python "
+        log.warning("engine.native: %s was built from other C (rebuild it: pip install -e . or python "
                     "setup.py build_ext --inplace); %s", path.name, _FALLBACK)
         return None
     _variant[0] = variant.name
@@ -133,7 +133,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def variant() -> str:
-    """Which build of ops.c this process runs (`engine.native.build.VARIANTS`), or ``none``."""
+    """Which build of the C this process runs (`engine.native.build.VARIANTS`), or ``none``."""
     return _variant[0] if library() is not None else "none"
 
 

@@ -2,7 +2,7 @@
 
 A prefill figure means little without the machine's compute peak for the precision it ran in, nor a decode
 step without the bandwidth at which the weights can be read once (the bytes a step reads, not a copy rate,
-which counts half of the traffic); ``python -m engine.native.peaks`` prints them alone. Each peak is the best of a few short runs of `ops.c`'s probe loops:
+which counts half of the traffic); ``python -m engine.native.peaks`` prints them alone. Each peak is the best of a few short runs of the probe loops of `csrc/peaks.c`:
 independent accumulators of float32 FMAs, bfloat16 dot products (vdpbf16ps) and int8 ones (vpdpbusd), and a
 sum over a buffer far larger than the caches.
 """
@@ -66,7 +66,7 @@ def measure(threads: int | None = None, iters: int = 2_000_000) -> Peaks:
 def main() -> None:
     """``python -m engine.native.peaks``: this CPU's peaks on one thread and on torch's threads."""
     threads = torch.get_num_threads()
-    print(f"kernel path: {native.kernel_path()} ({native.variant()} build of ops.c)")
+    print(f"kernel path: {native.kernel_path()} ({native.variant()} build)")
     for n in sorted({1, threads}):
         print(measure(n).describe())
 

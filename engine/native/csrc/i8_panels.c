@@ -1,0 +1,268 @@
+#include "ops.h"
+
+/* ---------------------------------------------------------------- int8 activations on packed weights (VNNI)
+ * vpdpbusd does four times the multiply-adds of a float32 FMA (twice vdpbf16ps's) in the same time. Each
+ * activation row is rounded to int8 per group of 32 (p = round(a / s), s = max |a| / 127, ties to even: llama.cpp's
+ * Q8_0 with a float32 scale) and each group's dot product with the weights' codes is exact in int32; then
+ * out += s d I + s P m in float32, per group in k order (P = sum p). vpdpbusd multiplies unsigned bytes (here the
+ * weights' codes u: int4's 0..15 as they are, w = d u + m; Q8_0's q + 128, w = d u - 128 d) by signed ones (the
+ * activations, each 4 bytes broadcast to every column; so a group's sum starts at 0).
+ * The weights are packed once, when a model loads (tq_i8_pack), in panels of I8_PANEL weight rows: per block (int4:
+ * a pair of groups, their codes in one byte's low and high nibble as in the rows; Q8_0: one group, codes + 128) the
+ * codes as [8 steps][I8_PANEL columns][4 k] bytes, then the float16 scales per column (int4: d of both groups, m of
+ * both; Q8_0: d). The same bytes as the rows, read in order by every row count: a decode step streams them once
+ * (batch 1 ~2.5-3x the int16 kernel), a prompt chunk meets each panel from cache once per tile of I8_R rows. A
+ * row's result does not depend on the other rows, nor on how many there are.
+ * Decode steps and short chunks (`digits` 2) keep 15 bits of each activation, as two int8 digits: p = 128 h + l
+ * (s = max |a| / 16383, h = floor(p / 128), l in 0..127), I = 128 (u . h) + u . l, twice the products of one digit
+ * and still exact; int8 alone changed greedy outputs of the quality bench's chat prompts. */
+#define I8_PANEL 32
+#define I8_R 6  /* rows per tile, one digit */
+#define I8_R2 4 /* two digits */
+#define I8_CODES (8 * I8_PANEL * 4)
+
+static inline int64_t i8_block_bytes(int kind) { return kind == KIND_Q4 ? I8_CODES + 4 * I8_PANEL * 2 : I8_CODES + I8_PANEL * 2; }
+static inline int64_t i8_blocks(int kind, int64_t k) { return kind == KIND_Q4 ? k / 64 : k / Q8_GROUP; }
+
+/* Bytes tq_i8_pack writes for an [n, k] weight of `kind`. */
+int64_t tq_i8_packed_bytes(int kind, int64_t n, int64_t k) {
+    return (n + I8_PANEL - 1) / I8_PANEL * i8_blocks(kind, k) * i8_block_bytes(kind);
+}
+
+/* The weight rows (int4 codes [n, k / 2] with (d, m) [n, 2, k / 32], or Q8_0 [n, k] with d [n, k / 32]) in the layout
+ * above; rows past n are zero codes with zero scales. Plain C: any build can pack (only VNNI multiplies). */
+void tq_i8_pack(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, uint8_t *out, int threads) {
+    int64_t groups = k / Q8_GROUP, blocks = i8_blocks(kind, k), bb = i8_block_bytes(kind);
+    int64_t row_bytes = kind == KIND_Q4 ? k / 2 : k, scale_stride = kind == KIND_Q4 ? 2 * groups : groups;
+    int64_t panels = (n + I8_PANEL - 1) / I8_PANEL;
+    const uint32_t flip = kind == KIND_Q4 ? 0u : 0x80808080u;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t pb = 0; pb < panels * blocks; pb++) {
+        int64_t p = pb / blocks, b = pb % blocks;
+        uint8_t *blk = out + pb * bb;
+        uint16_t *sc = (uint16_t *)(blk + I8_CODES);
+        for (int c = 0; c < I8_PANEL; c++) {
+            int64_t j = p * I8_PANEL + c;
+            int live = j < n;
+            const uint8_t *run = (const uint8_t *)w + j * row_bytes + b * 32;
+            for (int s = 0; s < 8; s++) {
+                uint32_t four = 0;
+                if (live) {
+                    memcpy(&four, run + 4 * s, 4);
+                    four ^= flip;
+                }
+                memcpy(blk + (s * I8_PANEL + c) * 4, &four, 4);
+            }
+            const uint16_t *row = scales + (live ? j : 0) * scale_stride;
+            if (kind == KIND_Q4) {
+                for (int q = 0; q < 2; q++) {
+                    sc[q * I8_PANEL + c] = live ? row[2 * b + q] : 0;
+                    sc[(2 + q) * I8_PANEL + c] = live ? row[groups + 2 * b + q] : 0;
+                }
+            } else {
+                sc[c] = live ? row[b] : 0;
+            }
+        }
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Activation rows [m, k] as int8 groups (see above): xq = p (one digit) or h, then l (two: xl), xs = s, xsp = s sum p. */
+static void rows_to_i8(const float *x, int64_t m, int64_t k, const int digits, int8_t *xq, int8_t *xl, float *xs,
+                       float *xsp, int threads) {
+    int64_t groups = k / Q8_GROUP;
+    const float top = digits == 2 ? 16383.f : 127.f;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (m * k > 65536)
+    for (int64_t rg = 0; rg < m * groups; rg++) {
+        __m512 v0 = _mm512_loadu_ps(x + rg * Q8_GROUP), v1 = _mm512_loadu_ps(x + rg * Q8_GROUP + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        __m512 inv = _mm512_set1_ps(amax > 0.f ? top / amax : 0.f);
+        __m512i p0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), p1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        float s = amax / top;
+        xs[rg] = s;
+        xsp[rg] = s * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(p0, p1));
+        if (digits == 2) {
+            const __m512i seven = _mm512_set1_epi32(127);
+            _mm_storeu_si128((__m128i *)(xl + rg * Q8_GROUP), _mm512_cvtepi32_epi8(_mm512_and_si512(p0, seven)));
+            _mm_storeu_si128((__m128i *)(xl + rg * Q8_GROUP + 16), _mm512_cvtepi32_epi8(_mm512_and_si512(p1, seven)));
+            p0 = _mm512_srai_epi32(p0, 7);
+            p1 = _mm512_srai_epi32(p1, 7);
+        }
+        _mm_storeu_si128((__m128i *)(xq + rg * Q8_GROUP), _mm512_cvtepi32_epi8(p0));
+        _mm_storeu_si128((__m128i *)(xq + rg * Q8_GROUP + 16), _mm512_cvtepi32_epi8(p1));
+    }
+}
+
+/* out[r * os + c] = sum over groups of s d I + s P m for R rows (<= I8_R, I8_R2 with two digits) and the I8_PANEL
+ * columns of panel `wp`. The integer sums are exact in any order (one row of one digit takes two chains of vpdpbusd,
+ * so their latency overlaps); the float operations are the same whatever R is. */
+static inline __attribute__((always_inline)) void i8_tile(const int kind, const int D, const int R, const int8_t *xq,
+                                                          const int8_t *xl, const float *xs, const float *xsp,
+                                                          int64_t k, const uint8_t *wp, float *out, int64_t os) {
+    int64_t groups = k / Q8_GROUP, bb = i8_block_bytes(kind);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 lo[I8_R], hi[I8_R];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const int high = kind == KIND_Q4 && (g & 1); /* int4: the pair's second group, in the high nibbles */
+        const uint8_t *blk = wp + (kind == KIND_Q4 ? g / 2 : g) * bb;
+        __m512i ilo[I8_R], ihi[I8_R], jlo[I8_R], jhi[I8_R]; /* j: the second digit's sums, or a one-row tile's odd steps */
+        for (int r = 0; r < R; r++) ilo[r] = ihi[r] = jlo[r] = jhi[r] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            __m512i w0 = _mm512_loadu_si512(blk + s * I8_PANEL * 4), w1 = _mm512_loadu_si512(blk + s * I8_PANEL * 4 + 64);
+            if (kind == KIND_Q4) {
+                w0 = _mm512_and_si512(high ? _mm512_srli_epi16(w0, 4) : w0, low);
+                w1 = _mm512_and_si512(high ? _mm512_srli_epi16(w1, 4) : w1, low);
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * k + g * Q8_GROUP + 4 * s, 4);
+                __m512i a = _mm512_set1_epi32(four);
+                if (D == 1 && R == 1 && (s & 1)) {
+                    jlo[r] = _mm512_dpbusd_epi32(jlo[r], w0, a);
+                    jhi[r] = _mm512_dpbusd_epi32(jhi[r], w1, a);
+                } else {
+                    ilo[r] = _mm512_dpbusd_epi32(ilo[r], w0, a);
+                    ihi[r] = _mm512_dpbusd_epi32(ihi[r], w1, a);
+                }
+                if (D == 2) {
+                    memcpy(&four, xl + r * k + g * Q8_GROUP + 4 * s, 4);
+                    a = _mm512_set1_epi32(four);
+                    jlo[r] = _mm512_dpbusd_epi32(jlo[r], w0, a);
+                    jhi[r] = _mm512_dpbusd_epi32(jhi[r], w1, a);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            if (D == 2) {
+                ilo[r] = _mm512_add_epi32(_mm512_slli_epi32(ilo[r], 7), jlo[r]);
+                ihi[r] = _mm512_add_epi32(_mm512_slli_epi32(ihi[r], 7), jhi[r]);
+            } else if (R == 1) {
+                ilo[r] = _mm512_add_epi32(ilo[r], jlo[r]);
+                ihi[r] = _mm512_add_epi32(ihi[r], jhi[r]);
+            }
+        }
+        const uint16_t *sc = (const uint16_t *)(blk + I8_CODES) + (high ? I8_PANEL : 0);
+        __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+        __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16)));
+        __m512 m0, m1;
+        if (kind == KIND_Q4) {
+            m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 2 * I8_PANEL)));
+            m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 2 * I8_PANEL + 16)));
+        } else {
+            m0 = _mm512_mul_ps(d0, _mm512_set1_ps(-128.f));
+            m1 = _mm512_mul_ps(d1, _mm512_set1_ps(-128.f));
+        }
+        for (int r = 0; r < R; r++) {
+            __m512 s = _mm512_set1_ps(xs[r * groups + g]), sp = _mm512_set1_ps(xsp[r * groups + g]);
+            lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ilo[r]), _mm512_mul_ps(d0, s), _mm512_fmadd_ps(m0, sp, lo[r]));
+            hi[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ihi[r]), _mm512_mul_ps(d1, s), _mm512_fmadd_ps(m1, sp, hi[r]));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(out + r * os, lo[r]);
+        _mm512_storeu_ps(out + r * os + 16, hi[r]);
+    }
+}
+
+/* A tile of `rows` rows (1 up to the digits' tile height). */
+static inline __attribute__((always_inline)) void i8_tile_rows(const int kind, const int D, int rows,
+                                                               const int8_t *xq, const int8_t *xl, const float *xs,
+                                                               const float *xsp, int64_t k, const uint8_t *wp,
+                                                               float *out, int64_t os) {
+    switch (rows) {
+#define I8_TILE(R) case R: i8_tile(kind, D, R, xq, xl, xs, xsp, k, wp, out, os); return;
+    I8_TILE(1) I8_TILE(2) I8_TILE(3)
+    default:
+        if (D == 2) {
+            i8_tile(kind, D, I8_R2, xq, xl, xs, xsp, k, wp, out, os);
+            return;
+        }
+        switch (rows) { I8_TILE(4) I8_TILE(5) default: i8_tile(kind, 1, I8_R, xq, xl, xs, xsp, k, wp, out, os); }
+#undef I8_TILE
+    }
+}
+
+/* This thread's panels (taken with share_next), each against every row. `kind` and D constants (see share_tiles). */
+static inline __attribute__((always_inline)) void share_i8_panels(const int kind, const int D, const uint8_t *wp,
+                                                                  int64_t n, int64_t k, const int8_t *xq,
+                                                                  const int8_t *xl, const float *xs, const float *xsp,
+                                                                  int64_t m, float *out, float *spill, Share *shares,
+                                                                  int threads) {
+    int64_t panels = (n + I8_PANEL - 1) / I8_PANEL, groups = k / Q8_GROUP;
+    int64_t panel_bytes = i8_blocks(kind, k) * i8_block_bytes(kind), chunk = share_chunk(panels, threads);
+    const int height = D == 2 ? I8_R2 : I8_R;
+    int tid = thread_num();
+    for (int64_t b, e; share_next(shares, threads, tid, chunk, &b, &e);)
+    for (int64_t p = b; p < e; p++) {
+        int64_t j = p * I8_PANEL;
+        int cols = n - j < I8_PANEL ? (int)(n - j) : I8_PANEL;
+        for (int64_t r = 0; r < m; r += height) {
+            int rows = m - r < height ? (int)(m - r) : height;
+            float *o = tile_out(out, n, r, j, cols, I8_PANEL, spill);
+            i8_tile_rows(kind, D, rows, xq + r * k, xl + r * k, xs + r * groups, xsp + r * groups, k,
+                         wp + p * panel_bytes, o, cols == I8_PANEL ? n : I8_PANEL);
+            unspill(out, n, r, j, rows, cols, I8_PANEL, spill);
+        }
+    }
+}
+
+#define I8_SHARE(name, kind, D) \
+    static void name(const uint8_t *wp, int64_t n, int64_t k, const int8_t *xq, const int8_t *xl, const float *xs, \
+                     const float *xsp, int64_t m, float *out, float *spill, Share *shares, int threads) { \
+        share_i8_panels(kind, D, wp, n, k, xq, xl, xs, xsp, m, out, spill, shares, threads); \
+    }
+I8_SHARE(share_i8_q4, KIND_Q4, 1)
+I8_SHARE(share_i8_q8, KIND_Q8, 1)
+I8_SHARE(share_i8x2_q4, KIND_Q4, 2)
+I8_SHARE(share_i8x2_q8, KIND_Q8, 2)
+#undef I8_SHARE
+#endif
+
+/* 1 where i8_matmul is compiled (AVX-512 VNNI), else 0. */
+int tq_has_i8(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [m, n] = x [m, k] @ W.T for a weight tq_i8_pack packed (`kind` KIND_Q4 or KIND_Q8), x rounded per group of 32
+ * to `digits` int8 digits (1: 8 bits, 2: 15): -1 without memory, -2 where the build has no AVX-512 VNNI. */
+int tq_i8_matmul(int kind, const uint8_t *wp, int64_t n, int64_t k, const float *x, int64_t m, float *out, int digits,
+                 int threads) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    int64_t groups = k / Q8_GROUP, bytes = (m * k + 63) / 64 * 64;
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)(2 * bytes));
+    float *xs = (float *)malloc((size_t)(2 * m * groups) * sizeof(float));
+    float *spill = (float *)aligned_alloc(64, (size_t)threads * I8_R * I8_PANEL * sizeof(float));
+    Share *shares = shares_new(1, threads, (n + I8_PANEL - 1) / I8_PANEL);
+    if (!xq || !xs || !spill || !shares) {
+        free(xq);
+        free(xs);
+        free(spill);
+        free(shares);
+        return -1;
+    }
+    int8_t *xl = xq + bytes;
+    float *xsp = xs + m * groups;
+    rows_to_i8(x, m, k, digits, xq, xl, xs, xsp, threads);
+    #pragma omp parallel num_threads(threads)
+    {
+        float *mine = spill + thread_num() * I8_R * I8_PANEL;
+        if (digits == 2)
+            (kind == KIND_Q4 ? share_i8x2_q4 : share_i8x2_q8)(wp, n, k, xq, xl, xs, xsp, m, out, mine, shares, threads);
+        else
+            (kind == KIND_Q4 ? share_i8_q4 : share_i8_q8)(wp, n, k, xq, xl, xs, xsp, m, out, mine, shares, threads);
+    }
+    free(shares);
+    free(spill);
+    free(xs);
+    free(xq);
+    return 0;
+#else
+    (void)kind, (void)wp, (void)n, (void)k, (void)x, (void)m, (void)out, (void)digits, (void)threads;
+    return -2;
+#endif
+}
