@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from bench.cluster import MODEL, TandemUp
+from tests.harness.wait import wait_until
 
 CHROMIUM = os.environ.get("TANDEM_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 try:
@@ -155,11 +156,9 @@ def test_stop_cancels_the_request_on_the_worker(browser: Browser, up: TandemUp) 
     expect(answer).not_to_be_empty(timeout=60_000)
     page.click("#stop")
     expect(page.locator(".msg.assistant .meta").last).to_contain_text("stopped", timeout=10_000)
-    deadline = time.monotonic() + 15
-    while metric(url, "tandem_worker_cancelled_total") <= before or \
-            metric(url, "tandem_worker_running_sequences") != 0:
-        assert time.monotonic() < deadline, "the worker kept generating after Stop"
-        time.sleep(0.2)
+    wait_until(lambda: metric(url, "tandem_worker_cancelled_total") > before
+               and metric(url, "tandem_worker_running_sequences") == 0,
+               15, "the worker to stop generating after Stop", interval=0.2)
     assert page.locator("#send").is_visible() and page.locator("#prompt").is_enabled()
     close_page(context, requested, up)
 

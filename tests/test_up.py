@@ -29,6 +29,7 @@ from runtime.supervisor import GiveUp, RestartPolicy, Supervisor
 from tandem.up import UpError
 from tandem.up.cluster import Cluster, Member
 from tandem.up.ports import DEFAULT_METRICS_BASE, free_ports, metrics_ports, port_free
+from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -130,10 +131,11 @@ def test_up_with_the_default_metrics_port_taken_and_a_default_max_tokens(tmp_pat
     try:
         up.start()
         up.wait_for("A child that dies is restarted", 240)  # the banner's last line; the ready file comes next
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert time.monotonic() < deadline and up.running, up.last_lines(40)
-            time.sleep(0.1)
+        def ready_file() -> bool:
+            assert up.running, up.last_lines(40)
+            return ready.exists()
+
+        wait_until(ready_file, 30, lambda: f"the ready file; last lines:\n{up.last_lines(40)}", interval=0.1)
         info = json.loads(ready.read_text())
         port = next(c["metrics_port"] for c in info["children"] if c["name"] == "worker-1")
         out = up.last_lines(400)
