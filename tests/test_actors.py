@@ -15,6 +15,7 @@ from bench.cluster import Client, start_workers
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
 from tests.harness.chat import chat_ids
+from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -129,9 +130,8 @@ def test_raw_json_request_and_every_message_is_json(cluster, smollm):
             if d["kind"] != "stream_tokens":
                 break
         # the spy's callbacks may lag behind the stream: wait until they saw every kind expected
-        deadline = time.monotonic() + 15
-        while not EVERY_KIND <= {json.loads(m.data).get("kind") for m in seen} and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await asyncio.to_thread(wait_until, lambda: EVERY_KIND <= {json.loads(m.data).get("kind") for m in list(seen)},
+                                15, "the spy to see every kind of message")
         await spy.unsubscribe()
         await nc.close()
         return kinds, stream_msgs, seen
