@@ -307,7 +307,7 @@ def test_nats_restart_under_a_stream_loses_no_token_and_everyone_comes_back(own_
     to its end; afterwards every worker is back and a disaggregated request succeeds."""
     srv, workers = own_cluster
 
-    async def stream_through_a_restart() -> list[dict[str, Any]]:
+    async def stream_through_a_restart() -> tuple[list[dict[str, Any]], bool]:
         async with Client(srv.url) as c:
             r = rid()
             sub = await c.start(r, chat_ids(smollm, "Tell a very long story."), worker="d1", max_tokens=200,
@@ -318,7 +318,7 @@ def test_nats_restart_under_a_stream_loses_no_token_and_everyone_comes_back(own_
             while not c.nc.is_connected:
                 assert time.monotonic() < deadline, "the client did not reconnect"
                 await asyncio.sleep(0.05)
-            asked = 0.0
+            asked, missed = 0.0, False
             while msgs[-1]["kind"] == "stream_tokens":  # as a gateway does: ask (again) while behind
                 assert time.monotonic() < deadline + 120, msgs[-1]
                 if time.monotonic() - asked > 1.0:
@@ -331,13 +331,16 @@ def test_nats_restart_under_a_stream_loses_no_token_and_everyone_comes_back(own_
                     continue
                 if d["seq"] == msgs[-1]["seq"] + 1:  # the next one; later ones come again after the ask
                     msgs.append(d)
-            return msgs
+                elif d["seq"] > msgs[-1]["seq"] + 1:
+                    missed = True
+            return msgs, missed
 
-    msgs = run(stream_through_a_restart())
+    msgs, missed = run(stream_through_a_restart())
     assert [m["seq"] for m in msgs] == list(range(len(msgs)))  # no gap: what the restart lost came again
     assert msgs[-1]["kind"] == "stream_finish" and msgs[-1]["finish_reason"] == "length", msgs[-1]
     assert sum(len(m.get("token_ids") or []) for m in msgs) == 200
-    wait_for_line([workers["d1"]], "published")  # the replay came from the worker's kept messages
+    if missed:  # what the restart lost came again from the worker's kept messages (a restart may lose nothing)
+        wait_for_line([workers["d1"]], "published")
 
     async def after() -> None:
         async with Client(srv.url) as c:
