@@ -58,7 +58,7 @@ _CSRC = Path(__file__).parent / "engine/native/csrc"
 setup(
     ext_modules=[
         Extension(f"engine.native.{v.module}", sources=[f"engine/native/csrc/{p.name}" for p in native_build.sources(_CSRC)],
-                  depends=[f"engine/native/csrc/{p.name}" for p in sorted(_CSRC.glob("*.h"))],
+                  depends=[f"engine/native/csrc/{p.name}" for p in native_build.headers(_CSRC)],
                   extra_compile_args=native_build.compile_args(v, _CSRC), extra_link_args=["-fopenmp"], libraries=["m"])
         for v in native_build.VARIANTS if v.builds_here()
     ],

@@ -1,5 +1,5 @@
-"""The forward pass in C (``csrc/``, a file per job; ``csrc/ops.h`` lists them): small operations, quantized matmuls, whole layers; built when the
-package is installed and loaded with ctypes.
+"""The forward pass in C (``csrc/``, a file per job; ``csrc/ops.h`` lists them): small operations, quantized
+matmuls, whole layers; built when the package is installed and loaded with ctypes.
 
 A decode step of the default model is ~30 layers of tiny tensors; in torch each RMSNorm, RoPE, KV write and
 decode attention is several operations of 2-20 µs dispatch each, which added up to more than the matmuls.

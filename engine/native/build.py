@@ -55,11 +55,16 @@ def sources(csrc: Path = CSRC) -> list[Path]:
     return sorted(csrc.glob("*.c"))
 
 
+def headers(csrc: Path = CSRC) -> list[Path]:
+    """The headers those files include."""
+    return sorted(csrc.glob("*.h"))
+
+
 def source_hash(csrc: Path = CSRC) -> str:
     """What a library says it was built from (``tq_source_hash``): every file of ``csrc`` (names and bytes), so
     a stale build is refused, not run."""
     digest = hashlib.sha256()
-    for path in sorted([*csrc.glob("*.c"), *csrc.glob("*.h")]):
+    for path in sorted([*sources(csrc), *headers(csrc)]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
