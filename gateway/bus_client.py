@@ -51,6 +51,8 @@ BUS_BACK = object()
 LINK_SUSPECT_S = 2.0
 #: ... with a ping round trip that must come back within this
 LINK_PING_S = 1.0
+#: a suspect link (down, or its round trip inconclusive) is looked at again after this
+LINK_RECHECK_S = 0.5
 
 
 #: a request sent while the gateway fails over to another member waits this long for the connection
@@ -153,14 +155,23 @@ class GatewayBus:
 
     # ---- its own link ------------------------------------------------------------------
     async def _watch_link(self) -> None:
-        """Every half second: when every worker has been silent for ``LINK_SUSPECT_S``, ask the member for a
-        round trip; none within ``LINK_PING_S`` on the same connection means the link is dead: fail over now."""
+        """When every worker has been silent for ``LINK_SUSPECT_S``, ask the member for a round trip; none within
+        ``LINK_PING_S`` on the same connection means the link is dead: fail over now. It sleeps until that
+        silence would begin (each report moves it on), not on a tick."""
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(self._until_suspect())
             try:
                 await self._check_link()
             except Exception:  # the watch must outlive one bad check, or no silent worker is judged again
                 log.exception("checking the gateway's own NATS link failed")
+
+    def _until_suspect(self) -> float:
+        """Seconds until the link turns suspect if nobody reports meanwhile; ``LINK_RECHECK_S`` once it is."""
+        last = self.registry.last_heard()
+        if last is None:  # nobody to judge yet: the first report starts the clock
+            return LINK_SUSPECT_S
+        due = max(last, self._verified_at) + LINK_SUSPECT_S - self.registry.clock()
+        return due if due > 0 else LINK_RECHECK_S
 
     async def _check_link(self) -> None:
         nc = self.nc

@@ -77,7 +77,7 @@ class Run:
             gw.admit(self.jobs)
         gw.inflight += need
         self._counted = need
-        gw.runs.add(self)
+        gw.run_started(self)
         # next_event enforces the deadline, but only while someone asks for events: a streaming
         # client that stops reading must not hold the jobs and the capacity past it
         self._deadline_timer = asyncio.get_running_loop().call_later(
@@ -401,7 +401,7 @@ class Run:
         if self.closed:
             return
         self.closed = True
-        self.gw.runs.discard(self)
+        self.gw.run_ended(self)
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
         if self._wake is not None:

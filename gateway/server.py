@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import logging
 import sys
-import time
 from types import FrameType
 from typing import Any
 
@@ -140,18 +139,14 @@ async def drain_then_exit(app: Any, timeout: float, server: Any) -> None:
             running = len(gw.runs)
             print(f"tandem gateway: draining ({running} request{'s' if running != 1 else ''} running; "
                   f"up to {timeout:g}s)", file=sys.stderr, flush=True)
-            deadline = time.monotonic() + timeout
-            while gw.runs and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await gw.runs_ended(timeout)
     except asyncio.CancelledError:
         log.warning("second signal: ending the drain now")
     finally:
         if gw is not None and gw.runs:
             left = gw.abort_all(f"the gateway is shutting down (its drain time of {timeout:g}s passed); retry")
             log.warning("drain time over: ended %d running request(s) with 503", left)
-            deadline = time.monotonic() + ABORT_GRACE_S
-            while gw.runs and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await gw.runs_ended(ABORT_GRACE_S)
         server.should_exit = True
 
 

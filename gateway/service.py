@@ -7,6 +7,8 @@ same state; the checks live here, next to that state.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -58,6 +60,8 @@ class Gateway:
         self.token_bytes = TokenBytes(text.tokenizer)
         self.inflight = 0
         self.runs: set[Running] = set()  # the requests running now (the drain waits for them)
+        self._no_runs = asyncio.Event()
+        self._no_runs.set()
         self.draining = False
         self.admission = Admission(config.max_queue_wait)
         self.created = int(time.time())
@@ -101,6 +105,21 @@ class Gateway:
         """503 (with Retry-After) once the gateway drains: another gateway (or this one, restarted) will serve."""
         if self.draining:
             raise OpenAIError(503, "the gateway is shutting down; retry", code="shutting_down", retry_after=1)
+
+    def run_started(self, run: Running) -> None:
+        self.runs.add(run)
+        self._no_runs.clear()
+
+    def run_ended(self, run: Running) -> None:
+        self.runs.discard(run)
+        if not self.runs:
+            self._no_runs.set()
+
+    async def runs_ended(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every running request to end; whether they all did."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._no_runs.wait(), timeout)
+        return not self.runs
 
     def abort_all(self, message: str) -> int:
         """End every running request with a 503 (the drain time is over); returns how many."""
