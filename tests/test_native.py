@@ -367,6 +367,31 @@ def test_one_call_per_layer_computes_what_the_operations_do(smollm, kv_dtype):
     assert outputs[0] == outputs[1]
 
 
+def test_torchs_profiler_names_each_native_call_and_profiling_changes_no_token(smollm, monkeypatch):
+    """Under `torch.profiler` a prompt chunk and the decode steps after it show their C calls as `tandem::*`
+    ranges (a whole layer as `tandem::decoder_layer`); the tokens and logprobs are those of the run unwatched."""
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.params import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
+    prompt = chat_ids(smollm, "What is the capital of France?")
+    runs = []
+    for watched in (False, True):
+        engine = LLMEngine(smollm, EngineConfig(num_blocks=32, enable_prefix_cache=False))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if watched \
+                else contextlib.nullcontext() as prof:
+            (seq,) = engine.generate([prompt], params)
+        runs.append((seq.output_ids, [lp.logprob for lp in seq.logprobs]))
+    assert runs[0] == runs[1]
+    seen = {e.key: e.count for e in prof.key_averages() if e.key.startswith("tandem::")}
+    assert seen.get("tandem::decoder_layer", 0) >= 3 * smollm.config.num_layers, seen  # 3 decode steps
+    assert seen.get("tandem::argmax", 0) >= 3, seen
+    recorded: list[str] = []  # what a native call opens with no profiler running: nothing
+    monkeypatch.setattr(torch.profiler, "record_function", lambda name, *a: recorded.append(name))
+    native.argmax(torch.zeros(1, 4))
+    assert recorded == []
+
+
 def test_a_short_chunks_token_computes_exactly_as_it_decodes(smollm):
     """With the default weights: resuming a short stream (its prompt and first tokens prefilled as one chunk
     of fewer than `native.panel_min_rows` tokens) gives the next tokens' logprobs bit for bit, because that

@@ -17,9 +17,13 @@ bare addresses.
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+from torch.autograd import profiler
 
 from engine.native.dispatch import (
     BF16_ATTENTION_PATHS,
@@ -46,6 +50,29 @@ __all__ = ["BF16_ATTENTION_PATHS", "BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "
            "rms_norm", "rope_store", "row_invariant", "silu_mul", "use_kernel_path", "variant", "variant_file"]
 
 
+F = TypeVar("F", bound=Callable)
+
+
+def _profiled(name: str) -> Callable[[F], F]:
+    """Show each call as ``tandem::<name>`` in torch's profiler while one records (a
+    ``record_function`` range), and cost nothing more than a flag read otherwise. Not a
+    ``torch.library`` custom op: that dispatch costs ~11 µs a call here (docs/architecture.md)."""
+
+    def wrap(fn: F) -> F:
+        label = f"tandem::{name}"
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if profiler._is_profiler_enabled:
+                with torch.profiler.record_function(label):
+                    return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
 def _threads() -> int:
     return torch.get_num_threads()
 
@@ -68,6 +95,7 @@ def _ptr(t: torch.Tensor, dtypes: torch.dtype | tuple[torch.dtype, ...], what: s
     return t.data_ptr()
 
 
+@_profiled("rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of the rows of a contiguous float32 [m, n] tensor (a new tensor); with `residual`, x += residual
     first, in place."""
@@ -82,6 +110,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out
 
 
+@_profiled("silu_mul")
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for the rows of a contiguous float32 [m, 2 f] tensor [gate | up]: [m, f]."""
     m, f2 = gate_up.shape
@@ -90,6 +119,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@_profiled("argmax")
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value, as torch.argmax(x, dim=-1) (first of equals, NaN first), for
     float32 [rows, n]; on the library's threads."""
@@ -117,6 +147,7 @@ def _pool_ptrs(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int, int]
     return k_ptr, v_ptr, half
 
 
+@_profiled("rope_store")
 def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                kv_heads: int, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor,
                offsets: torch.Tensor) -> None:
@@ -135,6 +166,7 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
                             _ptr(offsets, torch.long, "slot offsets"), half, _threads())
 
 
+@_profiled("paged_attention")
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
                     row_table: torch.Tensor, lens: torch.Tensor, heads: int, scale: float,
                     window: int = 0) -> torch.Tensor:
@@ -156,12 +188,14 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, t
     return out
 
 
+@_profiled("q8_matmul")
 def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] for GGUF Q8_0 weights (`engine.quant.Q8Weight`: int8 codes `q`
     [n, k], float16 scales, as int16 bits, [n, k / 32])."""
     return _quantized_matmul("tq_q8_matmul", "q8_0", x, q, scales)
 
 
+@_profiled("q4_matmul")
 def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] for int4 weights (`engine.quant.Int4Weight`: paired-group codes `qs`
     [n, k / 2], float16 (d, m), as int16 bits, [n, 2, k / 32]); below `panel_min_rows` rows x is quantized to
@@ -205,6 +239,7 @@ def _quantized_matmul(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, sc
     return out
 
 
+@_profiled("bf16_matmul")
 def bf16_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] on bfloat16 panels, for the weights of `q4_matmul` / `q8_matmul`
     (`kind` "int4" or "q8_0"): operands rounded to bfloat16, sums in float32 (kernel path avx512_bf16)."""
@@ -234,6 +269,7 @@ class I8Panels:
 I8_PANELS = 16  # csrc/layer.c's KIND_I8: a `Linear` of packed panels
 
 
+@_profiled("i8_pack")
 def i8_pack(kind: str, w: torch.Tensor, scales: torch.Tensor) -> I8Panels:
     """The weights of `q4_matmul` / `q8_matmul` (`kind` "int4" or "q8_0") packed for `i8_matmul`."""
     w_ptr, s_ptr, n, k = _weight_ptrs(kind, w, scales)
@@ -243,6 +279,7 @@ def i8_pack(kind: str, w: torch.Tensor, scales: torch.Tensor) -> I8Panels:
     return I8Panels(kind, n, k, data)
 
 
+@_profiled("i8_matmul")
 def i8_matmul(x: torch.Tensor, w: I8Panels, digits: int) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] on AVX-512 VNNI (kernel path avx512_vnni): x rounded per group of 32 to
     `digits` int8 digits (2: 15 bits, decode rows and short chunks; 1: 8 bits, long chunks), each group's dot
@@ -261,6 +298,7 @@ def i8_matmul(x: torch.Tensor, w: I8Panels, digits: int) -> torch.Tensor:
     return out
 
 
+@_profiled("bf16_attention")
 def bf16_attention(qkv: torch.Tensor, start: int, length: int, context: int, blocks: torch.Tensor,
                    keys: torch.Tensor, values: torch.Tensor, heads: int, scale: float, window: int,
                    out: torch.Tensor) -> None:
@@ -284,6 +322,7 @@ def bf16_attention(qkv: torch.Tensor, start: int, length: int, context: int, blo
                -2: RuntimeError("this build has no AVX-512 BF16")}.get(rc, ValueError(f"head size {d}: not a multiple of 64"))
 
 
+@_profiled("int4_dequantize")
 def int4_dequantize(qs: torch.Tensor, dm: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
     """Rows [start, stop) of an int4 weight (`engine.quant.Int4Weight`) as float32 into `out` [stop - start, k],
     in one pass."""
@@ -369,6 +408,7 @@ class LayerStep:
                             eps, scale, 0, _threads(), half)
         self.pool = (keys.stride(), keys.dtype)
 
+    @_profiled("decoder_layer")
     def run(self, layer: Layer, keys: torch.Tensor, values: torch.Tensor) -> None:
         """One layer; its `keys`/`values` views of the pool are laid out as the first layer's were."""
         if (keys.stride(), keys.dtype) != self.pool or (values.stride(), values.dtype) != self.pool:
