@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,11 +128,12 @@ def test_a_question_streams_an_answer_token_by_token(browser: Browser, up: Tande
     ask(page, "Write a short poem about the sea.")
     answer = page.locator(".msg.assistant .body").last
     lengths: list[int] = []
-    deadline = time.monotonic() + 120
-    while page.locator("#stop").is_visible() or not lengths:
+
+    def finished() -> bool:  # its length sampled as it grows
         lengths.append(len(answer.inner_text()))
-        assert time.monotonic() < deadline, "the answer never finished"
-        time.sleep(0.03)
+        return not page.locator("#stop").is_visible()
+
+    wait_until(finished, 120, "the answer to finish", interval=0.03)
     grew = sorted(set(lengths))
     assert len(grew) >= 4 and grew[0] < grew[-1], f"the answer did not grow token by token: {grew}"
     meta = page.locator(".msg.assistant .meta").last.inner_text()

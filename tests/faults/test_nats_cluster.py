@@ -13,7 +13,6 @@ import dataclasses
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from runtime.processes import ChildProcess
 from tandem.up.ports import free_port
 from tests.harness.chat import assert_clear, stream_chat
 from tests.harness.deploy import login_env, password_env
-from tests.harness.wait import wait_until
+from tests.harness.wait import until, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -69,20 +68,17 @@ def start_cluster(tmp: Path) -> NatsCluster:
 
 async def ensure_r3(urls: str, timeout: float = 120.0) -> None:
     """Create the streams with three replicas as the admin user, retrying until JetStream has a quorum."""
-    deadline = time.monotonic() + timeout
     nc = await nats.connect(urls.split(","), user="admin", password="pw-admin")
+
+    async def replicated() -> bool:
+        await ensure_streams(nc, S, dataclasses.replace(DEFAULT_GENERATE, replicas=3),
+                             dataclasses.replace(DEFAULT_PREFILL, replicas=3), timeout=10)
+        info = await nc.jetstream().stream_info(S.generate_stream)
+        return info.config.num_replicas == 3 and bool(info.cluster and info.cluster.leader)
+
     try:
-        while True:
-            try:
-                await ensure_streams(nc, S, dataclasses.replace(DEFAULT_GENERATE, replicas=3),
-                                     dataclasses.replace(DEFAULT_PREFILL, replicas=3), timeout=10)
-                info = await nc.jetstream().stream_info(S.generate_stream)
-                if info.config.num_replicas == 3 and info.cluster and info.cluster.leader:
-                    return
-            except (StreamConfigError, nats.errors.Error, asyncio.TimeoutError):
-                pass
-            assert time.monotonic() < deadline, "no JetStream quorum"
-            await asyncio.sleep(1.0)
+        await until(replicated, timeout, "a JetStream quorum for streams of three replicas", interval=1.0,
+                    ignore=(StreamConfigError, nats.errors.Error, asyncio.TimeoutError))
     finally:
         await nc.close()
 
@@ -157,16 +153,17 @@ def test_the_generate_streams_leader_dies_under_load(cluster: tuple[NatsCluster,
 
     async def after() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(timeout=120) as client:
-            out = []
-            deadline = time.monotonic() + 60
-            while len(out) < 4:
+            out: list[dict[str, Any]] = []
+
+            async def four_answered() -> bool:  # a refusal (503, an error event) is tried again
                 r = await stream_chat(client, url, "What is the capital of France?", max_tokens=4)
                 if r["status"] == 200 and r["finish"]:
                     out.append(r)
                 else:
                     assert r["status"] == 503 or r["error"], r
-                    assert time.monotonic() < deadline, r
-                    await asyncio.sleep(0.5)
+                return len(out) == 4
+
+            await until(four_answered, 60, lambda: f"four answers (had {len(out)})", interval=0.5)
             return out
 
     assert len(asyncio.run(after())) == 4

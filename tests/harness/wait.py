@@ -2,11 +2,42 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+class _NotYet:
+    """An exception of a type the wait ignores, as its last value: false, and shown as the exception."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return repr(self.error)
+
+
+class _Deadline:
+    """How long a wait may still go on, and the error that says what it waited for once it may not."""
+
+    def __init__(self, timeout: float, what: str | Callable[[], str]) -> None:
+        self.timeout, self.what, self.at = timeout, what, time.monotonic() + timeout
+
+    def settled(self, last: Any) -> bool:
+        """Whether ``last`` ends the wait (it is true); raises once the time is up without it."""
+        if last:
+            return True
+        if time.monotonic() >= self.at:
+            name = self.what() if callable(self.what) else self.what
+            raise AssertionError(f"timed out after {self.timeout:g}s waiting for {name}; last seen: {last!r}")
+        return False
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str],
@@ -16,20 +47,31 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str | Callable[
     After ``timeout`` seconds an AssertionError names ``what`` (a callable is asked only then, e.g. for a
     log tail worth showing) and the last value seen, so a failed wait says what it waited for and how far
     it got. An exception of a type in ``ignore`` counts as "not yet" (a server still starting); any other
-    one, an assertion of the predicate's own included, fails at once. From async code:
-    ``await asyncio.to_thread(wait_until, ...)`` (the event loop keeps running meanwhile).
+    one, an assertion of the predicate's own included, fails at once. From async code: `until`, or for a
+    predicate that blocks (a plain HTTP call), ``await asyncio.to_thread(wait_until, ...)``.
     """
-    deadline = time.monotonic() + timeout
-    last: Any = None
+    deadline = _Deadline(timeout, what)
     while True:
         try:
-            last = predicate()
+            last: Any = predicate()
         except ignore as e:
-            last = e
-        else:
-            if last:
-                return last
-        if time.monotonic() >= deadline:
-            name = what() if callable(what) else what
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {name}; last seen: {last!r}")
+            last = _NotYet(e)
+        if deadline.settled(last):
+            return last
         time.sleep(interval)
+
+
+async def until(predicate: Callable[[], T | Awaitable[T]], timeout: float, what: str | Callable[[], str],
+                interval: float = 0.05, ignore: tuple[type[BaseException], ...] = ()) -> T:
+    """`wait_until` on the running event loop: ``predicate`` may be a coroutine function, and the loop runs
+    between tries (a NATS client reconnects meanwhile)."""
+    deadline = _Deadline(timeout, what)
+    while True:
+        try:
+            last: Any = predicate()
+            last = await last if inspect.isawaitable(last) else last
+        except ignore as e:
+            last = _NotYet(e)
+        if deadline.settled(last):
+            return last
+        await asyncio.sleep(interval)
