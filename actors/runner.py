@@ -71,16 +71,11 @@ class EngineRunner:
         try:
             while True:
                 items = []
-                if not self.engine.has_work():
-                    try:  # idle: sleep until someone calls (waking now and then for signal handlers)
-                        items.append(self.calls.get(timeout=0.5))
-                    except queue.Empty:
-                        continue
-                elif self.engine.last_plan_size == 0:
-                    try:  # work is waiting for blocks that only a call (free/abort) can release
-                        items.append(self.calls.get(timeout=0.05))
-                    except queue.Empty:
-                        pass
+                if not self.engine.has_work() or self.engine.last_plan_size == 0:
+                    # idle, or the last step (after the last call) found nothing to compute: the work waits for
+                    # blocks only a call (free, abort, a landed prefill) releases. Sleep until one comes; signal
+                    # handlers still run on this thread meanwhile.
+                    items.append(self.calls.get())
                 while True:
                     try:
                         items.append(self.calls.get_nowait())

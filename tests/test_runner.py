@@ -7,6 +7,7 @@ import threading
 from types import SimpleNamespace
 
 from actors.runner import EngineRunner
+from tests.harness.wait import wait_until
 
 
 class IdleEngine:
@@ -72,3 +73,45 @@ def test_a_failed_call_wakes_the_loop_too() -> None:
         return woke
 
     assert asyncio.run(go()) == ["call"]
+
+
+class StuckEngine:
+    """An engine whose work waits for blocks: every step plans nothing until a call frees some."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.last_plan_size = 0
+        self.free_blocks = 0
+
+    def has_work(self) -> bool:
+        return True
+
+    def step(self) -> list:
+        self.steps += 1
+        self.last_plan_size = 1 if self.free_blocks else 0
+        return []
+
+
+def test_work_waiting_for_blocks_is_stepped_again_only_after_a_call() -> None:
+    """A step that planned nothing is not retried on a timer (no 20 Hz spin while the pool is full): the
+    model thread sleeps until a call (a free, an abort, a landed prefill) and then steps at once."""
+    async def go() -> list[int]:
+        engine = StuckEngine()
+        runner = EngineRunner(engine, asyncio.get_running_loop(), lambda outs, step_s: None)
+        thread = threading.Thread(target=runner.run, daemon=True)
+        thread.start()
+        seen = [await runner.call(lambda e: e.steps)]  # stepped once after this call, planning nothing
+        await asyncio.sleep(0.3)
+        seen.append(engine.steps)
+
+        def free(e: StuckEngine) -> int:
+            e.free_blocks = 4
+            return e.steps
+
+        seen.append(await runner.call(free))
+        await asyncio.to_thread(wait_until, lambda: engine.steps > 5, 10, "steps once blocks were free", 0.01)
+        runner.stop()
+        await asyncio.to_thread(thread.join, 10)
+        return seen
+
+    assert asyncio.run(go()) == [0, 1, 1]
