@@ -65,11 +65,11 @@ class DecodeRun:
     """`batch` 64-token prompts prefilled on `engine` (its matmuls on kernel path `path`, when given), then
     decoded one timed step at a time."""
 
-    def __init__(self, engine: LLMEngine, batch: int, seed: int, path: str | None = None):
+    def __init__(self, engine: LLMEngine, batch: int, seed: int, path: str | None = None, steps: int = DECODE_STEPS):
         self.engine, self.path = engine, path
         if path:
             native.use_kernel_path(path)
-        params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
         self.seqs = [engine.add_request(f"d{batch}-{seed}-{i}", _prompt(DECODE_PROMPT, seed * 1000 + i), params)
                      for i in range(batch)]
         while any(s.num_computed < len(s.prompt_ids) for s in self.seqs):  # one step, with decode_step_budget
@@ -98,7 +98,7 @@ def decode_step_budget(batches: list[int], prefills: list[int]) -> int:
     """max_step_tokens for the bench's engines: the longest prompt measured, or every decode batch's prompts
     in one step. (Prefilled in chunks, the first rows would decode while the last were still prefilling, and
     finish before the timed steps ended: the "batch 32" steps were of fewer rows.)"""
-    return max(max(prefills), max(batches) * DECODE_PROMPT)
+    return max([*prefills, *(b * DECODE_PROMPT for b in batches)])
 
 
 def weight_bytes(engine: LLMEngine) -> int:

@@ -1,6 +1,7 @@
 """Two builds of engine/native's C side by side in one process: an earlier commit's and this tree's.
 
     python -m bench.kernel_ab --baseline REV [--prefill 256,1024,2000] [--rows 255,256,512] [--rounds 5]
+                              [--decode 1,16] [--decode-turns 100]
     python -m bench.kernel_ab --old PATH/TO/_ops_avx512....so
 
 On a shared machine whose speed moves from one minute to the next, two kernel versions compare fairly only when
@@ -8,8 +9,9 @@ they take turns call by call. `--baseline REV` extracts REV (`bench.baseline.sou
 there (`setup.py build_ext --inplace`), and loads the build of this process's variant next to this tree's
 library with ctypes; `engine.native`'s wrappers call whichever library is swapped in. Measured, old then new in
 turn: the long-chunk matmuls on the default model's four shapes (bfloat16 panels, and int8 activations where
-both builds have them; GFLOP/s, and whether both give the same bits), the bfloat16 attention of a long chunk, and
-whole prompts through the engine (prompt tok/s, on the fastest kernel path both builds have). Only the C
+both builds have them; GFLOP/s, and whether both give the same bits), the bfloat16 attention of a long chunk,
+whole prompts through the engine (prompt tok/s, on the fastest kernel path both builds have), and decode steps
+of a batch (the libraries taking turns step by step, on this process's kernel path). Only the C
 differs: the Python is this tree's, so the old library must export what this tree declares
 (`engine.native.dispatch.SIGNATURES`) with the same meaning.
 """
@@ -32,7 +34,7 @@ import torch
 
 import engine.native as native
 from bench.baseline import source_tree
-from bench.engine import engine_prefill
+from bench.engine import DecodeRun, decode_step_budget, engine_prefill
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.model_files import DEFAULT_MODEL
@@ -160,6 +162,22 @@ def prefills(libs: dict[str, ctypes.CDLL], lengths: list[int], rounds: int) -> l
     return lines
 
 
+def decodes(libs: dict[str, ctypes.CDLL], batches: list[int], turns_each: int) -> list[str]:
+    """Median seconds of a decode step of each batch, the libraries taking turns a step each."""
+    engine = LLMEngine(load_model(DEFAULT_MODEL, "float32", "auto"),
+                       EngineConfig(num_blocks=1024, enable_prefix_cache=False, speculative="off",
+                                    max_step_tokens=decode_step_budget(batches, [])))
+    lines = []
+    for b in batches:
+        run = DecodeRun(engine, b, seed=b, steps=(turns_each + 1) * len(libs))
+        got = turns(libs, run.step, turns_each)
+        run.close()
+        old, new = (got[name][0] for name in ("old", "new"))
+        lines.append(f"| decode batch {b} on {native.kernel_path()} (ms a step) | {old * 1e3:.3f} | "
+                     f"{new * 1e3:.3f} | {old / new:.3f}x | |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.kernel_ab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", default="256:256,512:1024,512:2000",
                     help="attention chunks as rows:context (default 256:256,512:1024,512:2000)")
     ap.add_argument("--prefill", default="256,1024,2000", help="prompt lengths (default 256,1024,2000; 0: none)")
+    ap.add_argument("--decode", default="1", help="decode batch sizes (default 1; 0: none)")
+    ap.add_argument("--decode-turns", type=int, default=100, help="decode steps each library takes (default 100)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -190,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
     lengths = [int(n) for n in args.prefill.split(",") if int(n)]
     for line in prefills(libs, lengths, args.rounds) if lengths else []:
+        print(line, flush=True)
+    batches = [int(b) for b in args.decode.split(",") if int(b)]
+    for line in decodes(libs, batches, args.decode_turns) if batches else []:
         print(line, flush=True)
     return 0
 

@@ -521,8 +521,9 @@ def test_baseline_engine_answers_bench_engines_measures(tmp_path: Path, monkeypa
 
 
 def test_kernel_ab_takes_turns_between_two_builds_of_ops_c(capsys):
-    """bench.kernel_ab with the installed library as the old one too: every measure prints both columns and their
-    ratio, the two give the same bits, and engine.native calls its own library again afterwards."""
+    """bench.kernel_ab with the installed library as the old one too: every measure (matmuls, attention, a prompt,
+    decode steps) prints both columns and their ratio, the two give the same bits, and engine.native calls its own
+    library again afterwards."""
     import torch
 
     from bench import kernel_ab
@@ -536,7 +537,7 @@ def test_kernel_ab_takes_turns_between_two_builds_of_ops_c(capsys):
     threads, real = torch.get_num_threads(), native.library
     try:
         assert kernel_ab.main(["--old", str(lib), "--rows", "13", "--chunks", "130:200", "--prefill", "130",
-                               "--rounds", "1", "--threads", "1"]) == 0
+                               "--rounds", "1", "--threads", "1", "--decode", "2", "--decode-turns", "3"]) == 0
     finally:
         torch.set_num_threads(threads)
     assert native.library is real
@@ -546,7 +547,8 @@ def test_kernel_ab_takes_turns_between_two_builds_of_ops_c(capsys):
                                                  *(["| int8 matmul, 13 rows (GFLOP/s)"] if vnni else []),
                                                  "| bfloat16 attention, 130 rows over 200 tokens (ms)",
                                                  f"| prefill on {'avx512_vnni' if vnni else 'avx512_bf16'}, 130 tokens "
-                                                 "(prompt tok/s)"]
-    assert all(r.endswith("| yes |") for r in rows[:-1])
+                                                 "(prompt tok/s)",
+                                                 f"| decode batch 2 on {native.kernel_path()} (ms a step)"]
+    assert all(r.endswith("| yes |") for r in rows[:-2])
     with pytest.raises(SystemExit):
         kernel_ab.main([])  # --old or --baseline is required
