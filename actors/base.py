@@ -1,7 +1,7 @@
 """WorkerActor: what every pipeline role shares.
 
 It connects to NATS, shows itself there (`actors.service`: a NATS micro service, its load every second,
-its gauges), answers KV-metadata requests, hears cancels, runs the model on its own thread (EngineRunner) and
+its gauges, the KV metadata prefill workers ask for), hears cancels, runs the model on its own thread (EngineRunner) and
 drains on SIGTERM: stop pulling, finish what it holds, then exit.
 """
 
@@ -29,8 +29,7 @@ from bus.connection import connect
 from bus.control_messages import Cancel, Replay
 from bus.generate_messages import StreamMessage, StreamTokens
 from bus.options import BusConnectError, BusOptions
-from bus.prefill_messages import KVMetaReply
-from bus.publish import publish, publish_kept, respond
+from bus.publish import publish, publish_kept
 from bus.replay import SentLog
 from bus.stats_messages import WorkerStats
 from bus.streams import claim, ensure_streams, fetch_one, pull_subscription
@@ -137,12 +136,12 @@ class WorkerActor:
                                 on_reconnect=self.on_bus_back)
         self.health.nats_connected = lambda: self.nc is not None and self.nc.is_connected
         await ensure_streams(self.nc, self.subjects, replicas=self.s.stream_replicas)
-        await self.nc.subscribe(self.subjects.kv_meta(self.worker_id), cb=self._on_kv_meta)
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel_msg)
         if self.replay_kind:
             await self.nc.subscribe(self.subjects.replay(self.replay_kind), cb=self._on_replay)
+        await self.service.start()  # the KV metadata endpoint answers before any work of ours can ask it
         await self.start()
-        await self.service.start()
+        self.service.report_load()
         log.info("%s %s ready: model %s, layout %s, transfer %s", self.role, self.worker_id, self.model,
                  self.layout.describe(), self.transfer.name)
         self.health.phase = "ready"
@@ -416,11 +415,3 @@ class WorkerActor:
             return
         self.cancelled_ids.add(c.request_id)
         self.spawn(self.on_cancel(c.request_id, c.reason))
-
-    async def _on_kv_meta(self, msg: Msg) -> None:
-        reply = KVMetaReply(worker_id=self.worker_id, incarnation=self.incarnation, engine=self.transfer.name,
-                            meta=self.transfer.metadata())
-        try:
-            await respond(self.nc, msg, reply)
-        except PayloadTooLarge as e:  # the asking worker times out; this line says why
-            log.error("cannot send my KV transfer metadata: %s", e)

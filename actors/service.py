@@ -1,7 +1,8 @@
 """WorkerService: a worker as the others see it.
 
 Its NATS micro service (``tandem-<role>``, with ``info``, ``stats`` and ``recent`` endpoints, where `tandem
-status` and the routers find it), its load published every ``stats_interval`` on its stats subject, and its
+status` and the routers find it, and ``kv_meta`` on ``tandem.kv.meta.<worker>``, where a prefill worker asks where
+this worker's KV goes: per-endpoint request, error and time counts in ``$SRV.STATS``), its load published every ``stats_interval`` on its stats subject, and its
 Prometheus gauges, refreshed before each report.
 """
 
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 import nats.micro
 
 from actors.recent import RecentWork
+from bus.prefill_messages import KVMetaReply
 from bus.publish import publish
 from bus.stats_messages import WorkerStats
 from bus.subjects import Subjects
@@ -74,7 +76,7 @@ class WorkerService:
         }
 
     async def start(self) -> None:
-        """Register the micro service and start reporting load."""
+        """Register the micro service and its endpoints (before the worker takes work that may ask them)."""
         w = self.worker
         self.micro = await nats.micro.add_service(
             w.nc, name=f"tandem-{w.role.replace('_', '-')}", version=VERSION,
@@ -90,9 +92,25 @@ class WorkerService:
         async def recent(req: nats.micro.Request) -> None:
             await req.respond(w.recent.to_json(w.transfer.paths()))
 
+        async def kv_meta(req: nats.micro.Request) -> None:
+            """Where a prefill worker writes this worker's KV: its transfer engine's metadata."""
+            data = encode(KVMetaReply(worker_id=w.worker_id, incarnation=w.incarnation, engine=w.transfer.name,
+                                      meta=w.transfer.metadata()))
+            if len(data) > w.nc.max_payload:  # the asking worker gets this, not a timeout
+                log.error("my KV transfer metadata (%d bytes) is over NATS's max_payload (%d)", len(data),
+                          w.nc.max_payload)
+                await req.respond_error("413", f"worker {w.worker_id}'s KV transfer metadata is {len(data)} bytes, "
+                                               f"over NATS's max_payload of {w.nc.max_payload}")
+                return
+            await req.respond(data)
+
         for name, handler in (("info", info), ("stats", stats), ("recent", recent)):
             await self.micro.add_endpoint(name=name, subject=w.subjects.service(w.worker_id, name), handler=handler)
-        w.spawn(self._report())
+        await self.micro.add_endpoint(name="kv_meta", subject=w.subjects.kv_meta(w.worker_id), handler=kv_meta)
+
+    def report_load(self) -> None:
+        """Publish the worker's load every ``stats_interval`` from now: routers send it work once they hear it."""
+        self.worker.spawn(self._report())
 
     async def stop(self) -> None:
         if self.micro is not None:

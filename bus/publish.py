@@ -12,9 +12,9 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.js.api import PubAck
 from nats.js.client import JetStreamContext
+from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 
 from bus.replay import SentLog
 from bus.wire import check_payload, decode, encode, headers
@@ -74,18 +74,23 @@ async def request(
     """Core request–reply: send ``msg``, wait up to ``timeout`` s, decode the reply as ``reply_type``.
 
     Raises ``nats.errors.NoRespondersError`` when nobody listens (e.g. an unknown
-    worker) and ``nats.errors.TimeoutError`` after ``timeout``.
+    worker), ``nats.errors.TimeoutError`` after ``timeout``, and `ServiceError` when a
+    micro endpoint answered with an error.
     """
     data, hdrs = _prepare(nc, subject, msg, request_id, extra_headers)
     resp = await nc.request(subject, data, timeout=timeout, headers=hdrs or None)
+    code = (resp.headers or {}).get(ERROR_CODE_HEADER)
+    if code:
+        raise ServiceError(subject, code, resp.headers.get(ERROR_HEADER, ""))
     return decode(resp.data, reply_type)
 
 
-async def respond(nc: Client, incoming: Msg, msg: msgspec.Struct, *, request_id: str | None = None) -> None:
-    """Answer a core request with a message (no-op if the request had no reply subject)."""
-    if not incoming.reply:
-        return
-    await publish(nc, incoming.reply, msg, request_id=request_id)
+class ServiceError(RuntimeError):
+    """A micro endpoint's error answer to a request: its code and description."""
+
+    def __init__(self, subject: str, code: str, description: str) -> None:
+        super().__init__(f"{subject} answered {code}: {description}")
+        self.code, self.description = code, description
 
 
 async def js_publish(

@@ -12,6 +12,8 @@ import nats
 import pytest
 
 from bench.cluster import Client, start_workers
+from bus.prefill_messages import KVMetaReply, KVMetaRequest
+from bus.publish import request
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
 from tests.harness.chat import chat_ids
@@ -174,10 +176,13 @@ def test_micro_discovery_lists_workers(cluster):
             except nats.errors.TimeoutError:
                 break
         ping = await nc.request("$SRV.PING.tandem-prefill-only", b"", timeout=10)
+        s = Subjects("smollm2-135m-instruct")  # a decode worker's kv_meta endpoint, as a prefill worker asks it
+        metas = {wid: await request(nc, s.kv_meta(wid), KVMetaRequest(worker_id="test"), KVMetaReply, timeout=10)
+                 for wid in ("d1", "d2")}
         await nc.close()
-        return infos, json.loads(ping.data)
+        return infos, json.loads(ping.data), metas
 
-    infos, ping = run(go())
+    infos, ping, metas = run(go())
     by_worker = {i["metadata"]["worker_id"]: i for i in infos}
     assert set(workers) <= set(by_worker)
     for wid, w in workers.items():
@@ -185,9 +190,11 @@ def test_micro_discovery_lists_workers(cluster):
         assert md["role"] == w.role
         assert md["model"] == "smollm2-135m-instruct"
         assert len(md["layout_fingerprint"]) == 16
-        assert {e["name"] for e in by_worker[wid]["endpoints"]} == {"info", "stats", "recent"}
+        assert {e["name"] for e in by_worker[wid]["endpoints"]} == {"info", "stats", "recent", "kv_meta"}
         assert md["host"]  # the page's cluster view and `tandem status` show where each worker runs
     assert ping["name"] == "tandem-prefill-only"
+    for wid, meta in metas.items():
+        assert (meta.worker_id, meta.incarnation) == (wid, by_worker[wid]["metadata"]["incarnation"]) and meta.meta
 
 
 def test_prefix_cache_hit_skips_transfer(cluster, smollm):

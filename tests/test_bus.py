@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import msgspec
 import nats
 import nats.errors
+import nats.micro
 import pytest
 from nats.js import api
 from nats.js.errors import NoStreamResponseError
@@ -39,7 +40,7 @@ from bus.prefill_messages import (
     PrefillDone,
     PrefillJob,
 )
-from bus.publish import js_publish, publish, request, respond
+from bus.publish import ServiceError, js_publish, publish, request
 from bus.server import GO_THREADS, EmbeddedNats, NatsServerError, find_nats_server
 from bus.stats_messages import AutoscaleState, RoleScale, WorkerStats
 from bus.streams import (
@@ -765,21 +766,30 @@ def test_raw_subscriber_sees_json_and_request_id_header(server: EmbeddedNats) ->
 
 
 def test_request_reply_helpers(server: EmbeddedNats) -> None:
+    """`request` against micro endpoints, as a prefill worker asks a decode worker's `kv_meta`: the reply decoded,
+    an endpoint's error answer a `ServiceError` with its code, and nobody listening an immediate error."""
     async def go() -> None:
         nc = await connect(fast(server.url), "rr")
         s = Subjects(model="m")
 
-        async def handler(msg: Any) -> None:
-            req = decode(msg.data, KVMetaRequest)
-            await respond(
-                nc, msg, KVMetaReply(worker_id="p1", incarnation="i", meta={"for": req.worker_id})
-            )
+        async def kv_meta(req: nats.micro.Request) -> None:
+            asked = decode(req.data, KVMetaRequest)
+            await req.respond(encode(KVMetaReply(worker_id="p1", incarnation="i", meta={"for": asked.worker_id})))
 
-        await nc.subscribe(s.kv_meta("p1"), cb=handler)
+        async def too_big(req: nats.micro.Request) -> None:
+            await req.respond_error("413", "the metadata is over max_payload")
+
+        service = await nats.micro.add_service(nc, name="rr", version="0.0.1")
+        await service.add_endpoint(name="kv_meta", subject=s.kv_meta("p1"), handler=kv_meta)
+        await service.add_endpoint(name="too_big", subject=s.kv_meta("p2"), handler=too_big)
         reply = await request(nc, s.kv_meta("p1"), KVMetaRequest(worker_id="d1"), KVMetaReply, timeout=10)
         assert reply.meta == {"for": "d1"}
+        with pytest.raises(ServiceError) as refused:
+            await request(nc, s.kv_meta("p2"), KVMetaRequest(worker_id="d1"), KVMetaReply, timeout=10)
+        assert refused.value.code == "413" and "max_payload" in str(refused.value)
         with pytest.raises(nats.errors.NoRespondersError):  # unknown worker: immediate error, no hang
             await request(nc, s.kv_meta("ghost"), KVMetaRequest(worker_id="d1"), KVMetaReply, timeout=10)
+        await service.stop()
         await nc.close()
 
     run(go())
