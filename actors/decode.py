@@ -171,15 +171,15 @@ class DecodeActor(WorkerActor):
             message=f"malformed generate request: {error}"), keep=False)
 
     def _validate(self, r: Request) -> None:
+        """The prompt's tokens and the deadline; the rest of the request is checked where it enters an engine
+        (`add_request` or `reserve_remote`, on the model thread), which answers a bad one with a 400."""
         req = r.req
         if not r.prompt_ids and req.prompt:
             r.prompt_ids = self.engine.tokenizer.encode_prompt(req.prompt)
+        if not r.prompt_ids:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "prompt is empty", 400)
         if req.deadline and time.time() > req.deadline:
             raise RequestFailed(ErrorCode.DEADLINE_EXCEEDED, "request deadline passed before it was admitted", 504)
-        try:
-            self.engine.check_request(r.prompt_ids, req.sampling)
-        except ValueError as e:
-            raise RequestFailed(ErrorCode.BAD_REQUEST, str(e.args[0]), 400) from e
 
     def alive_prefill_workers(self) -> dict[str, WorkerStats]:
         return self.remote.workers.alive() if self.remote is not None else {}

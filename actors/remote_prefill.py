@@ -223,7 +223,10 @@ class RemotePrefill:
             if self.cancelled:
                 return Outcome(CANCELLED)
             self.attempt, self.job_sent, self.taker = attempt, False, None
-            reserved = await hub.runner.call(lambda e: e.reserve_remote(rid, self.prompt_ids, self.params))
+            try:  # the engine's entry: it checks the request (a bad one fails here, before any job goes out)
+                reserved = await hub.runner.call(lambda e: e.reserve_remote(rid, self.prompt_ids, self.params))
+            except ValueError as e:
+                return Outcome(FAILED, code=ErrorCode.BAD_REQUEST, message=str(e.args[0]), status=400)
             if reserved is None:
                 count_decision("local", "no_blocks_for_remote")
                 break
