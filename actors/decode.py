@@ -176,8 +176,6 @@ class DecodeActor(WorkerActor):
         req = r.req
         if not r.prompt_ids and req.prompt:
             r.prompt_ids = self.engine.tokenizer.encode_prompt(req.prompt)
-        if not r.prompt_ids:
-            raise RequestFailed(ErrorCode.BAD_REQUEST, "prompt is empty", 400)
         if req.deadline and time.time() > req.deadline:
             raise RequestFailed(ErrorCode.DEADLINE_EXCEEDED, "request deadline passed before it was admitted", 504)
 
