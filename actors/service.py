@@ -22,7 +22,7 @@ from bus.prefill_messages import KVMetaReply
 from bus.publish import publish
 from bus.stats_messages import WorkerStats
 from bus.subjects import Subjects
-from bus.wire import encode
+from bus.wire import PayloadTooLarge, check_payload, encode
 from engine import native
 from engine.engine import LLMEngine
 from kv.layout import KVLayout
@@ -96,11 +96,11 @@ class WorkerService:
             """Where a prefill worker writes this worker's KV: its transfer engine's metadata."""
             data = encode(KVMetaReply(worker_id=w.worker_id, incarnation=w.incarnation, engine=w.transfer.name,
                                       meta=w.transfer.metadata()))
-            if len(data) > w.nc.max_payload:  # the asking worker gets this, not a timeout
-                log.error("my KV transfer metadata (%d bytes) is over NATS's max_payload (%d)", len(data),
-                          w.nc.max_payload)
-                await req.respond_error("413", f"worker {w.worker_id}'s KV transfer metadata is {len(data)} bytes, "
-                                               f"over NATS's max_payload of {w.nc.max_payload}")
+            try:
+                check_payload(data, w.nc.max_payload, req.subject)
+            except PayloadTooLarge as e:  # the asking worker gets this, not a timeout
+                log.error("cannot send my KV transfer metadata: %s", e)
+                await req.respond_error("413", f"worker {w.worker_id}'s KV transfer metadata: {e}")
                 return
             await req.respond(data)
 

@@ -150,8 +150,8 @@ class GatewayBus:
         reported lately or a round trip to the member proved the link lately (while everybody is silent)."""
         if not self.connected:
             return False
-        last, now = self.registry.last_heard(), self.registry.clock()
-        return last is None or now - last < LINK_SUSPECT_S or now - self._verified_at < LINK_SUSPECT_S
+        left = self._trusted_for()
+        return left is None or left > 0
 
     # ---- its own link ------------------------------------------------------------------
     async def _watch_link(self) -> None:
@@ -165,13 +165,20 @@ class GatewayBus:
             except Exception:  # the watch must outlive one bad check, or no silent worker is judged again
                 log.exception("checking the gateway's own NATS link failed")
 
-    def _until_suspect(self) -> float:
-        """Seconds until the link turns suspect if nobody reports meanwhile; ``LINK_RECHECK_S`` once it is."""
+    def _trusted_for(self) -> float | None:
+        """Seconds until silence turns this link suspect (the last report or round trip, plus ``LINK_SUSPECT_S``;
+        0 or less: it is); None while no worker ever reported."""
         last = self.registry.last_heard()
-        if last is None:  # nobody to judge yet: the first report starts the clock
+        if last is None:
+            return None
+        return max(last, self._verified_at) + LINK_SUSPECT_S - self.registry.clock()
+
+    def _until_suspect(self) -> float:
+        """How long the watch sleeps: until the link turns suspect, ``LINK_RECHECK_S`` once it is."""
+        left = self._trusted_for()
+        if left is None:  # nobody to judge yet: the first report starts the clock
             return LINK_SUSPECT_S
-        due = max(last, self._verified_at) + LINK_SUSPECT_S - self.registry.clock()
-        return due if due > 0 else LINK_RECHECK_S
+        return left if left > 0 else LINK_RECHECK_S
 
     async def _check_link(self) -> None:
         nc = self.nc
