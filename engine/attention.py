@@ -95,7 +95,7 @@ class PagedAttention:
         out = torch.empty(n, q_size, dtype=qkv.dtype)
         qh, kh = q.view(n, self.heads, d), qkv[:, q_size:q_size + kv_heads * d].view(n, kv_heads, d)
         vh = qkv[:, q_size + kv_heads * d:].view(n, kv_heads, d)
-        in_bf16 = self.bf16 and native.kernel_path() in native.BF16_ATTENTION_PATHS and d % 64 == 0
+        in_bf16 = self.bf16 and native.kernel_path() in native.bf16_attention_paths() and d % 64 == 0
         for span in self.long_spans:
             if in_bf16:
                 native.bf16_attention(qkv, span.start, span.length, span.context, span.blocks, kc, vc, self.heads,

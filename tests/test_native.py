@@ -417,7 +417,8 @@ def test_a_short_chunks_token_computes_exactly_as_it_decodes(smollm):
 
 def test_the_kernel_path_is_the_best_here_and_tandem_kernels_chooses_another():
     """Start-up picks the fastest path the CPU has (int8 activations and bfloat16 attention, or bfloat16 panels,
-    only where bfloat16 dot products outrun float32 FMAs; int8 first where the build has VNNI), never the
+    only where bfloat16 dot products outrun float32 FMAs; int8 first where the build has VNNI, and first of all
+    where it has VNNI without bfloat16), never the
     invariant one; TANDEM_KERNELS forces one it has and refuses, naming what there
     is, one it lacks."""
     import subprocess
@@ -429,7 +430,9 @@ def test_the_kernel_path_is_the_best_here_and_tandem_kernels_chooses_another():
     paths = kernel_paths()
     assert native.kernel_path() == paths[0] != native.INVARIANT and set(paths) <= set(native.KERNEL_PATHS)
     assert KERNEL_CHOICES == ("auto", *native.KERNEL_PATHS)  # --kernels names them without importing torch
-    assert ("avx512_vnni" in paths) == ("avx512_bf16" in paths and bool(native.library().tq_has_i8()))
+    assert ("avx512_vnni" in paths) == bool(native.library().tq_has_i8())  # with bfloat16 or without
+    if "avx512_vnni" in paths and "avx512_bf16" not in paths:
+        assert paths[0] == "avx512_vnni"
     if "avx512_bf16" in paths:
         p = peaks.measure(1, iters=200_000)
         ratio = p.bf16_flops / p.fp32_flops  # 2x on AMD Zen 4, 0.5x on a Xeon: a clear side, on a quiet machine
@@ -460,6 +463,9 @@ def test_the_peaks_probe_measures_what_the_cpu_has():
     if p.bf16_flops:  # twice the multiply-adds per instruction, but not always twice the rate (one port on
         assert p.bf16_flops > 0.25 * p.fp32_flops  # some Xeons: 0.5x float32's FMA there)
     assert "float32 FMA" in p.describe() and "read" in p.describe()
+    ones = torch.ones(64 * 1024)  # the read probe sums what it reads (exactly, in float32, for 2**16 ones)
+    for threads in (1, 2):
+        assert native.library().tq_probe_read(ones.data_ptr(), ones.numel(), threads) == ones.numel()
 
 
 BF16 = pytest.mark.skipif("avx512_bf16" not in kernel_paths(), reason="this CPU or build has no AVX-512 BF16")
@@ -584,14 +590,14 @@ def test_a_long_prompt_attends_in_bf16_only_where_its_matmuls_do(smollm, monkeyp
     try:
         for loaded in (smollm, load_model(DEFAULT_MODEL, "float32", "none")):
             engine = LLMEngine(loaded, EngineConfig(num_blocks=64, max_step_tokens=512, enable_prefix_cache=False))
-            for path in [p for p in native.BF16_ATTENTION_PATHS if p in kernel_paths()] + ["avx2"]:
+            for path in native.bf16_attention_paths() + ["avx2"]:
                 native.use_kernel_path(path)
                 calls.clear()
                 logits[loaded.quantization, path] = engine.prompt_logits(prompt, [])[-1]
-                rounded = path in native.BF16_ATTENTION_PATHS and loaded.quantization == "auto:int4+q8_0"
+                rounded = path in native.bf16_attention_paths() and loaded.quantization == "auto:int4+q8_0"
                 assert calls == ([300] * 30 if rounded else [])
     finally:
         native.use_kernel_path(here)
     b = logits["auto:int4+q8_0", "avx2"]
-    for path in [p for p in native.BF16_ATTENTION_PATHS if p in kernel_paths()]:
+    for path in native.bf16_attention_paths():
         assert (logits["auto:int4+q8_0", path] - b).abs().max() < 0.05 * b.abs().max(), path

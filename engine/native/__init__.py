@@ -7,7 +7,7 @@ Here each is one call, the int4/Q8_0 weights are multiplied as the GGUF stores t
 `q8_matmul`), and a layer of such weights can run as one call (`LayerStep`).
 
 ``setup.py`` compiles ``csrc/`` once per instruction-set variant (`engine.native.build`: ``avx512``,
-``avx2``, ``portable``); `engine.native.dispatch` loads the best one the CPU runs and picks the kernel path.
+``avx512_vnni``, ``avx2``, ``portable``); `engine.native.dispatch` loads the best one the CPU runs and picks the kernel path.
 Without one the engine runs torch's operations, which are not the same computation: int4 weights through
 torch's bfloat16 kernel, Q8_0 re-quantized to int8 per channel (the start-up warning says so; `kernel_path` is
 then ``torch``). Each call here checks the tensors it hands over (dtype, device, layout, shapes): ctypes passes
@@ -26,7 +26,6 @@ import torch
 from torch.autograd import profiler
 
 from engine.native.dispatch import (
-    BF16_ATTENTION_PATHS,
     BF16_MARGIN,
     INVARIANT,
     KERNEL_PATHS,
@@ -34,6 +33,7 @@ from engine.native.dispatch import (
     PANEL_PRECISION,
     VNNI,
     available,
+    bf16_attention_paths,
     kernel_path,
     kernel_paths,
     library,
@@ -43,8 +43,8 @@ from engine.native.dispatch import (
     variant_file,
 )
 
-__all__ = ["BF16_ATTENTION_PATHS", "BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES", "VNNI",
-           "I8Panels", "Layer", "LayerStep", "Linear", "argmax", "available", "bf16_attention", "bf16_matmul",
+__all__ = ["BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES", "VNNI",
+           "I8Panels", "Layer", "LayerStep", "Linear", "argmax", "available", "bf16_attention", "bf16_attention_paths", "bf16_matmul",
            "i8_linear", "i8_matmul", "i8_pack", "int4_dequantize", "kernel_path", "kernel_paths", "layer", "library", "linear", "paged_attention",
            "panel_min_rows", "q4_matmul", "q8_matmul",
            "rms_norm", "rope_store", "row_invariant", "silu_mul", "use_kernel_path", "variant", "variant_file"]

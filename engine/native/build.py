@@ -43,6 +43,9 @@ VARIANTS = (
     Variant("avx512", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic"),
             ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16",
              "avx512_vnni"), _X86),
+    # x86-64-v4 with VNNI, without bfloat16 (Cascade Lake, Ice Lake): the int8 path, float32 everywhere else
+    Variant("avx512_vnni", ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"),
+            ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"), _X86),
     # x86-64-v3: AVX2, FMA, F16C (Haswell and later, Zen 1 and later)
     Variant("avx2", ("-march=x86-64-v3", "-mtune=generic"), ("avx2", "fma", "f16c", "bmi2"), _X86),
     # any CPU the compiler targets by default: the C without SIMD intrinsics

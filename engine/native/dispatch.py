@@ -150,9 +150,12 @@ _variant = ["none"]
 
 def _paths(lib: ctypes.CDLL) -> list[str]:
     simd = ["avx2"] if lib.tq_panel_min_rows(KINDS["int4"]) < 2**62 else ["portable"]
+    i8 = [VNNI] if lib.tq_has_i8() else []
     if lib.tq_has_bf16():
-        bf16 = [VNNI, "avx512_bf16"] if lib.tq_has_i8() else ["avx512_bf16"]
+        bf16 = [*i8, "avx512_bf16"]
         simd = [*bf16, *simd] if _bf16_pays(lib) else [*simd, *bf16]
+    else:
+        simd = [*i8, *simd]
     return [*simd, INVARIANT]
 
 
@@ -189,7 +192,7 @@ def kernel_paths() -> list[str]:
 def kernel_path() -> str:
     """How this process multiplies int4/Q8_0 weights: ``avx512_vnni`` (every row on int8 dot products of the weights
     packed at load, `native.i8_matmul`: decode rows and short chunks with 15-bit activations, long prompt chunks with
-    8-bit ones and their attention in bfloat16), ``avx512_bf16`` (long prompt chunks and their attention on bfloat16
+    8-bit ones and their attention in bfloat16 where the build has AVX-512 BF16), ``avx512_bf16`` (long prompt chunks and their attention on bfloat16
     panels, everything else as ``avx2``), ``avx2`` (int16 activations and float32 panels; long chunks dequantized
     for a float32 GEMM), ``portable`` (the C without SIMD), ``invariant`` (every row on the int16 kernels and
     the C attention, whatever its step holds: a row's bits never depend on its batch; chosen only when asked
@@ -199,9 +202,17 @@ def kernel_path() -> str:
 
 
 #: kernel path -> what its long prompt chunks' matmuls multiply in, on panels of the compact weights (the paths not
-#: named dequantize the weights for a float32 GEMM); both of these attend in bfloat16 too
+#: named dequantize the weights for a float32 GEMM)
 PANEL_PRECISION = {VNNI: "int8", "avx512_bf16": "bfloat16"}
-BF16_ATTENTION_PATHS = tuple(PANEL_PRECISION)
+
+
+def bf16_attention_paths() -> list[str]:
+    """The kernel paths here whose long prompt chunks attend in bfloat16: those with panels, where the build has
+    AVX-512 BF16 (avx512_vnni without it, on Cascade Lake or Ice Lake, attends in float32)."""
+    lib = library()
+    if lib is None or not lib.tq_has_bf16():
+        return []
+    return [p for p in PANEL_PRECISION if p in _paths(lib)]
 
 
 def row_invariant() -> bool:

@@ -79,7 +79,8 @@ double tq_probe_vnni(int64_t iters, int threads) {
 #endif
 }
 
-/* The sum of x [n] (n a multiple of 64), read once on `threads` threads: a read-bandwidth probe. */
+/* The sum of x [n] (n a multiple of 64), read once on `threads` threads: a read-bandwidth probe. Independent sums,
+ * as many as the loads in flight need: one float chain is bound by the add's latency (~3 GB/s), not by memory. */
 float tq_probe_read(const float *x, int64_t n, int threads) {
     float total = 0.f;
     #pragma omp parallel num_threads(threads) reduction(+ : total)
@@ -94,11 +95,23 @@ float tq_probe_read(const float *x, int64_t n, int threads) {
             s3 = _mm512_add_ps(s3, _mm512_loadu_ps(x + i + 48));
         }
         total += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
-#else
-        float s = 0.f;
+#elif defined(__AVX2__)
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n; i++) s += x[i];
-        total += s;
+        for (int64_t i = 0; i < n; i += 64)
+            for (int j = 0; j < 64; j += 32) {
+                s0 = _mm256_add_ps(s0, _mm256_loadu_ps(x + i + j));
+                s1 = _mm256_add_ps(s1, _mm256_loadu_ps(x + i + j + 8));
+                s2 = _mm256_add_ps(s2, _mm256_loadu_ps(x + i + j + 16));
+                s3 = _mm256_add_ps(s3, _mm256_loadu_ps(x + i + j + 24));
+            }
+        total += hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#else
+        float s[8] = {0.f};
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i += 8)
+            for (int j = 0; j < 8; j++) s[j] += x[i + j];
+        for (int j = 0; j < 8; j++) total += s[j];
 #endif
     }
     return total;
