@@ -8,8 +8,9 @@ On a shared machine whose speed moves from one minute to the next, two kernel ve
 they take turns call by call. `--baseline REV` extracts REV (`bench.baseline.source_tree`), builds its C
 there (`setup.py build_ext --inplace`), and loads the build of this process's variant next to this tree's
 library with ctypes; `engine.native`'s wrappers call whichever library is swapped in. Measured, old then new in
-turn: the long-chunk matmuls on the default model's four shapes (bfloat16 panels, and int8 activations where
-both builds have them; GFLOP/s, and whether both give the same bits), the bfloat16 attention of a long chunk,
+turn: the long-chunk matmuls on the default model's four shapes (bfloat16 panels and int8 activations, each where
+both builds have it: AVX-512 BF16, VNNI; GFLOP/s, and whether both give the same bits), the bfloat16 attention of a
+long chunk (where both have BF16),
 whole prompts through the engine (prompt tok/s, on the fastest kernel path both builds have), and decode steps
 of a batch (the libraries taking turns step by step, on this process's kernel path). Only the C
 differs: the Python is this tree's, so the old library must export what this tree declares
@@ -92,7 +93,8 @@ def turns(libs: dict[str, ctypes.CDLL], run: Callable[[], object], rounds: int) 
     return {name: (statistics.median(times[name]), last[name]) for name in libs}
 
 
-MATMULS = {"bfloat16": "tq_bf16_matmul", "int8": "tq_i8_pack"}  # a long chunk's matmul -> what a library needs for it
+#: a long chunk's matmul -> what a library needs for it, and what says the library's CPU instructions are built in
+MATMULS = {"bfloat16": ("tq_bf16_matmul", "tq_has_bf16"), "int8": ("tq_i8_pack", "tq_has_i8")}
 
 
 def _matmul(kind: str, x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -101,8 +103,9 @@ def _matmul(kind: str, x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     return native.bf16_matmul("int4", x, w.qs, w.dm)
 
 
-def _both_have(libs: dict[str, ctypes.CDLL], symbol: str) -> bool:
-    return all(hasattr(lib, symbol) for lib in libs.values())
+def _both_run(libs: dict[str, ctypes.CDLL], precision: str) -> bool:
+    symbol, built = MATMULS[precision]
+    return all(hasattr(lib, symbol) and getattr(lib, built)() for lib in libs.values())
 
 
 def _attend(qkv: torch.Tensor, context: int, table: torch.Tensor, keys: torch.Tensor,
@@ -118,7 +121,7 @@ def _prefill(engine: LLMEngine, n: int, seeds: Iterator[int]) -> float:
 
 def matmuls(libs: dict[str, ctypes.CDLL], rows: list[int], rounds: int) -> list[str]:
     lines = []
-    for kind, m in [(kind, m) for kind, symbol in MATMULS.items() if _both_have(libs, symbol) for m in rows]:
+    for kind, m in [(kind, m) for kind in MATMULS if _both_run(libs, kind) for m in rows]:
         took = {name: 0.0 for name in libs}
         same, flops = True, 0
         for n, k in SHAPES:
@@ -135,7 +138,7 @@ def matmuls(libs: dict[str, ctypes.CDLL], rows: list[int], rounds: int) -> list[
 
 def attention(libs: dict[str, ctypes.CDLL], chunks: list[tuple[int, int]], rounds: int) -> list[str]:
     lines = []
-    for length, context in chunks:
+    for length, context in chunks if _both_run(libs, "bfloat16") else []:
         blocks = (context + BLOCK - 1) // BLOCK
         keys = torch.randn(blocks, BLOCK, KV_HEADS, D).half()
         values = torch.randn(blocks, BLOCK, KV_HEADS, D).half()
@@ -151,7 +154,8 @@ def prefills(libs: dict[str, ctypes.CDLL], lengths: list[int], rounds: int) -> l
     engine = LLMEngine(load_model(DEFAULT_MODEL, "float32", "auto"),
                        EngineConfig(num_blocks=1024, enable_prefix_cache=False, speculative="off"))
     lines = []
-    path = "avx512_vnni" if _both_have(libs, MATMULS["int8"]) else "avx512_bf16"
+    path = next((p for p, precision in native.PANEL_PRECISION.items() if _both_run(libs, precision)),
+                native.kernel_path())
     here = native.kernel_path()
     native.use_kernel_path(path)
     for n in lengths:
@@ -196,8 +200,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if native.library() is None:
         raise SystemExit("bench.kernel_ab: engine.native is not built here")
-    if "avx512_bf16" not in native.kernel_paths():
-        raise SystemExit(f"bench.kernel_ab: kernel paths {native.kernel_paths()}: the bfloat16 kernels do not run")
     libs = {"old": load(build_of(args.baseline) if args.baseline else Path(args.old)), "new": native.library()}
     print(f"`python -m bench.kernel_ab {' '.join(argv if argv is not None else sys.argv[1:])}`: "
           f"{native.variant()} build, {args.threads} threads, medians of {args.rounds} turns each, one process\n")
