@@ -20,6 +20,10 @@
 #define I8_R 6  /* rows per tile, one digit */
 #define I8_R2 4 /* two digits */
 #define I8_CODES (8 * I8_PANEL * 4)
+/* Decode tiles (two digits) ask for the panel bytes this far ahead: on an Ice Lake Xeon one core's stream reached
+ * ~0.65x the read probe without it and a batch-1 step ran 1.10x faster with it (2 KB 1.09x, 8 KB slower); long
+ * chunks (one digit) are compute-bound, and their tiles ran 0.78x with it. */
+#define I8_AHEAD 4096
 
 static inline int64_t i8_block_bytes(int kind) { return kind == KIND_Q4 ? I8_CODES + 4 * I8_PANEL * 2 : I8_CODES + I8_PANEL * 2; }
 static inline int64_t i8_blocks(int kind, int64_t k) { return kind == KIND_Q4 ? k / 64 : k / Q8_GROUP; }
@@ -109,6 +113,10 @@ static inline __attribute__((always_inline)) void i8_tile(const int kind, const 
         __m512i ilo[I8_R], ihi[I8_R], jlo[I8_R], jhi[I8_R]; /* j: the second digit's sums, or a one-row tile's odd steps */
         for (int r = 0; r < R; r++) ilo[r] = ihi[r] = jlo[r] = jhi[r] = _mm512_setzero_si512();
         for (int s = 0; s < 8; s++) {
+            if (D == 2 && !high) {
+                _mm_prefetch((const char *)blk + s * I8_PANEL * 4 + I8_AHEAD, _MM_HINT_T0);
+                _mm_prefetch((const char *)blk + s * I8_PANEL * 4 + 64 + I8_AHEAD, _MM_HINT_T0);
+            }
             __m512i w0 = _mm512_loadu_si512(blk + s * I8_PANEL * 4), w1 = _mm512_loadu_si512(blk + s * I8_PANEL * 4 + 64);
             if (kind == KIND_Q4) {
                 w0 = _mm512_and_si512(high ? _mm512_srli_epi16(w0, 4) : w0, low);
