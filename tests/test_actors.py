@@ -17,7 +17,7 @@ from bus.publish import request
 from bus.server import EmbeddedNats
 from bus.subjects import Subjects
 from tests.harness.chat import chat_ids
-from tests.harness.wait import wait_until
+from tests.harness.wait import read_until, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -124,13 +124,9 @@ def test_raw_json_request_and_every_message_is_json(cluster, smollm):
                 "stream_subject": stream, "sampling": {"max_tokens": 8, "temperature": 0}}
         ack = await nc.request("tandem.smollm2-135m-instruct.generate", json.dumps(body).encode(), timeout=30)
         assert json.loads(ack.data)["stream"]  # a JetStream PubAck, as the brief says
-        kinds, stream_msgs = [], []
-        while True:
-            d = json.loads((await sub.next_msg(timeout=60)).data)
-            kinds.append(d["kind"])
-            stream_msgs.append(d)
-            if d["kind"] != "stream_tokens":
-                break
+        stream_msgs = await read_until(sub, lambda got: got and got[-1]["kind"] != "stream_tokens", 60,
+                                       "the stream's last message")
+        kinds = [d["kind"] for d in stream_msgs]
         # the spy's callbacks may lag behind the stream: wait until they saw every kind expected
         await asyncio.to_thread(wait_until, lambda: EVERY_KIND <= {json.loads(m.data).get("kind") for m in list(seen)},
                                 15, "the spy to see every kind of message")
@@ -164,17 +160,9 @@ def test_micro_discovery_lists_workers(cluster):
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
         await nc.publish("$SRV.INFO", b"", reply=inbox)
-        infos = []
-        deadline = time.monotonic() + 15
         # every worker answers once: read until all of them did (a busy worker may answer late)
-        while not set(workers) <= {i.get("metadata", {}).get("worker_id") for i in infos}:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                infos.append(json.loads((await sub.next_msg(timeout=left)).data))
-            except nats.errors.TimeoutError:
-                break
+        infos = await read_until(sub, lambda got: set(workers) <= {i.get("metadata", {}).get("worker_id")
+                                                                   for i in got}, 15, "every worker's $SRV.INFO")
         ping = await nc.request("$SRV.PING.tandem-prefill-only", b"", timeout=10)
         s = Subjects("smollm2-135m-instruct")  # a decode worker's kv_meta endpoint, as a prefill worker asks it
         metas = {wid: await request(nc, s.kv_meta(wid), KVMetaRequest(worker_id="test"), KVMetaReply, timeout=10)
@@ -362,9 +350,8 @@ def test_docs_hand_written_request_twice_and_on_the_wrong_subject(cluster):
         js = nc.jetstream()
         s = Subjects("smollm2-135m-instruct")
         await js.publish(s.generate_pool, body)
-        first = []
-        while not first or first[-1]["kind"] == "stream_tokens":
-            first.append(json.loads((await sub.next_msg(timeout=120)).data))
+        first = await read_until(sub, lambda got: got and got[-1]["kind"] != "stream_tokens", 120,
+                                 "the answer's last message")
         await js.publish(s.generate_pool, body)
         again = json.loads((await sub.next_msg(timeout=60)).data)
         wrong_sub = await nc.subscribe("tandem.stream.me.wrong")

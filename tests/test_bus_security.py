@@ -39,7 +39,7 @@ from runtime.names import ROLE_DECODE_ONLY, ROLE_PREFILL_ONLY
 from tests.harness.cluster import tandem_up
 from tests.harness.gateway import dropped_counts
 from tests.harness.native import NEEDS_NATIVE
-from tests.harness.wait import wait_until
+from tests.harness.wait import read_until, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), NEEDS_NATIVE]
 
@@ -152,10 +152,8 @@ def test_the_debug_credential_watches_and_cannot_publish(up: TandemUp) -> None:
             watch = await debug.nc.subscribe(S.all)
             await debug.nc.flush()
             answer = asyncio.create_task(asyncio.to_thread(chat, up, PROMPT, 8))
-            kinds: set[str] = set()
-            while not {"generate_request", "stream_tokens", "stream_finish"} <= kinds:
-                msg = await watch.next_msg(timeout=60)
-                kinds.add(json.loads(msg.data).get("kind", ""))
+            await read_until(watch, lambda got: {"generate_request", "stream_tokens", "stream_finish"}
+                             <= {m.get("kind", "") for m in got}, 60, "a request's whole traffic")
             await answer
             spy = await owner.nc.subscribe(S.all)
             await owner.nc.flush()

@@ -25,6 +25,7 @@ from bus.wire import REQUEST_ID_HEADER
 from tests.harness.chat import chat_prompt_ids
 from tests.harness.cluster import Proc, run_cli
 from tests.harness.deploy import login_env, password_env, render
+from tests.harness.wait import read_until
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -71,13 +72,8 @@ async def generate(url: str, worker: str, rid: str) -> dict:
                 "prompt_ids": chat_prompt_ids("What is the capital of France?"), "deadline": time.time() + 120,
                 "sampling": {"max_tokens": 8, "temperature": 0.0}}
         await nc.publish(s.generate_worker(worker), json.dumps(body).encode(), headers={REQUEST_ID_HEADER: rid})
-        text, deadline = "", time.monotonic() + 120
-        while True:
-            d = json.loads((await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))).data)
-            if d["kind"] == "stream_tokens":
-                text += d["text"]
-            else:
-                return {**d, "text": text}
+        got = await read_until(sub, lambda got: got and got[-1]["kind"] != "stream_tokens", 120, "the answer's end")
+        return {**got[-1], "text": "".join(d["text"] for d in got[:-1])}
     finally:
         await nc.close()
 

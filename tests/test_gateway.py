@@ -47,7 +47,7 @@ from runtime.names import ROLE_PREFILL_AND_DECODE
 from runtime.settings import GatewayConfig
 from tests.harness.fakes import UTF8_REPLY, WORDS, FakeWorker, LoopThread
 from tests.harness.gateway import ServerThread, assert_error, chat_body, dropped_counts, make_config
-from tests.harness.wait import wait_until
+from tests.harness.wait import read_quiet, read_until, wait_until
 
 # ============================================================================ fixtures
 
@@ -1215,15 +1215,11 @@ def test_tokens_nobody_waits_for_are_cancelled(gw: ServerThread, nats_srv: Embed
                              ("orphan-1", StreamTokens(request_id="orphan-1", seq=4, token_ids=[6], text="y")),
                              ("ended-1", StreamFinish(request_id="ended-1", seq=9, finish_reason="stop"))):
                 await publish(nc, subjects.stream(gateway_id, rid), msg)
-            seen: list[str] = []
-            deadline = time.monotonic() + 10
-            while "orphan-1" not in seen and time.monotonic() < deadline:
-                with contextlib.suppress(nats.errors.TimeoutError):
-                    seen.append(decode((await cancels.next_msg(timeout=1)).data, Cancel).request_id)
-            with contextlib.suppress(nats.errors.TimeoutError):  # then until 1.5 s pass without one
-                while True:
-                    seen.append(decode((await cancels.next_msg(timeout=1.5)).data, Cancel).request_id)
-            return seen
+            def rid(data: bytes) -> str:
+                return decode(data, Cancel).request_id
+
+            seen = await read_until(cancels, lambda got: "orphan-1" in got, 10, "the orphan's cancel", rid)
+            return seen + await read_quiet(cancels, 1.5, rid)  # then until 1.5 s pass without one
         finally:
             await nc.close()
 

@@ -26,7 +26,7 @@ from bus.subjects import Subjects
 from bus.wire import encode
 from engine.params import SamplingParams
 from tests.harness.chat import chat_ids
-from tests.harness.wait import until, wait_until
+from tests.harness.wait import read_quiet, read_until, until, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -110,12 +110,7 @@ async def nothing_more(sub: Any, workers: list[Worker], c: Client) -> list[bytes
     """Once every worker reported idle, what else arrived on ``sub`` (nothing, if the copy was dropped)."""
     await c.wait_all_free(workers, timeout=60)
     await c.nc.flush()
-    extra = []
-    while True:
-        try:
-            extra.append((await sub.next_msg(timeout=0.2)).data)
-        except nats.errors.TimeoutError:
-            return extra
+    return await read_quiet(sub, 0.2, bytes)
 
 
 def test_a_request_delivered_twice_is_served_once(cluster: Any, smollm: Any) -> None:
@@ -168,17 +163,12 @@ def test_a_prefill_job_delivered_twice_is_answered_once(cluster: Any) -> None:
             data = encode(job)
             await c.nc.publish(S.prefill_worker("p1"), data)
             await c.nc.publish(S.prefill_worker("p2"), data)
-            answers = []
-            while not any(a["kind"] == "prefill_done" for a in answers):
-                answers.append(json.loads((await sub.next_msg(timeout=60)).data))
+            answers = await read_until(sub, lambda got: any(a["kind"] == "prefill_done" for a in got), 60,
+                                       "the job's prefill_done")
             await asyncio.to_thread(wait_for_line, [workers["p1"], workers["p2"]],
                                     f"PrefillJob {r}:0 was claimed by another worker first")
             await c.nc.flush()
-            while True:
-                try:
-                    answers.append(json.loads((await sub.next_msg(timeout=0.5)).data))
-                except nats.errors.TimeoutError:
-                    break
+            answers += await read_quiet(sub, 0.5)
             kinds = [a["kind"] for a in answers]
             assert kinds == ["prefill_accepted", "prefill_done"], kinds
             assert answers[-1]["error_code"] == "layout_mismatch"

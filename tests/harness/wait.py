@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -75,3 +77,29 @@ async def until(predicate: Callable[[], T | Awaitable[T]], timeout: float, what:
         if deadline.settled(last):
             return last
         await asyncio.sleep(interval)
+
+
+class _Subscription(Protocol):
+    async def next_msg(self, timeout: float = ...) -> Any: ...
+
+
+async def read_until(sub: _Subscription, done: Callable[[list[Any]], bool], timeout: float, what: str,
+                     parse: Callable[[bytes], Any] = json.loads) -> list[Any]:
+    """The messages of NATS subscription ``sub``, each ``parse``d, from now until ``done(messages so far)``; an
+    AssertionError naming ``what`` and showing what came, if ``timeout`` seconds pass first."""
+    got: list[Any] = []
+    deadline = _Deadline(timeout, lambda: f"{what} ({len(got)} messages came, the last {got[-1:]!r})")
+    while not deadline.settled(done(got)):
+        with contextlib.suppress(TimeoutError):  # nats' timeout is one; the deadline says when to stop
+            got.append(parse((await sub.next_msg(timeout=max(0.01, deadline.at - time.monotonic()))).data))
+    return got
+
+
+async def read_quiet(sub: _Subscription, quiet: float, parse: Callable[[bytes], Any] = json.loads) -> list[Any]:
+    """The messages of ``sub``, each ``parse``d, until none comes for ``quiet`` seconds: time itself is what is
+    under test (that nothing more comes)."""
+    got: list[Any] = []
+    with contextlib.suppress(TimeoutError):
+        while True:
+            got.append(parse((await sub.next_msg(timeout=quiet)).data))
+    return got
