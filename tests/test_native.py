@@ -575,7 +575,7 @@ def test_bf16_attention_of_a_long_chunk_is_float32_sdpa_to_bfloat16_rounding(len
 @BF16
 def test_a_long_prompt_attends_in_bf16_only_where_its_matmuls_do(smollm, monkeypatch):
     """A quantized model's long prompt chunk attends with the bfloat16 kernel on kernel paths avx512_bf16 and
-    avx512_vnni and with float32 SDPA on avx2; float weights (`none`, the quality reference) keep float32 on every
+    avx512_vnni where the build has AVX-512 BF16 (`native.bf16_attention_paths`) and with float32 SDPA on avx2; float weights (`none`, the quality reference) keep float32 on every
     path. The first token's logits agree across them to bfloat16 (and int8) rounding."""
     from engine.engine import EngineConfig, LLMEngine
     from engine.loader import load_model
