@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats.errors
 import uvloop
@@ -32,7 +32,7 @@ from bus.options import BusConnectError, BusOptions
 from bus.publish import publish, publish_kept
 from bus.replay import SentLog
 from bus.stats_messages import WorkerStats
-from bus.streams import claim, ensure_streams, fetch_one, pull_subscription
+from bus.streams import claim, claim_key, ensure_streams, fetch_one, pull_subscription
 from bus.subjects import Subjects
 from bus.wire import MessageError, PayloadTooLarge, decode
 from engine import native
@@ -260,16 +260,22 @@ class WorkerActor:
             await self.answer_duplicate(item, "this worker")
             return None
         try:
-            first = await claim(self.nc, self.subjects, f"{type_.__name__}:{k}", self.worker_id, item.request_id)
-        except Exception as e:  # NATS or JetStream trouble: serving a rare copy twice beats serving nothing
-            bad_messages.warning("claim", "cannot claim %s %s (%r); serving it unclaimed", type_.__name__, k, e)
-            first = True
+            first = await claim(self.nc, self.subjects, claim_key(type_, k), self.worker_id, item.request_id)
+        except Exception as e:  # NATS or JetStream trouble: the role decides
+            return item if await self.serve_unclaimed(item, from_pool, e) else None
         if not first:
             log.info("%s %s was claimed by another worker first; dropping this copy", type_.__name__, k,
                      extra={"request_id": item.request_id})
             await self.answer_duplicate(item, "another worker")
             return None
         return item
+
+    async def serve_unclaimed(self, item: Any, from_pool: bool, error: Exception) -> bool:
+        """The claims stream could not be reached: whether to serve ``item`` anyway. Yes by default: serving a
+        rare copy twice beats serving nothing."""
+        bad_messages.warning("claim", "cannot claim %s %s (%r); serving it unclaimed", type(item).__name__,
+                             item.request_id, error)
+        return True
 
     async def answer_duplicate(self, item: object, where: str) -> None:
         """A copy of work ``where`` already took was dropped; a role may say so where the sender listens."""

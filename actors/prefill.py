@@ -103,6 +103,15 @@ class PrefillActor(WorkerActor):
             job = self.backlog.popleft()
             await self._refuse(job, ErrorCode.HANDED_BACK, f"prefill worker {self.worker_id} is draining")
 
+    async def serve_unclaimed(self, job: PrefillJob, from_pool: bool, error: Exception) -> bool:
+        """Not a pool job: its decode worker may have withdrawn it and freed its blocks, which its claim of the
+        same key (won, where this one could not ask) says. Refused unwritten: the decode worker tries another
+        prefill worker or prefills the prompt itself."""
+        if not from_pool:
+            return await super().serve_unclaimed(job, from_pool, error)
+        await self._refuse(job, ErrorCode.INTERNAL, f"prefill worker {self.worker_id} could not claim the job: {error!r}")
+        return False
+
     async def _answer(self, job: PrefillJob, msg: PrefillAccepted | PrefillDone) -> None:
         """Tell the decode worker (accepted: seq 0, done: seq 1, the last), keeping the answer for a minute
         for a decode worker that missed it and asks again (``bus.replay``)."""

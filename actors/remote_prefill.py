@@ -25,7 +25,7 @@ from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
-from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
+from nats.js.errors import APIError, NoStreamResponseError
 
 from actors.base import bad_messages
 from actors.landings import Landings
@@ -37,6 +37,7 @@ from bus.generate_messages import GenerateRequest
 from bus.prefill_messages import KVDestination, PrefillAccepted, PrefillDone, PrefillJob
 from bus.publish import js_publish, publish
 from bus.stats_messages import WorkerStats
+from bus.streams import claim, claim_key, taken_already
 from bus.subjects import Subjects
 from bus.wire import ErrorCode, MessageError, decode
 from engine.params import SamplingParams
@@ -165,27 +166,40 @@ class RemotePrefills:
             await self.ask_again(tag, 1 if attempt.taker else 0)
 
     async def withdraw(self, seq: int, tag: str) -> None:
-        """Take a prefill job nobody took out of the pool: a prefill worker that comes later must not compute it
-        (its write would be refused anyway), and the pool's backlog, what autoscalers read, must not count it.
+        """Take a prefill job nobody took out of the pool: a prefill worker that comes later must not compute it,
+        and the pool's backlog, what autoscalers read, must not count it. Then claim it as its prefill worker
+        would: won, no prefill worker serves it (one that fetched it before the delete drops its copy), so
+        its quarantined blocks are free at once instead of at the job's deadline.
 
         The pool may be electing a leader (its member just died): tried again each second for
-        ``WITHDRAW_FOR_S``; a job a prefill worker took meanwhile is not found, and that is the end of it.
+        ``WITHDRAW_FOR_S``; a job a prefill worker took meanwhile is gone, and its answer frees the blocks.
         """
         js = self.nc.jetstream(timeout=2.0)
         give_up = time.monotonic() + WITHDRAW_FOR_S
         while True:
             try:
                 await js.delete_msg(self.subjects.prefill_stream, seq)
-                log.info("withdrew prefill job %s from the pool", tag)
-                return
-            except NotFoundError:  # taken (and acknowledged) meanwhile
-                log.info("prefill job %s left the pool before it was withdrawn", tag)
-                return
-            except (nats.errors.Error, APIError, asyncio.TimeoutError) as e:  # no leader yet, or the bus is away
-                if time.monotonic() >= give_up:
-                    log.warning("could not withdraw prefill job %s from the pool: %r", tag, e)
+                break
+            except APIError as e:
+                if taken_already(e):
+                    log.info("prefill job %s left the pool before it was withdrawn", tag)
                     return
+                error: Exception = e  # no leader yet
+            except (nats.errors.Error, asyncio.TimeoutError) as e:  # the bus is away
+                error = e
+            if time.monotonic() >= give_up:
+                log.warning("could not withdraw prefill job %s from the pool: %r", tag, error)
+                return
             await asyncio.sleep(1.0)
+        try:
+            first = await claim(self.nc, self.subjects, claim_key(PrefillJob, tag), f"{self.worker_id}-withdrew")
+        except Exception as e:  # the claims stream is away: the blocks wait for the job's deadline
+            log.info("withdrew prefill job %s from the pool; cannot claim it (%r)", tag, e)
+            return
+        log.info("withdrew prefill job %s from the pool%s", tag, "" if first else "; a prefill worker had claimed it")
+        if first:
+            self.attempts_over.add(tag)
+            await self.release_quarantine(tag)
 
     async def release_quarantine(self, tag: str) -> None:
         blocks = self.quarantined.pop(tag, None)

@@ -251,6 +251,21 @@ def claims_config(subjects: Subjects, replicas: int = 1) -> api.StreamConfig:
     )
 
 
+def claim_key(kind: type, key: str) -> str:
+    """What a worker claims to serve work ``key`` of type ``kind`` (a decode worker that withdraws its prefill
+    job from the pool claims the same key, so a prefill worker holding a copy drops it)."""
+    return f"{kind.__name__}:{key}"
+
+
+#: JetStream's "message delete failed" (a sequence no longer in the stream: a work-queue message taken and acked)
+MSG_DELETE_FAILED = 10057
+
+
+def taken_already(e: APIError) -> bool:
+    """Whether deleting a work-queue message failed because it is no longer there (a worker took it)."""
+    return isinstance(e, NotFoundError) or e.err_code == MSG_DELETE_FAILED
+
+
 async def claim(nc_or_js: Client | JetStreamContext, subjects: Subjects, key: str, owner: str,
                 request_id: str = "", timeout: float = 5.0) -> bool:
     """True when ``owner`` is the first to claim ``key`` (within :data:`CLAIM_WINDOW_S`), False for a copy.

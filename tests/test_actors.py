@@ -11,13 +11,15 @@ import uuid
 import nats
 import pytest
 
-from bench.cluster import Client, start_workers
+from bench.cluster import Client, Worker, start_workers
 from bus.prefill_messages import KVMetaReply, KVMetaRequest
 from bus.publish import request
 from bus.server import EmbeddedNats
+from bus.stats_messages import WorkerStats
 from bus.subjects import Subjects
+from bus.wire import encode
 from tests.harness.chat import chat_ids
-from tests.harness.wait import read_until, wait_until
+from tests.harness.wait import read_until, until, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -73,6 +75,9 @@ def cluster(tmp_path_factory):
             ("prefill_only", "cp1", "--namespace", "cd", "--num-blocks", "128"),
             ("decode_only", "cd1", "--namespace", "cd", "--num-blocks", "128", "--local-prefill-max-tokens", "0",
              "--prefill-stall-budget-ms", "300"),
+            # Every prompt to the pool, and no prefill worker of its own: the test that needs it brings them.
+            ("decode_only", "wd1", "--namespace", "wd", "--num-blocks", "128", "--local-prefill-max-tokens", "0",
+             "--prefill-stall-budget-ms", "0", "--prefill-timeout", "90"),
         ], srv.url, logs)
         by_id = {w.worker_id: w for w in workers}
         try:
@@ -417,6 +422,66 @@ def test_cancel_mid_prefill_and_mid_decode_frees_blocks(cluster, smollm):
     end1, end2 = run(go())
     assert end1["finish"]["finish_reason"] == "cancelled"
     assert end2["finish"]["finish_reason"] == "cancelled"
+
+
+def test_a_prefill_job_withdrawn_from_the_pool_frees_its_blocks_at_once(cluster, smollm, tmp_path):
+    """wd1's one prefill worker ("ghost") reports but never pulls, so the job waits in the pool. The cancel
+    withdraws it and claims it as a prefill worker would: the blocks are free at once, not at the job's
+    deadline (--prefill-timeout 90, + 5 s), and the pool is empty. Then, with the claims stream gone, a real
+    prefill worker cannot claim a pool job: it refuses it unwritten, and wd1 prefills the prompt itself."""
+    url, workers = cluster
+    prompt = chat_ids(smollm, LONG_CONTEXT + " Which fact comes last?")
+
+    async def ghost(c: Client) -> None:
+        while True:
+            await c.nc.publish(c.subjects.stats("prefill_only", "ghost"),
+                               encode(WorkerStats(role="prefill_only", worker_id="ghost", model=c.subjects.model)))
+            await asyncio.sleep(0.5)
+
+    async def pool_holds(c: Client) -> int:
+        return (await c.js.stream_info(c.subjects.prefill_stream)).state.messages
+
+    async def withdrawn():
+        async with Client(url, "wd") as c:
+            reporting = asyncio.create_task(ghost(c))
+            await asyncio.sleep(1.5)  # wd1 heard it (its reports are read apart from its requests: no order)
+            r = rid()
+            s = await c.start(r, prompt, worker="wd1", max_tokens=4)
+            await until(lambda: pool_holds(c), 30, "the prefill job in the pool")
+            t0 = time.monotonic()
+            await c.nc.publish(c.subjects.cancel(r), json.dumps({"request_id": r, "reason": "client left"}).encode())
+            end = await c.collect(s, timeout=30)
+            await c.wait_all_free([workers["wd1"]], timeout=30)
+            freed_after = time.monotonic() - t0
+            reporting.cancel()
+            return end, freed_after, await pool_holds(c)
+
+    end, freed_after, left = run(withdrawn())
+    assert end["finish"]["finish_reason"] == "cancelled", end
+    assert left == 0
+    assert freed_after < 30  # the quarantine alone would hold them 95 s
+
+    wp1 = Worker("prefill_only", "wp1", url, tmp_path, "--namespace", "wd")
+    try:
+        wp1.wait_ready()
+
+        async def unclaimed():
+            async with Client(url, "wd") as c:
+                await c.js.delete_stream(c.subjects.claims_stream)
+                await c.stats("prefill_only", "wp1")  # wd1 hears it too
+                r = rid()
+                replies = await c.nc.subscribe(c.subjects.prefill_done("wd1", r))
+                out = await c.generate(r, prompt, worker="wd1", max_tokens=4)
+                return out, await read_until(replies, bool, 5, "wp1's answer")
+
+        out, answers = run(unclaimed())
+    finally:
+        wp1.stop()
+    assert "finish" in out and out["token_ids"], out
+    assert out["finish"]["prefill_worker_id"] is None  # prefilled on wd1
+    refused = answers[0]
+    assert refused["kind"] == "prefill_done" and not refused["ok"] and not refused["wrote"], refused
+    assert "could not claim" in refused["error"]
 
 
 def test_two_prefill_two_decode_share_load(cluster, smollm):
