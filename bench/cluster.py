@@ -39,6 +39,8 @@ class Worker:
                          "--nats-url", nats_url, *extra)
         if "--num-blocks" not in extra:
             cmd += ["--num-blocks", "160"]
+        if "--threads" not in extra:  # several workers share the host's cores: torch's default, every core each,
+            cmd += ["--threads", "1"]  # oversubscribes them and each operation's barrier waits on a pushed-off thread
         self.child = ChildProcess(worker_id, cmd, env=self.env, log_path=self.log_path,
                                   ready_marker=f" {worker_id} ready")
         self.child.start()

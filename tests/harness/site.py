@@ -16,6 +16,8 @@ from bench.hosts import Deployment, Hosts
 from runtime.settings import read_env_file
 from tests.harness.wait import wait_until
 
+#: what the harness gives every machine besides the walk-through's own commands: the row-invariant kernel
+#: path (a remote prefill then computes exactly as a local one) and one torch thread per worker (two cores here)
 MACHINE_ENV = {"TANDEM_KERNELS": "invariant", "TANDEM_THREADS": "1", "TANDEM_NUM_BLOCKS": "256"}
 #: every prompt goes to the prefill worker while it lives (none is short enough to stay, none stalls)
 DECODE_ARGS = ("--local-prefill-max-tokens", "0", "--prefill-stall-budget-ms", "0")

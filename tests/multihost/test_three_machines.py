@@ -22,13 +22,11 @@ from bench.hosts import Hosts, run_walkthrough, walkthrough
 from bus.options import user_login
 from runtime.settings import read_env_file
 from tests.harness.native import NEEDS_NATIVE
+from tests.harness.site import MACHINE_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), NEEDS_NATIVE]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
-#: what the harness gives every machine besides the walk-through's own commands: the row-invariant kernel
-#: path (a remote prefill then computes exactly as a local one) and one torch thread per worker (two cores here)
-MACHINE_ENV = {"TANDEM_KERNELS": "invariant", "TANDEM_THREADS": "1", "TANDEM_NUM_BLOCKS": "256"}
 
 
 class Machines:
