@@ -4,14 +4,17 @@ them while it computes. Checked on real processes: a busy loop pinned to the bor
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from runtime.borrowing import cpu_idle_ticks
+from runtime.borrowing import ThreadWaits, cpu_idle_ticks
 from runtime.placement import available_cpus
+from tests.harness.wait import wait_until
 
 
 def test_idle_ticks_of_the_named_cores(tmp_path: Path) -> None:
@@ -23,6 +26,23 @@ def test_idle_ticks_of_the_named_cores(tmp_path: Path) -> None:
                     "intr 12345\n")
     assert cpu_idle_ticks([1], str(stat)) == (64, 75)  # idle + iowait, and every state
     assert cpu_idle_ticks([0, 1], str(stat)) == (64 + 41, 75 + 48)
+
+
+def test_thread_waits_read_every_thread_and_let_go_of_ended_ones() -> None:
+    def direct() -> int:
+        return sum(int(Path(f"/proc/self/task/{t}/schedstat").read_text().split()[1]) for t in os.listdir("/proc/self/task"))
+
+    waits = ThreadWaits()
+    before = direct()
+    assert before <= waits.ns() <= direct()  # the same counters, which only grow
+    done = threading.Event()
+    extra = threading.Thread(target=done.wait)
+    extra.start()
+    waits.ns()
+    assert set(waits._fds) == set(os.listdir("/proc/self/task"))  # the new thread's file too
+    done.set()
+    extra.join()  # the thread may outlive join() by a moment
+    wait_until(lambda: waits.ns() >= 0 and str(extra.native_id) not in waits._fds, 10, "its file closed")
 
 
 LAYERS = """
