@@ -66,10 +66,7 @@ class Scheduler:
         # either finishes the prompts that fit, or, when none fits, computes a chunk of the shortest:
         # a short prompt is neither held behind a long one's chunks nor padded with them (on a CPU a
         # step's time grows with its tokens, so padding would delay the short one's first token). A
-        # long prompt passed over MAX_PASSED_OVER steps in a row takes the rest of the next one's budget. The
-        # step's first prompt leaves no tail under half a budget for a step of its own: a step costs a pass over
-        # the weights and its small chunk runs on the few-row kernels (a 320-token prompt on a prefill_only
-        # worker: 256 + 64 took 1.3x one step of 320), so a step holds at most 1.5x the budget.
+        # long prompt passed over MAX_PASSED_OVER steps in a row takes the rest of the next one's budget.
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         admitted_tokens = 0
         while self.waiting and admitted_tokens < budget and len(self.running) < self.max_batch:
@@ -91,8 +88,6 @@ class Scheduler:
             if finishing and remaining > room and seq.passed_over < MAX_PASSED_OVER:
                 continue
             n = min(remaining, room)
-            if not planned and n < remaining <= room + self.max_step_tokens // 2:
-                n = remaining
             plan.append((seq, n))
             planned.add(seq.request_id)
             budget -= n

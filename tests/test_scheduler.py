@@ -77,19 +77,6 @@ def test_a_whole_prefill_takes_its_prompt_in_one_step_past_the_budget():
     assert run(sched) == {"next": 20}
 
 
-def test_a_prompt_leaves_no_tail_under_half_a_budget_for_a_step_of_its_own():
-    sched = make(budget=64)
-    sched.add(seq("a", 90))  # 64 + 26: one step of 90
-    assert run(sched) == {"a": 90}
-    sched.add(seq("b", 100))  # 64 + 36: the rest is a chunk worth a step
-    assert run(sched) == {"b": 64}
-    assert run(sched) == {"b": 36}
-    sched.add(seq("s", 10))
-    sched.add(seq("c", 80))  # not the step's first prompt: the budget holds (and a short one is not padded)
-    assert run(sched) == {"s": 10}
-    assert run(sched) == {"c": 80}
-
-
 # the tiny Gemma's shape: a global layer and two local ones with a window of one block
 WINDOWED = KVLayout("g", "float32", 16, 3, 1, 8, groups=((1,), (0,), (2,)), windows=(0, 16, 16))
 
