@@ -104,9 +104,9 @@ class PrefillActor(WorkerActor):
             await self._refuse(job, ErrorCode.HANDED_BACK, f"prefill worker {self.worker_id} is draining")
 
     async def serve_unclaimed(self, job: PrefillJob, from_pool: bool, error: Exception) -> bool:
-        """Not a pool job: its decode worker may have withdrawn it and freed its blocks, which its claim of the
-        same key (won, where this one could not ask) says. Refused unwritten: the decode worker tries another
-        prefill worker or prefills the prompt itself."""
+        """Never a pool job: its decode worker may have withdrawn it and freed its blocks (its claim of the same
+        key won, and this worker could not ask). Refused unwritten: the decode worker tries another prefill
+        worker or prefills the prompt itself. A job sent to this worker by name is served, as by any role."""
         if not from_pool:
             return await super().serve_unclaimed(job, from_pool, error)
         await self._refuse(job, ErrorCode.INTERNAL, f"prefill worker {self.worker_id} could not claim the job: {error!r}")

@@ -62,7 +62,8 @@ class ThreadWaits:
                     fd = self._fds[tid] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
                 total += int(os.pread(fd, 128, 0).split()[1])
             except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):  # a thread that ended meanwhile
-                continue
+                if (fd := self._fds.pop(tid, None)) is not None:  # a later thread may get its id: open afresh
+                    os.close(fd)
         for gone in self._fds.keys() - set(tids):
             os.close(self._fds.pop(gone))
         return total
