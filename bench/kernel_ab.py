@@ -9,8 +9,8 @@ they take turns call by call. `--baseline REV` extracts REV (`bench.baseline.sou
 there (`setup.py build_ext --inplace`), and loads the build of this process's variant next to this tree's
 library with ctypes; `engine.native`'s wrappers call whichever library is swapped in. Measured, old then new in
 turn: the long-chunk matmuls on the default model's four shapes (bfloat16 panels and int8 activations, each where
-both builds have it: AVX-512 BF16, VNNI; GFLOP/s, and whether both give the same bits), the bfloat16 attention of a
-long chunk (where both have BF16),
+both builds have it: AVX-512 BF16, VNNI; GFLOP/s, and whether both give the same bits), the attention of a
+long chunk (float32, and bfloat16 where both have BF16),
 whole prompts through the engine (prompt tok/s, on the fastest kernel path both builds have), and decode steps
 of a batch (the libraries taking turns step by step, on this process's kernel path). Only the C
 differs: the Python is this tree's, so the old library must export what this tree declares
@@ -109,9 +109,9 @@ def _both_run(libs: dict[str, ctypes.CDLL], precision: str) -> bool:
 
 
 def _attend(qkv: torch.Tensor, context: int, table: torch.Tensor, keys: torch.Tensor,
-            values: torch.Tensor) -> torch.Tensor:
+            values: torch.Tensor, bf16: bool) -> torch.Tensor:
     out = torch.zeros(qkv.shape[0], HEADS * D)
-    native.bf16_attention(qkv, 0, qkv.shape[0], context, table, keys, values, HEADS, 0.125, 0, out)
+    native.chunk_attention(qkv, 0, qkv.shape[0], context, table, keys, values, HEADS, 0.125, 0, out, bf16)
     return out
 
 
@@ -137,15 +137,18 @@ def matmuls(libs: dict[str, ctypes.CDLL], rows: list[int], rounds: int) -> list[
 
 
 def attention(libs: dict[str, ctypes.CDLL], chunks: list[tuple[int, int]], rounds: int) -> list[str]:
-    lines = []
-    for length, context in chunks if _both_run(libs, "bfloat16") else []:
+    lines: list[str] = []
+    if not all(hasattr(lib, "tq_chunk_attention") and lib.tq_has_chunk_attention() for lib in libs.values()):
+        return lines
+    precisions = [("float32", False)] + ([("bfloat16", True)] if _both_run(libs, "bfloat16") else [])
+    for (precision, bf16), (length, context) in [(p, c) for p in precisions for c in chunks]:
         blocks = (context + BLOCK - 1) // BLOCK
         keys = torch.randn(blocks, BLOCK, KV_HEADS, D).half()
         values = torch.randn(blocks, BLOCK, KV_HEADS, D).half()
         qkv, table = torch.randn(length, (HEADS + 2 * KV_HEADS) * D), torch.randperm(blocks)
-        got = turns(libs, partial(_attend, qkv, context, table, keys, values), rounds)
+        got = turns(libs, partial(_attend, qkv, context, table, keys, values, bf16), rounds)
         (old, a), (new, b) = got["old"], got["new"]
-        lines.append(f"| bfloat16 attention, {length} rows over {context} tokens (ms) | {old * 1e3:.2f} | "
+        lines.append(f"| {precision} attention, {length} rows over {context} tokens (ms) | {old * 1e3:.2f} | "
                      f"{new * 1e3:.2f} | {old / new:.3f}x | {'yes' if torch.equal(a, b) else 'no'} |")
     return lines
 

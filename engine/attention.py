@@ -50,10 +50,10 @@ class PagedAttention:
     of up to `KERNELS.kernel_max_chunk` tokens: row r reads the first lens[r] tokens of its sequence straight
     from the pool through its block table (no gather, padding or mask), and a short chunk's rows run the
     same code as decode rows, so such a token computes the same either way (as it does in the linear
-    layers). Longer chunks are GEMM-shaped: with `bf16` (a quantized model, whose long chunks multiply on
-    bfloat16 panels too) on kernel path avx512_bf16 `native.bf16_attention` (bfloat16 operands, 2.5-3x torch's
-    float32 SDPA), elsewhere torch's SDPA (`span_attention`), many times faster there than one query row at a
-    time."""
+    layers). Longer chunks are GEMM-shaped: on an AVX-512 build `native.chunk_attention`, flash-attention style
+    (float32: 1.6-3.4x torch's SDPA on an Ice Lake Xeon; with `bf16`, a quantized model whose long chunks multiply
+    on bfloat16 panels too, on kernel path avx512_bf16: bfloat16 operands, 2.5-3x SDPA on Zen 4), elsewhere
+    torch's SDPA (`span_attention`), many times faster there than one query row at a time."""
 
     def __init__(self, batch: ForwardBatch, heads: int, scale: float, bf16: bool = False):
         self.heads, self.scale, self.bf16 = heads, scale, bf16
@@ -95,11 +95,12 @@ class PagedAttention:
         out = torch.empty(n, q_size, dtype=qkv.dtype)
         qh, kh = q.view(n, self.heads, d), qkv[:, q_size:q_size + kv_heads * d].view(n, kv_heads, d)
         vh = qkv[:, q_size + kv_heads * d:].view(n, kv_heads, d)
-        in_bf16 = self.bf16 and native.kernel_path() in native.bf16_attention_paths() and d % 64 == 0
+        in_c = native.has_chunk_attention() and d % 64 == 0 and d <= 256
+        in_bf16 = self.bf16 and native.kernel_path() in native.bf16_attention_paths()
         for span in self.long_spans:
-            if in_bf16:
-                native.bf16_attention(qkv, span.start, span.length, span.context, span.blocks, kc, vc, self.heads,
-                                      self.scale, window, out)
+            if in_c:
+                native.chunk_attention(qkv, span.start, span.length, span.context, span.blocks, kc, vc, self.heads,
+                                       self.scale, window, out, in_bf16)
             else:
                 span_attention(qh, kh, vh, kc, vc, span, out.view(n, self.heads, d), self.scale, window)
         if self.rows is not None:

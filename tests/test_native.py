@@ -532,7 +532,11 @@ def test_int8_matmul_is_exact_integer_dot_products_of_the_rounded_rows(kind, n, 
         assert error[2] < 5e-4 and error[1] > 10 * error[2], error
 
 
-@BF16
+CHUNK_ATTENTION = pytest.mark.skipif(not native.has_chunk_attention(), reason="this build has no AVX-512")
+
+
+@CHUNK_ATTENTION
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("length, context, heads, kv_heads, d, window", [
     (256, 256, 9, 3, 64, 0),  # a whole prompt in one chunk (SmolLM2's heads)
     (199, 199, 9, 3, 64, 0),  # rows not a multiple of the 6-row tile, keys not of the 64-key block
@@ -540,10 +544,13 @@ def test_int8_matmul_is_exact_integer_dot_products_of_the_rounded_rows(kind, n, 
     (300, 700, 4, 1, 256, 128),  # Gemma 3's heads and a sliding window reaching back into the cache
     (257, 257, 9, 3, 64, 100),  # a window inside the chunk: early blocks hidden from late rows
 ])
-def test_bf16_attention_of_a_long_chunk_is_float32_sdpa_to_bfloat16_rounding(length, context, heads, kv_heads, d,
-                                                                             window):
-    """A long prompt chunk's attention on kernel path avx512_bf16 is the float32 SDPA of the same rows over the
-    same pool blocks (scattered, as the pool hands them out) to bfloat16 rounding, and writes its rows only."""
+def test_chunk_attention_of_a_long_chunk_is_float32_sdpa(length, context, heads, kv_heads, d, window, bf16):
+    """A long prompt chunk's attention in the C (`native.chunk_attention`) is the float32 SDPA of the same rows over
+    the same pool blocks (scattered, as the pool hands them out): to float32 rounding in float32, to bfloat16
+    rounding in bfloat16 (where the build has AVX-512 BF16); it writes its rows only, and each row's result is the
+    same whatever chunk it is computed in."""
+    if bf16 and "avx512_bf16" not in kernel_paths():
+        pytest.skip("this CPU or build has no AVX-512 BF16")
     g = torch.Generator().manual_seed(length)
     nblocks = (context + BLOCK - 1) // BLOCK
     kc, vc = torch.randn(nblocks + 9, BLOCK, kv_heads, d, generator=g), torch.randn(nblocks + 9, BLOCK, kv_heads, d, generator=g)
@@ -551,13 +558,17 @@ def test_bf16_attention_of_a_long_chunk_is_float32_sdpa_to_bfloat16_rounding(len
     first = 2  # the chunk's rows in the flat batch: other rows before and after it
     qkv = torch.randn(first + length + 3, (heads + 2 * kv_heads) * d, generator=g)
     out = torch.zeros(qkv.shape[0], heads * d)
-    native.bf16_attention(qkv, first, length, context, blocks, kc, vc, heads, 0.125, window, out)
+    native.chunk_attention(qkv, first, length, context, blocks, kc, vc, heads, 0.125, window, out, bf16)
     from_half = torch.zeros_like(out)  # a float16 pool: the same bits as float32 holding its values
-    native.bf16_attention(qkv, first, length, context, blocks, kc.half(), vc.half(), heads, 0.125, window, from_half)
+    native.chunk_attention(qkv, first, length, context, blocks, kc.half(), vc.half(), heads, 0.125, window, from_half,
+                           bf16)
     exact = torch.zeros_like(out)
-    native.bf16_attention(qkv, first, length, context, blocks, kc.half().float(), vc.half().float(), heads, 0.125,
-                          window, exact)
+    native.chunk_attention(qkv, first, length, context, blocks, kc.half().float(), vc.half().float(), heads, 0.125,
+                           window, exact, bf16)
     assert torch.equal(from_half, exact)
+    tail = torch.zeros_like(out)  # the chunk's last 7 rows alone, as the next chunk of the same prompt
+    native.chunk_attention(qkv, first + length - 7, 7, context, blocks, kc, vc, heads, 0.125, window, tail, bf16)
+    assert torch.equal(tail[first + length - 7:first + length], out[first + length - 7:first + length])
     q = qkv[first:first + length, :heads * d].view(length, heads, d).transpose(0, 1).unsqueeze(0)
     ks = kc[blocks].flatten(0, 1)[:context].transpose(0, 1).unsqueeze(0)
     vs = vc[blocks].flatten(0, 1)[:context].transpose(0, 1).unsqueeze(0)
@@ -568,36 +579,62 @@ def test_bf16_attention_of_a_long_chunk_is_float32_sdpa_to_bfloat16_rounding(len
     want = want.squeeze(0).transpose(0, 1).reshape(length, heads * d)
     got = out[first:first + length]
     err = (got - want).abs().max().item()
-    assert 1e-6 < err < 0.02 * want.abs().max().item()  # bfloat16 operands: close, and not float32's bits
+    if bf16:
+        assert 1e-6 < err < 0.02 * want.abs().max().item()  # bfloat16 operands: close, and not float32's bits
+    else:
+        assert err < 2e-5 * want.abs().max().item()
     assert not out[:first].any() and not out[first + length:].any()
 
 
-@BF16
-def test_a_long_prompt_attends_in_bf16_only_where_its_matmuls_do(smollm, monkeypatch):
-    """A quantized model's long prompt chunk attends with the bfloat16 kernel on kernel paths avx512_bf16 and
-    avx512_vnni where the build has AVX-512 BF16 (`native.bf16_attention_paths`) and with float32 SDPA on avx2; float weights (`none`, the quality reference) keep float32 on every
-    path. The first token's logits agree across them to bfloat16 (and int8) rounding."""
+@CHUNK_ATTENTION
+def test_chunk_attention_refuses_what_it_cannot_compute():
+    """A head size the tiles do not take, and bfloat16 on a build without AVX-512 BF16, are refused with an error,
+    not computed wrong."""
+    blocks = torch.arange(4)
+    kc = vc = torch.zeros(4, BLOCK, 1, 48)
+    qkv, out = torch.zeros(40, 3 * 48), torch.zeros(40, 48)
+    with pytest.raises(ValueError, match="head size 48"):
+        native.chunk_attention(qkv, 0, 40, 40, blocks, kc, vc, 1, 0.125, 0, out, False)
+    if "avx512_bf16" not in kernel_paths():
+        kc = vc = torch.zeros(4, BLOCK, 1, 64)
+        with pytest.raises(RuntimeError, match="no AVX-512 BF16"):
+            native.chunk_attention(torch.zeros(40, 3 * 64), 0, 40, 40, blocks, kc, vc, 1, 0.125, 0,
+                                   torch.zeros(40, 64), True)
+
+
+@CHUNK_ATTENTION
+def test_a_long_prompt_attends_in_the_c_in_bf16_only_where_its_matmuls_do(smollm, monkeypatch):
+    """On an AVX-512 build a long prompt chunk attends in the C: in bfloat16 for a quantized model on the kernel
+    paths whose long chunks multiply in bfloat16 (`native.bf16_attention_paths`), in float32 on the others and for
+    float weights (`none`, the quality reference). The first token's logits agree with torch's float32 SDPA's: to
+    float32 rounding for float weights, to bfloat16 and int8 rounding for the quantized ones."""
+    from engine import attention
     from engine.engine import EngineConfig, LLMEngine
     from engine.loader import load_model
     from engine.model_files import DEFAULT_MODEL
 
     calls = []
-    real = native.bf16_attention
-    monkeypatch.setattr(native, "bf16_attention", lambda *a: calls.append(a[2]) or real(*a))
+    real = native.chunk_attention
+    monkeypatch.setattr(native, "chunk_attention", lambda *a: calls.append((a[2], a[-1])) or real(*a))
     prompt = torch.randint(100, 30000, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     here = native.kernel_path()
-    logits = {}
+    paths = [p for p in native.kernel_paths() if p in (*native.PANEL_PRECISION, "avx2")]
     try:
         for loaded in (smollm, load_model(DEFAULT_MODEL, "float32", "none")):
             engine = LLMEngine(loaded, EngineConfig(num_blocks=64, max_step_tokens=512, enable_prefix_cache=False))
-            for path in native.bf16_attention_paths() + ["avx2"]:
+            for path in paths:
                 native.use_kernel_path(path)
                 calls.clear()
-                logits[loaded.quantization, path] = engine.prompt_logits(prompt, [])[-1]
+                got = engine.prompt_logits(prompt, [])[-1]
                 rounded = path in native.bf16_attention_paths() and loaded.quantization == "auto:int4+q8_0"
-                assert calls == ([300] * 30 if rounded else [])
+                assert calls == [(300, rounded)] * 30
+                with monkeypatch.context() as m:
+                    m.setattr(attention.native, "has_chunk_attention", lambda: False)
+                    calls.clear()
+                    sdpa = engine.prompt_logits(prompt, [])[-1]
+                    assert calls == []
+                err = (got - sdpa).abs().max() / sdpa.abs().max()
+                # int8 activations and bfloat16 round a float32 difference up to a code step now and then
+                assert err < (1e-4 if loaded.quantization == "none" else 0.05), (loaded.quantization, path, err)
     finally:
         native.use_kernel_path(here)
-    b = logits["auto:int4+q8_0", "avx2"]
-    for path in native.bf16_attention_paths():
-        assert (logits["auto:int4+q8_0", path] - b).abs().max() < 0.05 * b.abs().max(), path

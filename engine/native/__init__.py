@@ -44,7 +44,7 @@ from engine.native.dispatch import (
 )
 
 __all__ = ["BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES", "VNNI",
-           "I8Panels", "Layer", "LayerStep", "Linear", "argmax", "available", "bf16_attention", "bf16_attention_paths", "bf16_matmul",
+           "I8Panels", "Layer", "LayerStep", "Linear", "argmax", "available", "bf16_attention_paths", "chunk_attention", "bf16_matmul", "has_chunk_attention",
            "i8_linear", "i8_matmul", "i8_pack", "int4_dequantize", "kernel_path", "kernel_paths", "layer", "library", "linear", "paged_attention",
            "panel_min_rows", "q4_matmul", "q8_matmul",
            "rms_norm", "rope_store", "row_invariant", "silu_mul", "use_kernel_path", "variant", "variant_file"]
@@ -298,28 +298,37 @@ def i8_matmul(x: torch.Tensor, w: I8Panels, digits: int) -> torch.Tensor:
     return out
 
 
-@_profiled("bf16_attention")
-def bf16_attention(qkv: torch.Tensor, start: int, length: int, context: int, blocks: torch.Tensor,
-                   keys: torch.Tensor, values: torch.Tensor, heads: int, scale: float, window: int,
-                   out: torch.Tensor) -> None:
+def has_chunk_attention() -> bool:
+    """Whether this build has `chunk_attention` (AVX-512 F/BW)."""
+    lib = library()
+    return lib is not None and bool(lib.tq_has_chunk_attention())
+
+
+@_profiled("chunk_attention")
+def chunk_attention(qkv: torch.Tensor, start: int, length: int, context: int, blocks: torch.Tensor,
+                    keys: torch.Tensor, values: torch.Tensor, heads: int, scale: float, window: int,
+                    out: torch.Tensor, bf16: bool) -> None:
     """Causal attention of the prompt chunk in rows [start, start + length) of `qkv` (float32, contiguous, query
     heads first) over the last `context` tokens' K/V in the pool (`keys`/`values` [blocks, block_size,
-    kv_heads, d], through `blocks`), into the same rows of `out` [rows, heads * d]: q, k, v and the softmax
-    weights in bfloat16, sums in float32 (kernel path avx512_bf16; d a multiple of 64)."""
+    kv_heads, d], through `blocks`), into the same rows of `out` [rows, heads * d], flash-attention style: in
+    float32, or with `bf16` q, k, v and the softmax weights in bfloat16 with sums in float32 (kernel path
+    avx512_bf16). Needs an AVX-512 build (`has_chunk_attention`; with `bf16`, AVX-512 BF16) and d a multiple of
+    64 up to 256."""
     _, block_size, kv_heads, d = keys.shape
     if start + length > min(qkv.shape[0], out.shape[0]) or blocks.numel() * block_size < context:
-        raise ValueError(f"bf16_attention of rows [{start}, {start + length}) over {context} tokens: qkv has "
+        raise ValueError(f"chunk_attention of rows [{start}, {start + length}) over {context} tokens: qkv has "
                          f"{qkv.shape[0]} rows, out {out.shape[0]}, {blocks.numel()} blocks")
     k_ptr, v_ptr, half = _pool_ptrs(keys, values)
-    rc = library().tq_bf16_attention(_ptr(qkv[start:], torch.float32, "bf16_attention's qkv", rows_apart=True),
-                                     qkv.stride(0), k_ptr, v_ptr, keys.stride(0),
-                                     _ptr(blocks.contiguous(), torch.long, "blocks"), length, context, heads,
-                                     kv_heads, d, block_size, scale, window,
-                                     _ptr(out[start:], torch.float32, "bf16_attention's out", rows_apart=True),
-                                     out.stride(0), half, _threads())
+    rc = library().tq_chunk_attention(_ptr(qkv[start:], torch.float32, "chunk_attention's qkv", rows_apart=True),
+                                      qkv.stride(0), k_ptr, v_ptr, keys.stride(0),
+                                      _ptr(blocks.contiguous(), torch.long, "blocks"), length, context, heads,
+                                      kv_heads, d, block_size, scale, window,
+                                      _ptr(out[start:], torch.float32, "chunk_attention's out", rows_apart=True),
+                                      out.stride(0), half, int(bf16), _threads())
     if rc:
-        raise {-1: MemoryError(f"bfloat16 attention of {length} rows over {context} tokens: out of memory"),
-               -2: RuntimeError("this build has no AVX-512 BF16")}.get(rc, ValueError(f"head size {d}: not a multiple of 64"))
+        raise {-1: MemoryError(f"attention of {length} rows over {context} tokens: out of memory"),
+               -2: RuntimeError(f"this build has no AVX-512{' BF16' if bf16 else ''}")}.get(
+                   rc, ValueError(f"head size {d}: not a multiple of 64 up to 256"))
 
 
 @_profiled("int4_dequantize")

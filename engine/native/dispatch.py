@@ -41,7 +41,8 @@ SIGNATURES = {
     "tq_i8_packed_bytes": [_C, _I, _I],
     "tq_i8_pack": [_C, _P, _P, _I, _I, _P, _C],
     "tq_i8_matmul": [_C, _P, _I, _I, _P, _I, _P, _C, _C],
-    "tq_bf16_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _C, _C, _C, _C, _F, _I, _P, _I, _C, _C],
+    "tq_has_chunk_attention": [],
+    "tq_chunk_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _C, _C, _C, _C, _F, _I, _P, _I, _C, _C, _C],
     "tq_probe_fma": [_I, _C],
     "tq_probe_bf16": [_I, _C],
     "tq_probe_vnni": [_I, _C],
@@ -49,7 +50,8 @@ SIGNATURES = {
 }
 RETURNS = {"tq_source_hash": ctypes.c_char_p, "tq_q8_matmul": ctypes.c_int, "tq_q4_matmul": ctypes.c_int,
            "tq_decoder_layer": ctypes.c_int, "tq_panel_min_rows": ctypes.c_int64,
-           "tq_has_bf16": ctypes.c_int, "tq_bf16_matmul": ctypes.c_int, "tq_bf16_attention": ctypes.c_int,
+           "tq_has_bf16": ctypes.c_int, "tq_bf16_matmul": ctypes.c_int, "tq_chunk_attention": ctypes.c_int,
+           "tq_has_chunk_attention": ctypes.c_int,
            "tq_has_i8": ctypes.c_int, "tq_i8_matmul": ctypes.c_int, "tq_i8_packed_bytes": ctypes.c_int64,
            "tq_probe_fma": ctypes.c_double, "tq_probe_bf16": ctypes.c_double, "tq_probe_vnni": ctypes.c_double,
            "tq_probe_read": ctypes.c_float}

@@ -14,7 +14,7 @@
  *   panels.c           many rows on panels of dequantized weights: float32, or bfloat16 for long prompt chunks
  *                      (AVX-512 BF16); int4 to float32 for a GEMM
  *   i8_panels.c        every row on int8 dot products of weights packed at load (AVX-512 VNNI)
- *   bf16_attention.c   long prompt chunks' attention in bfloat16, flash-attention style
+ *   chunk_attention.c  long prompt chunks' attention, flash-attention style (float32 or bfloat16; AVX-512)
  *   layer.c            one decoder layer as one call
  *   peaks.c            this CPU's peaks, for the benchmarks' rooflines
  * This header holds what more than one of them uses. */
