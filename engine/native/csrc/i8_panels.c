@@ -104,7 +104,7 @@ static inline __attribute__((always_inline)) void i8_tile(const int kind, const 
                                                           const int8_t *xl, const float *xs, const float *xsp,
                                                           int64_t k, const uint8_t *wp, float *out, int64_t os) {
     int64_t groups = k / Q8_GROUP, bb = i8_block_bytes(kind);
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i low = _mm512_set1_epi8(0x0F), high_nibbles = _mm512_set1_epi8((char)0xF0);
     __m512 lo[I8_R], hi[I8_R];
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -118,9 +118,9 @@ static inline __attribute__((always_inline)) void i8_tile(const int kind, const 
                 _mm_prefetch((const char *)blk + s * I8_PANEL * 4 + 64 + I8_AHEAD, _MM_HINT_T0);
             }
             __m512i w0 = _mm512_loadu_si512(blk + s * I8_PANEL * 4), w1 = _mm512_loadu_si512(blk + s * I8_PANEL * 4 + 64);
-            if (kind == KIND_Q4) {
-                w0 = _mm512_and_si512(high ? _mm512_srli_epi16(w0, 4) : w0, low);
-                w1 = _mm512_and_si512(high ? _mm512_srli_epi16(w1, 4) : w1, low);
+            if (kind == KIND_Q4) { /* the high nibbles stay where they are: 16 u, one operation instead of two */
+                w0 = _mm512_and_si512(w0, high ? high_nibbles : low);
+                w1 = _mm512_and_si512(w1, high ? high_nibbles : low);
             }
             for (int r = 0; r < R; r++) {
                 int32_t four;
@@ -161,8 +161,9 @@ static inline __attribute__((always_inline)) void i8_tile(const int kind, const 
             m0 = _mm512_mul_ps(d0, _mm512_set1_ps(-128.f));
             m1 = _mm512_mul_ps(d1, _mm512_set1_ps(-128.f));
         }
-        for (int r = 0; r < R; r++) {
-            __m512 s = _mm512_set1_ps(xs[r * groups + g]), sp = _mm512_set1_ps(xsp[r * groups + g]);
+        for (int r = 0; r < R; r++) { /* a high group's sums are 16 I (exact), so its s is s / 16: the same bits */
+            __m512 s = _mm512_set1_ps(high ? xs[r * groups + g] * 0.0625f : xs[r * groups + g]);
+            __m512 sp = _mm512_set1_ps(xsp[r * groups + g]);
             lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ilo[r]), _mm512_mul_ps(d0, s), _mm512_fmadd_ps(m0, sp, lo[r]));
             hi[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ihi[r]), _mm512_mul_ps(d1, s), _mm512_fmadd_ps(m1, sp, hi[r]));
         }
