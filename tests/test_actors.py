@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import time
 import uuid
 
 import nats
 import pytest
 
-from bench.cluster import Client, Worker, start_workers
+from bench.cluster import Client, Worker
 from bus.prefill_messages import KVMetaReply, KVMetaRequest
 from bus.publish import request
-from bus.server import EmbeddedNats
 from bus.stats_messages import WorkerStats
 from bus.subjects import Subjects
 from bus.wire import encode
 from tests.harness.chat import chat_ids
+from tests.harness.cluster import worker_cluster
 from tests.harness.wait import read_until, until, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -56,36 +55,28 @@ async def hear_prefill_reports(url: str) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """NATS + 2 prefill + 2 decode (remote prefill forced) + 1 aggregated worker in its own namespace."""
-    logs = tmp_path_factory.mktemp("logs")
-    with EmbeddedNats() as srv:
-        # Room for a retry while a dead worker's blocks sit in quarantine.
-        disagg = ["--local-prefill-max-tokens", "0", "--prefill-stall-budget-ms", "0", "--max-batch", "4", "--prefill-timeout", "90",
-                  "--num-blocks", "400"]
-        workers = start_workers([
-            ("prefill_only", "p1", "--layerwise-transfer", "on"),  # p1 streams layer by layer, p2 sends whole
-            ("prefill_only", "p2", "--layerwise-transfer", "off"),
-            ("decode_only", "d1", *disagg),
-            ("decode_only", "d2", *disagg),
-            ("prefill_and_decode", "a1", "--namespace", "agg"),
-            # A decode worker whose KV layout differs from its prefill worker's (block size 32 vs 16).
-            ("prefill_only", "mp1", "--namespace", "mm", "--num-blocks", "64"),
-            ("decode_only", "md1", "--namespace", "mm", "--block-size", "32", "--num-blocks", "64",
-             "--local-prefill-max-tokens", "0", "--prefill-stall-budget-ms", "0"),
-            # Conditional disaggregation by estimated cost alone (no length floor, a 300 ms stall budget).
-            ("prefill_only", "cp1", "--namespace", "cd", "--num-blocks", "128"),
-            ("decode_only", "cd1", "--namespace", "cd", "--num-blocks", "128", "--local-prefill-max-tokens", "0",
-             "--prefill-stall-budget-ms", "300"),
-            # Every prompt to the pool, and no prefill worker of its own: the test that needs it brings them.
-            ("decode_only", "wd1", "--namespace", "wd", "--num-blocks", "128", "--local-prefill-max-tokens", "0",
-             "--prefill-stall-budget-ms", "0", "--prefill-timeout", "90"),
-        ], srv.url, logs)
-        by_id = {w.worker_id: w for w in workers}
-        try:
-            asyncio.run(hear_prefill_reports(srv.url))  # decode workers know the prefill workers are alive
-            yield srv.url, by_id
-        finally:
-            for w in workers:
-                w.stop()
+    disagg = ["--local-prefill-max-tokens", "0", "--prefill-stall-budget-ms", "0", "--max-batch", "4", "--prefill-timeout", "90",
+              "--num-blocks", "400"]
+    with worker_cluster(tmp_path_factory.mktemp("logs"), [
+        ("prefill_only", "p1", "--layerwise-transfer", "on"),  # p1 streams layer by layer, p2 sends whole
+        ("prefill_only", "p2", "--layerwise-transfer", "off"),
+        ("decode_only", "d1", *disagg),
+        ("decode_only", "d2", *disagg),
+        ("prefill_and_decode", "a1", "--namespace", "agg"),
+        # A decode worker whose KV layout differs from its prefill worker's (block size 32 vs 16).
+        ("prefill_only", "mp1", "--namespace", "mm", "--num-blocks", "64"),
+        ("decode_only", "md1", "--namespace", "mm", "--block-size", "32", "--num-blocks", "64",
+         "--local-prefill-max-tokens", "0", "--prefill-stall-budget-ms", "0"),
+        # Conditional disaggregation by estimated cost alone (no length floor, a 300 ms stall budget).
+        ("prefill_only", "cp1", "--namespace", "cd", "--num-blocks", "128"),
+        ("decode_only", "cd1", "--namespace", "cd", "--num-blocks", "128", "--local-prefill-max-tokens", "0",
+         "--prefill-stall-budget-ms", "300"),
+        # Every prompt to the pool, and no prefill worker of its own: the test that needs it brings them.
+        ("decode_only", "wd1", "--namespace", "wd", "--num-blocks", "128", "--local-prefill-max-tokens", "0",
+         "--prefill-stall-budget-ms", "0", "--prefill-timeout", "90"),
+    ]) as (srv, by_id):
+        asyncio.run(hear_prefill_reports(srv.url))  # decode workers know the prefill workers are alive
+        yield srv.url, by_id
 
 
 def run(coro):
@@ -496,77 +487,3 @@ def test_two_prefill_two_decode_share_load(cluster, smollm):
     assert all("finish" in o for o in outs)
     assert {o["finish"]["worker_id"] for o in outs} == {"d1", "d2"}
     assert {o["finish"]["prefill_worker_id"] for o in outs} - {None} == {"p1", "p2"}  # None: prefilled locally
-
-
-def test_sigkill_prefill_mid_job_still_completes(cluster, smollm):
-    """Runs last in this module: it kills p2."""
-    url, workers = cluster
-    fresh_context = " ".join(f"Item {i} costs {3 * i} coins." for i in range(150))  # no worker has it cached
-    prompt = chat_ids(smollm, fresh_context + " What does item 4 cost?")
-
-    async def go():
-        async with Client(url) as c:
-            reference = await c.generate(rid(), prompt, worker="d1", target_endpoint="p1", max_tokens=6)
-            jobs = await c.nc.subscribe(c.subjects.prefill_worker("p2"))
-            r = rid()
-            t0 = time.monotonic()
-            s = await c.start(r, prompt, worker="d2", target_endpoint="p2", max_tokens=6)
-            await jobs.next_msg(timeout=30)
-            workers["p2"].kill()
-            out = await c.collect(s, timeout=150)  # past the request's 120 s deadline: it ends either way
-            return reference, out, time.monotonic() - t0
-
-    reference, out, elapsed = run(go())
-    assert "finish" in out, out
-    assert out["token_ids"] == reference["token_ids"]
-    assert out["finish"]["prefill_worker_id"] in ("p1", None)  # retried on p1, or prefilled locally
-    # the dead worker is noticed (5 s without its load reports) well before the 90 s prefill deadline
-    assert elapsed < 45
-
-
-def test_sigkill_prefill_mid_pool_job_is_noticed_early(cluster, smollm):
-    """p2 dead (killed by the test above, or here): p1 takes a pool job, says so, and is killed."""
-    url, workers = cluster
-    workers["p2"].kill()  # no-op when the test above ran
-    fresh_context = " ".join(f"Crate {i} holds {7 * i} apples." for i in range(150))  # cached nowhere
-    prompt = chat_ids(smollm, fresh_context + " How many apples does crate 5 hold?")
-
-    async def go():
-        async with Client(url, "agg") as agg:
-            reference = await agg.generate(rid(), prompt, max_tokens=6)
-        async with Client(url) as c:
-            r = rid()
-            replies = await c.nc.subscribe(c.subjects.prefill_done("d1", r))
-            t0 = time.monotonic()
-            s = await c.start(r, prompt, worker="d1", max_tokens=6)  # no target: the job goes to the pool
-            accepted = json.loads((await replies.next_msg(timeout=30)).data)
-            workers["p1"].kill()
-            out = await c.collect(s, timeout=150)  # past the request's 120 s deadline: it ends either way
-            return reference, accepted, out, time.monotonic() - t0
-
-    reference, accepted, out, elapsed = run(go())
-    assert accepted["kind"] == "prefill_accepted" and accepted["prefill_worker_id"] == "p1", accepted
-    assert "finish" in out, out
-    assert out["token_ids"] == reference["token_ids"]
-    assert out["finish"]["prefill_worker_id"] != "p1"
-    # Without the accepted notice d1 would wait for the job's 90 s deadline (--prefill-timeout).
-    assert elapsed < 45
-
-
-def test_sigterm_hands_back_a_request_before_its_first_token(cluster, smollm):
-    """Runs last: it stops d2. Draining, d2 gives back what has not streamed a token yet, then exits."""
-    url, workers = cluster
-    prompt = chat_ids(smollm, " ".join(f"Box {i} weighs {5 * i} grams." for i in range(150)) + " Box 9?")
-
-    async def go():
-        async with Client(url) as c:
-            s = await c.start(rid(), prompt, worker="d2", max_tokens=6)
-            admitted = json.loads((await s.next_msg(timeout=30)).data)
-            workers["d2"].proc.send_signal(signal.SIGTERM)
-            return admitted, json.loads((await s.next_msg(timeout=30)).data)
-
-    admitted, after = run(go())
-    assert admitted["kind"] == "stream_tokens" and admitted["token_ids"] == [] and admitted["worker_id"] == "d2"
-    assert after["kind"] == "stream_error" and after["code"] == "handed_back" and after["status"] == 503, after
-    assert workers["d2"].proc.wait(60) == 0  # then it leaves cleanly
-

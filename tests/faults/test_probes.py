@@ -7,25 +7,23 @@ the `nats` CLI (or a misbehaving client) would: raw JSON on the subjects the wor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
 
-from bench.cluster import MODEL, Client, Worker, start_workers
+from bench.cluster import MODEL, Client, Worker
 from bus.control_messages import Replay
 from bus.prefill_messages import KVDestination, PrefillJob
-from bus.server import EmbeddedNats
 from bus.subjects import Subjects
 from bus.wire import encode
 from engine.params import SamplingParams
 from tests.harness.chat import chat_ids
+from tests.harness.cluster import worker_cluster
 from tests.harness.wait import read_quiet, read_until, until, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -37,27 +35,10 @@ def rid() -> str:
     return uuid.uuid4().hex
 
 
-@contextlib.contextmanager
-def probe_cluster(logs: Path, specs: list[tuple]) -> Iterator[tuple[EmbeddedNats, dict[str, Worker]]]:
-    """NATS (with a store of its own in ``logs``: a NATS restart keeps it) and the workers of ``specs``
-    (``(role, worker id, *flags)``), ready; all stopped when the block ends."""
-    srv = EmbeddedNats(store_dir=logs / "nats")
-    srv.start()
-    try:
-        workers = start_workers(specs, srv.url, logs)
-        try:
-            yield srv, {w.worker_id: w for w in workers}
-        finally:
-            for w in workers:
-                w.stop()
-    finally:
-        srv.stop()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """NATS + two decode_only (d1, d2) + two prefill_only (p1, p2) workers, and d3 (drain time 2 s) to stop."""
-    with probe_cluster(tmp_path_factory.mktemp("probes"), [
+    with worker_cluster(tmp_path_factory.mktemp("probes"), [
         ("decode_only", "d1", "--num-blocks", "400"),
         ("decode_only", "d2", "--num-blocks", "400"),
         ("prefill_only", "p1", "--num-blocks", "400"),
@@ -70,7 +51,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture
 def own_cluster(tmp_path: Path) -> Any:
     """NATS of the test's own (it restarts it), with d1 and d2 to stream on and p1 to prefill remotely."""
-    with probe_cluster(tmp_path, [
+    with worker_cluster(tmp_path, [
         ("decode_only", "d1", "--num-blocks", "400"),
         ("decode_only", "d2", "--num-blocks", "400"),
         ("prefill_only", "p1", "--num-blocks", "400"),

@@ -1,5 +1,6 @@
-"""Clusters and processes the tests run: `tandem up` (one factory, so a module's shared cluster and a destructive
-test's own one start and stop alike), CLI children, and what a test reads of a running cluster."""
+"""Clusters and processes the tests run: `tandem up` and NATS with `tandem serve` workers (one factory each, so a
+module's shared cluster and a destructive test's own one start and stop alike), CLI children, and what a test reads
+of a running cluster."""
 
 from __future__ import annotations
 
@@ -13,11 +14,29 @@ from typing import Any
 
 import httpx
 
-from bench.cluster import TandemUp, tandem_cmd
+from bench.cluster import TandemUp, Worker, start_workers, tandem_cmd
+from bus.server import EmbeddedNats
 from runtime.processes import ChildProcess
 from tests.harness.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def worker_cluster(logs: Path, specs: list[tuple]) -> Iterator[tuple[EmbeddedNats, dict[str, Worker]]]:
+    """NATS (with a store of its own in ``logs``: a NATS restart keeps it) and the workers of ``specs``
+    (``(role, worker id, *flags)``), ready; all stopped when the block ends."""
+    srv = EmbeddedNats(store_dir=logs / "nats")
+    srv.start()
+    try:
+        workers = start_workers(specs, srv.url, logs)
+        try:
+            yield srv, {w.worker_id: w for w in workers}
+        finally:
+            for w in workers:
+                w.stop()
+    finally:
+        srv.stop()
 
 
 @contextlib.contextmanager
