@@ -322,11 +322,12 @@ int tq_chunk_attention(const float *q, int64_t q_stride, const void *keys, const
         float *s = (float *)(mine + FA_ROWS * d * 4);
         void *p = mine + FA_ROWS * (d * 4 + FA_KEYS * 4);
         float *o = (float *)(mine + FA_ROWS * (d * 4 + FA_KEYS * 8));
-        /* the longest tiles (the chunk's last rows) first, the heads of one KV head side by side */
+        /* one KV head at a time (its panels stay in this core's L2), its longest tiles (the chunk's last rows)
+         * first, the query heads that share it side by side */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < (int64_t)heads * tiles; w++) {
-            int hh = (int)(w % group), g = (int)(w / group % kv_heads);
-            int64_t t = tiles - 1 - w / heads;
+            int hh = (int)(w % group), g = (int)(w / (group * tiles));
+            int64_t t = tiles - 1 - w / group % tiles;
             int64_t r0 = t * FA_ROWS;
             int rows = length - r0 < FA_ROWS ? (int)(length - r0) : FA_ROWS;
             const char *kp = panels + (int64_t)g * nb * span * 2;
