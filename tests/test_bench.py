@@ -521,7 +521,7 @@ def test_baseline_engine_answers_bench_engines_measures(tmp_path: Path, monkeypa
 
 
 def test_kernel_ab_takes_turns_between_two_builds_of_ops_c(capsys):
-    """bench.kernel_ab with the installed library as the old one too: every measure (matmuls, attention, a prompt,
+    """bench.kernel_ab with the installed library as the old one too: every measure (matmuls, attention in each precision, a prompt,
     decode steps) prints both columns and their ratio, the two give the same bits, and engine.native calls its own
     library again afterwards."""
     import torch
@@ -542,11 +542,15 @@ def test_kernel_ab_takes_turns_between_two_builds_of_ops_c(capsys):
         torch.set_num_threads(threads)
     assert native.library is real
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x |" in line]
-    # the same library twice: what its build multiplies in (bfloat16 and int8 panels: AVX-512 BF16, VNNI)
+    # the same library twice: what its build multiplies in (bfloat16 and int8 panels: AVX-512 BF16, VNNI) and
+    # attends in (float32 on any AVX-512 build, bfloat16 too with BF16)
     bf16, vnni = (p in native.kernel_paths() for p in ("avx512_bf16", "avx512_vnni"))
+    attends = native.has_chunk_attention()
     prefill_path = "avx512_vnni" if vnni else "avx512_bf16" if bf16 else native.kernel_path()
     assert [r.split(" |")[0] for r in rows] == [*(["| bfloat16 matmul, 13 rows (GFLOP/s)"] if bf16 else []),
                                                  *(["| int8 matmul, 13 rows (GFLOP/s)"] if vnni else []),
+                                                 *(["| float32 attention, 130 rows over 200 tokens (ms)"] if attends
+                                                   else []),
                                                  *(["| bfloat16 attention, 130 rows over 200 tokens (ms)"] if bf16
                                                    else []),
                                                  f"| prefill on {prefill_path}, 130 tokens (prompt tok/s)",
