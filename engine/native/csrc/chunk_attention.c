@@ -49,15 +49,18 @@ static inline __m512 kv_load16(const void *row, int i, int half) {
 }
 
 /* Keys [k0, k0 + FA_KEYS) of KV head g from the pool into its panels (zeros outside [first, context): a
- * sliding-window layer's blocks before `first` may be gone). Rows are read 16 or 32 floats at a time; k goes
- * through a [key][d] table in L1 and is transposed from there. */
+ * sliding-window layer's blocks before `first` may be gone). Rows are read 16 or 32 floats at a time; float32 k is
+ * scattered into its columns, bfloat16 k's pairs go through a [key][d / 2] table in L1 (32 KB of stack at most) and
+ * are transposed from there. */
 static void pack_kv_block(const int bf, const void *keys, const void *values, int64_t block_stride,
                           const int64_t *blocks, int block_size, int kv_heads, int d, int g, int64_t k0, int64_t first,
                           int64_t context, int half, void *kp, void *vp) {
     static const float zeros[FA_MAX_D] = {0};
-    uint32_t table[FA_KEYS * FA_MAX_D]; /* float32 k [key][d], or bfloat16 pairs [key][d / 2] */
+    uint32_t table[FA_KEYS * FA_MAX_D / 2]; /* bfloat16 pairs [key][d / 2] */
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(FA_KEYS));
     int64_t kv = (int64_t)kv_heads * d;
-    int width = bf ? d / 2 : d; /* 32-bit words of a key */
+    int width = d / 2; /* 32-bit words of a bfloat16 key */
     for (int j = 0; j < FA_KEYS; j += 2) {
         const void *k[2], *v[2];
         for (int e = 0; e < 2; e++) {
@@ -70,7 +73,7 @@ static void pack_kv_block(const int bf, const void *keys, const void *values, in
         if (!bf) {
             for (int e = 0; e < 2; e++)
                 for (int i = 0; i < d; i += 16) {
-                    _mm512_storeu_ps((float *)table + (j + e) * d + i, kv_load16(k[e], i, half));
+                    _mm512_i32scatter_ps((float *)kp + (int64_t)i * FA_KEYS + j + e, column, kv_load16(k[e], i, half), 4);
                     _mm512_storeu_ps((float *)vp + (int64_t)(j + e) * d + i, kv_load16(v[e], i, half));
                 }
             continue;
@@ -87,7 +90,7 @@ static void pack_kv_block(const int bf, const void *keys, const void *values, in
 #endif
     }
     uint32_t *kp32 = (uint32_t *)kp;
-    for (int i = 0; i < width; i++)
+    for (int i = 0; bf && i < width; i++)
         for (int j = 0; j < FA_KEYS; j++) kp32[i * FA_KEYS + j] = table[j * width + i];
 }
 
