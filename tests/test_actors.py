@@ -17,7 +17,7 @@ from bus.stats_messages import WorkerStats
 from bus.subjects import Subjects
 from bus.wire import encode
 from tests.harness.chat import chat_ids
-from tests.harness.cluster import worker_cluster
+from tests.harness.cluster import hear_prefill_reports, worker_cluster
 from tests.harness.wait import read_until, until, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -35,21 +35,6 @@ EVERY_KIND = {"prefill_job", "prefill_accepted", "prefill_done", "stream_tokens"
 
 def rid() -> str:
     return uuid.uuid4().hex
-
-
-async def hear_prefill_reports(url: str) -> None:
-    """Until two load reports of every prefill worker went by.
-
-    The decode workers subscribe to those reports before they say "ready", so they heard every
-    report we hear; the second one leaves them time to have handled the first.
-    """
-
-    async def twice(namespace: str, worker_id: str) -> None:
-        async with Client(url, namespace) as c:
-            for _ in range(2):
-                await c.stats("prefill_only", worker_id, timeout=30)
-
-    await asyncio.gather(twice("tandem", "p1"), twice("tandem", "p2"), twice("mm", "mp1"), twice("cd", "cp1"))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +60,8 @@ def cluster(tmp_path_factory):
         ("decode_only", "wd1", "--namespace", "wd", "--num-blocks", "128", "--local-prefill-max-tokens", "0",
          "--prefill-stall-budget-ms", "0", "--prefill-timeout", "90"),
     ]) as (srv, by_id):
-        asyncio.run(hear_prefill_reports(srv.url))  # decode workers know the prefill workers are alive
+        asyncio.run(hear_prefill_reports(srv.url, ("tandem", "p1"), ("tandem", "p2"), ("mm", "mp1"),
+                                        ("cd", "cp1")))  # decode workers know the prefill workers are alive
         yield srv.url, by_id
 
 

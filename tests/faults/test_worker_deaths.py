@@ -15,7 +15,7 @@ import pytest
 
 from bench.cluster import Client
 from tests.harness.chat import chat_ids
-from tests.harness.cluster import worker_cluster
+from tests.harness.cluster import hear_prefill_reports, worker_cluster
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,18 +29,6 @@ def rid() -> str:
     return uuid.uuid4().hex
 
 
-async def hear_reports(url: str, *prefill_ids: str) -> None:
-    """Until two load reports of each prefill worker went by: the decode workers subscribed to them before they
-    said "ready", so they heard them too and know those workers are alive."""
-
-    async def twice(worker_id: str) -> None:
-        async with Client(url) as c:
-            for _ in range(2):
-                await c.stats("prefill_only", worker_id, timeout=30)
-
-    await asyncio.gather(*map(twice, prefill_ids))
-
-
 def test_sigkill_prefill_mid_job_still_completes(tmp_path: Path, smollm):
     """p2 is SIGKILLed while it holds d2's prefill job: the job is retried on p1 (or prefilled on d2) and the
     request completes with the tokens d1 gave for the same prompt through p1."""
@@ -50,7 +38,7 @@ def test_sigkill_prefill_mid_job_still_completes(tmp_path: Path, smollm):
              ("decode_only", "d2", *REMOTE)]
     with worker_cluster(tmp_path, specs) as (srv, workers):
         async def go():
-            await hear_reports(srv.url, "p1", "p2")
+            await hear_prefill_reports(srv.url, ("tandem", "p1"), ("tandem", "p2"))
             async with Client(srv.url) as c:
                 reference = await c.generate(rid(), prompt, worker="d1", target_endpoint="p1", max_tokens=6)
                 jobs = await c.nc.subscribe(c.subjects.prefill_worker("p2"))
@@ -78,7 +66,7 @@ def test_sigkill_prefill_mid_pool_job_is_noticed_early(tmp_path: Path, smollm):
              ("prefill_and_decode", "a1", "--namespace", "agg")]
     with worker_cluster(tmp_path, specs) as (srv, workers):
         async def go():
-            await hear_reports(srv.url, "p1")
+            await hear_prefill_reports(srv.url, ("tandem", "p1"))
             async with Client(srv.url, "agg") as agg:
                 reference = await agg.generate(rid(), prompt, max_tokens=6)
             async with Client(srv.url) as c:
@@ -106,7 +94,7 @@ def test_sigterm_hands_back_a_request_before_its_first_token(tmp_path: Path, smo
     prompt = chat_ids(smollm, " ".join(f"Box {i} weighs {5 * i} grams." for i in range(150)) + " Box 9?")
     with worker_cluster(tmp_path, [("prefill_only", "p1"), ("decode_only", "d2", *REMOTE)]) as (srv, workers):
         async def go():
-            await hear_reports(srv.url, "p1")
+            await hear_prefill_reports(srv.url, ("tandem", "p1"))
             async with Client(srv.url) as c:
                 s = await c.start(rid(), prompt, worker="d2", max_tokens=6)
                 admitted = json.loads((await s.next_msg(timeout=30)).data)

@@ -4,6 +4,7 @@ of a running cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -14,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from bench.cluster import TandemUp, Worker, start_workers, tandem_cmd
+from bench.cluster import Client, TandemUp, Worker, start_workers, tandem_cmd
 from bus.server import EmbeddedNats
 from runtime.processes import ChildProcess
 from tests.harness.wait import wait_until
@@ -37,6 +38,19 @@ def worker_cluster(logs: Path, specs: list[tuple]) -> Iterator[tuple[EmbeddedNat
                 w.stop()
     finally:
         srv.stop()
+
+
+async def hear_prefill_reports(url: str, *workers: tuple[str, str]) -> None:
+    """Until two load reports of each prefill worker (``(namespace, worker id)``) went by: the decode workers
+    subscribed to them before they said "ready", so they heard them too (the second leaves them time to have
+    handled the first) and know those workers are alive."""
+
+    async def twice(namespace: str, worker_id: str) -> None:
+        async with Client(url, namespace) as c:
+            for _ in range(2):
+                await c.stats("prefill_only", worker_id, timeout=30)
+
+    await asyncio.gather(*(twice(namespace, worker_id) for namespace, worker_id in workers))
 
 
 @contextlib.contextmanager
