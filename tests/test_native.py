@@ -138,6 +138,42 @@ def test_paged_attention_matches_sdpa_over_each_sequences_own_blocks(d):
     assert torch.equal(alone[0], got[1])
 
 
+@pytest.mark.parametrize("d", [64, 128, 40])  # 40: not a multiple of 16, so attend_row on every build
+def test_paged_attention_over_long_contexts_adds_up_its_segments(d):
+    """Contexts past 128 tokens (on an AVX-512 build, each 128 tokens of a row's context is a work item, added up
+    afterwards) and windows that start in a segment's middle: SDPA's result, and the same bits for a row alone or
+    beside others, on one thread or two, and from a float16 pool as from float32 holding its values."""
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, bs = 12, 3, 16  # 4 query heads a KV head: scores in passes of 3 + 1
+    lens = torch.tensor([129, 256, 300, 1000, 7, 128, 385])
+    blocks = 64
+    kc = torch.randn(blocks * len(lens), bs, kv_heads, d, generator=g).half()
+    vc = torch.randn(blocks * len(lens), bs, kv_heads, d, generator=g).half()
+    tables = torch.randperm(blocks * len(lens), generator=g).view(len(lens), blocks)
+    q = torch.randn(len(lens), heads * d, generator=g)
+    rows = torch.arange(len(lens))
+    threads = torch.get_num_threads()
+    try:
+        for window in (0, 200):
+            torch.set_num_threads(2)
+            got = native.paged_attention(q, kc, vc, tables, rows, lens, heads, 0.2, window)
+            assert torch.equal(got, native.paged_attention(q, kc.float(), vc.float(), tables, rows, lens, heads, 0.2,
+                                                           window))
+            torch.set_num_threads(1)
+            for r in (0, 3, 6):
+                alone = native.paged_attention(q[r:r + 1].clone(), kc, vc, tables, rows[r:r + 1].clone(),
+                                               lens[r:r + 1].clone(), heads, 0.2, window)
+                assert torch.equal(alone[0], got[r]), (window, r)
+            for r, n in enumerate(lens.tolist()):
+                lo = max(0, n - window) if window else 0
+                ks = kc[tables[r]].flatten(0, 1)[lo:n].float().transpose(0, 1).unsqueeze(0)
+                vs = vc[tables[r]].flatten(0, 1)[lo:n].float().transpose(0, 1).unsqueeze(0)
+                want = F.scaled_dot_product_attention(q[r].view(1, heads, 1, d), ks, vs, scale=0.2, enable_gqa=True)
+                assert torch.allclose(got[r], want.reshape(-1), atol=1e-5), (window, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("d", [64, 12])  # the vector path and the portable one (d not a multiple of 8)
 def test_windowed_paged_attention_sees_only_the_last_window_tokens(d):
     """A sliding-window layer's rows (window 20, not a multiple of the 16-token block) over contexts of 1 to 100
