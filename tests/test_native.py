@@ -554,7 +554,7 @@ def test_int8_matmul_is_exact_integer_dot_products_of_the_rounded_rows(kind, n, 
         codes, scales = w.q, w.scales
     panels = native.i8_pack(kind, codes, scales)
     assert panels.data.numel() == (n + 31) // 32 * 32 * (k // 32) * (20 if kind == "int4" else 34)  # the rows' bytes
-    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 40, 150):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 40, 150, 400):  # 150 and 400: more than one block of rows (L2)
         x = torch.randn(rows, k)
         x[0, :32] = 0  # a group of zeros: scale 0, no NaN
         x[-1, 32:36] = torch.tensor([127.0, 2.5, 3.5, -2.5])  # ties: 2.5 -> 2, 3.5 -> 4, -2.5 -> -2 (one digit)
