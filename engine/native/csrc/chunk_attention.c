@@ -7,7 +7,8 @@
  * in bfloat16 (`bf`: 1: q (times scale / ln 2, so the softmax is a power of 2), k, v and the softmax weights
  * rounded to bfloat16 (to nearest even), products summed in float32 by vdpbf16ps). Each KV head's context is
  * first packed into panels of FA_KEYS keys (float32: k [d][key], v [key][d]; bfloat16 pairs: k [d / 2][key][2],
- * v [key / 2][d][2]); then FA_ROWS query rows of one head take FA_KEYS keys at a time: scores, the online softmax
+ * v [key / 2][d][2]); then FA_ROWS query rows of each query head sharing a KV head take FA_KEYS keys at a time
+ * (the block meets every head while it is in L1): scores, the online softmax
  * (running max and sum per row; the sum is of the weights the values are multiplied by, rounded where they are),
  * and the weighted values added to the rows' output. A row's result does not depend on the chunk's other rows:
  * the keys past a row's position add exact zeros. The quality bench's perplexity moved x0.9995 with torch's
@@ -193,75 +194,92 @@ static inline __attribute__((always_inline)) __m512 block_weights(const int bf, 
     return sum;
 }
 
-/* One tile: FA_ROWS rows (`rows` of them real) of query head h, chunk rows r0.., over their visible keys.
- * Scratch: q [FA_ROWS][d], s [FA_ROWS][FA_KEYS] floats, p [FA_ROWS][FA_KEYS], o [FA_ROWS][d] floats. */
+/* One tile: FA_ROWS rows (`rows` of them real), chunk rows r0.., of the `group` query heads from h0 that share a KV
+ * head, over their visible keys: each block of the KV head's panels meets every head's rows while it is in L1 (a
+ * head's rows compute what they would alone). Scratch: q [group][FA_ROWS][d], s [FA_ROWS][FA_KEYS] floats,
+ * p [FA_ROWS][FA_KEYS], o [group][FA_ROWS][d] floats, m [group][FA_ROWS] floats, l [group][FA_ROWS] vectors. */
 static inline __attribute__((always_inline)) void attention_tile(
-    const int bf, const float *q, int64_t q_stride, const void *kp, const void *vp, int d, int h, int64_t r0,
-    int rows, int64_t past, int64_t window, float qscale, float *out, int64_t out_stride, void *qb, float *s,
-    void *p, float *o) {
+    const int bf, const float *q, int64_t q_stride, const void *kp, const void *vp, int d, int h0, int group,
+    int64_t r0, int rows, int64_t past, int64_t window, float qscale, float *out, int64_t out_stride, void *qb,
+    float *s, void *p, float *o, float *m, __m512 *l) {
     int64_t pos[FA_ROWS];
-    float m[FA_ROWS];
-    __m512 l[FA_ROWS]; /* each row's sum of weights, 16 lanes of it: added up once, at the end */
-    for (int r = 0; r < FA_ROWS; r++) {
-        int64_t row = r0 + (r < rows ? r : rows - 1); /* padding rows repeat the last real one */
-        pos[r] = past + row;
-        const float *qr = q + row * q_stride + (int64_t)h * d;
-        for (int i = 0; i < d; i++) {
+    for (int r = 0; r < FA_ROWS; r++)
+        pos[r] = past + r0 + (r < rows ? r : rows - 1); /* padding rows repeat the last real one */
+    for (int x = 0; x < group * FA_ROWS; x++) {
+        int r = x % FA_ROWS;
+        const float *qr = q + (r0 + (r < rows ? r : rows - 1)) * q_stride + (int64_t)(h0 + x / FA_ROWS) * d;
+        for (int i = 0; i < d; i += bf ? 1 : 16) {
             if (bf)
-                ((uint16_t *)qb)[r * d + i] = to_bf16(qr[i] * qscale);
+                ((uint16_t *)qb)[x * d + i] = to_bf16(qr[i] * qscale);
             else
-                ((float *)qb)[r * d + i] = qr[i] * qscale;
+                _mm512_storeu_ps((float *)qb + x * d + i, _mm512_mul_ps(_mm512_loadu_ps(qr + i), _mm512_set1_ps(qscale)));
         }
-        m[r] = -INFINITY;
-        l[r] = _mm512_setzero_ps();
+        m[x] = -INFINITY;
+        l[x] = _mm512_setzero_ps(); /* each row's sum of weights, 16 lanes of it: added up once, at the end */
     }
-    memset(o, 0, (size_t)FA_ROWS * d * sizeof(float));
+    memset(o, 0, (size_t)group * FA_ROWS * d * sizeof(float));
     int64_t lo = window > 0 && pos[0] - window + 1 > 0 ? pos[0] - window + 1 : 0;
     for (int64_t b = lo / FA_KEYS; b * FA_KEYS <= pos[FA_ROWS - 1]; b++) {
         int64_t k0 = b * FA_KEYS;
-        block_scores(bf, qb, d, (const char *)kp + k0 * d * fa_bytes(bf), k0, pos, window, s);
-        for (int r = 0; r < FA_ROWS; r++) {
-            float *sr = s + r * FA_KEYS;
-            __m512 mx = _mm512_max_ps(_mm512_max_ps(_mm512_loadu_ps(sr), _mm512_loadu_ps(sr + 16)),
-                                      _mm512_max_ps(_mm512_loadu_ps(sr + 32), _mm512_loadu_ps(sr + 48)));
-            float top = _mm512_reduce_max_ps(mx), mnew = top > m[r] ? top : m[r];
-            float base = mnew == -INFINITY ? 0.0f : mnew; /* a row that saw no key yet: all weights 0 */
-            /* the rescale of what came before (1 while the running max stands: exp2_neg(0) is 1 - 8e-7), by the
-             * same polynomial, with no libm call between vector code */
-            float alpha = m[r] == -INFINITY ? 0.0f
-                          : mnew == m[r] ? 1.0f : _mm512_cvtss_f32(exp2_neg(_mm512_set1_ps(m[r] - base)));
-            __m512 sum = block_weights(bf, sr, base, (char *)p + r * FA_KEYS * fa_bytes(bf));
-            l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(alpha), sum);
-            m[r] = mnew;
-            if (alpha != 1.0f) {
-                __m512 a = _mm512_set1_ps(alpha);
-                for (int i = 0; i < d; i += 16)
-                    _mm512_storeu_ps(o + r * d + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), a));
+        for (int hh = 0; hh < group; hh++) {
+            float *oh = o + (int64_t)hh * FA_ROWS * d, *mh = m + hh * FA_ROWS;
+            __m512 *lh = l + hh * FA_ROWS;
+            block_scores(bf, (const char *)qb + (int64_t)hh * FA_ROWS * d * fa_bytes(bf), d,
+                         (const char *)kp + k0 * d * fa_bytes(bf), k0, pos, window, s);
+            /* each row's new max, then its weights and rescale: the rows' reductions side by side, not one row's
+             * chain of latencies after another's */
+            float top[FA_ROWS], alpha[FA_ROWS], base[FA_ROWS];
+            for (int r = 0; r < FA_ROWS; r++) {
+                const float *sr = s + r * FA_KEYS;
+                top[r] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(_mm512_loadu_ps(sr), _mm512_loadu_ps(sr + 16)),
+                                                            _mm512_max_ps(_mm512_loadu_ps(sr + 32), _mm512_loadu_ps(sr + 48))));
             }
+            for (int r = 0; r < FA_ROWS; r++) {
+                float mnew = top[r] > mh[r] ? top[r] : mh[r];
+                base[r] = mnew == -INFINITY ? 0.0f : mnew; /* a row that saw no key yet: all weights 0 */
+                /* the rescale of what came before (1 while the running max stands: exp2_neg(0) is 1 - 8e-7), by
+                 * the same polynomial, with no libm call between vector code */
+                alpha[r] = mh[r] == -INFINITY ? 0.0f
+                           : mnew == mh[r] ? 1.0f : _mm512_cvtss_f32(exp2_neg(_mm512_set1_ps(mh[r] - base[r])));
+                mh[r] = mnew;
+            }
+            for (int r = 0; r < FA_ROWS; r++) {
+                __m512 sum = block_weights(bf, s + r * FA_KEYS, base[r], (char *)p + r * FA_KEYS * fa_bytes(bf));
+                lh[r] = _mm512_fmadd_ps(lh[r], _mm512_set1_ps(alpha[r]), sum);
+                if (alpha[r] != 1.0f) {
+                    __m512 a = _mm512_set1_ps(alpha[r]);
+                    for (int i = 0; i < d; i += 16)
+                        _mm512_storeu_ps(oh + r * d + i, _mm512_mul_ps(_mm512_loadu_ps(oh + r * d + i), a));
+                }
+            }
+            block_values(bf, p, (const char *)vp + k0 * d * fa_bytes(bf), d, oh);
         }
-        block_values(bf, p, (const char *)vp + k0 * d * fa_bytes(bf), d, o);
     }
-    for (int r = 0; r < rows; r++) {
-        float inv = 1.0f / _mm512_reduce_add_ps(l[r]);
-        float *dst = out + (r0 + r) * out_stride + (int64_t)h * d;
-        for (int i = 0; i < d; i++) dst[i] = o[r * d + i] * inv;
+    for (int x = 0; x < group * FA_ROWS; x++) {
+        int r = x % FA_ROWS;
+        if (r >= rows) continue;
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[x]));
+        float *dst = out + (r0 + r) * out_stride + (int64_t)(h0 + x / FA_ROWS) * d;
+        for (int i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + x * d + i), inv));
     }
 }
 
-typedef void (*Tile)(const float *, int64_t, const void *, const void *, int, int, int64_t, int, int64_t, int64_t,
-                     float, float *, int64_t, void *, float *, void *, float *);
+typedef void (*Tile)(const float *, int64_t, const void *, const void *, int, int, int, int64_t, int, int64_t,
+                     int64_t, float, float *, int64_t, void *, float *, void *, float *, float *, __m512 *);
 
-static void float32_tile(const float *q, int64_t q_stride, const void *kp, const void *vp, int d, int h, int64_t r0,
-                         int rows, int64_t past, int64_t window, float qscale, float *out, int64_t out_stride,
-                         void *qb, float *s, void *p, float *o) {
-    attention_tile(0, q, q_stride, kp, vp, d, h, r0, rows, past, window, qscale, out, out_stride, qb, s, p, o);
+static void float32_tile(const float *q, int64_t q_stride, const void *kp, const void *vp, int d, int h0, int group,
+                         int64_t r0, int rows, int64_t past, int64_t window, float qscale, float *out,
+                         int64_t out_stride, void *qb, float *s, void *p, float *o, float *m, __m512 *l) {
+    attention_tile(0, q, q_stride, kp, vp, d, h0, group, r0, rows, past, window, qscale, out, out_stride, qb, s, p, o,
+                   m, l);
 }
 
 #if FA_BF16
-static void bfloat16_tile(const float *q, int64_t q_stride, const void *kp, const void *vp, int d, int h,
+static void bfloat16_tile(const float *q, int64_t q_stride, const void *kp, const void *vp, int d, int h0, int group,
                           int64_t r0, int rows, int64_t past, int64_t window, float qscale, float *out,
-                          int64_t out_stride, void *qb, float *s, void *p, float *o) {
-    attention_tile(1, q, q_stride, kp, vp, d, h, r0, rows, past, window, qscale, out, out_stride, qb, s, p, o);
+                          int64_t out_stride, void *qb, float *s, void *p, float *o, float *m, __m512 *l) {
+    attention_tile(1, q, q_stride, kp, vp, d, h0, group, r0, rows, past, window, qscale, out, out_stride, qb, s, p, o,
+                   m, l);
 }
 #endif
 #endif
@@ -294,7 +312,8 @@ int tq_chunk_attention(const float *q, int64_t q_stride, const void *keys, const
     int64_t b0 = first / FA_KEYS, nb = (context + FA_KEYS - 1) / FA_KEYS, span = (int64_t)FA_KEYS * d * bytes;
     /* per KV head: its K and V panels of every block from b0 on (index from block 0, unused before b0) */
     char *panels = (char *)aligned_alloc(64, (size_t)(kv_heads * nb * span * 2));
-    size_t per_thread = (size_t)FA_ROWS * (d * 4 + FA_KEYS * 4 + FA_KEYS * 4 + d * 4);
+    /* per thread: l [group][FA_ROWS] vectors, q and o [group][FA_ROWS][d], s and p [FA_ROWS][FA_KEYS], m */
+    size_t per_thread = (size_t)group * FA_ROWS * (64 + d * 4 * 2 + 4) + (size_t)FA_ROWS * FA_KEYS * 8;
     per_thread = (per_thread + 63) / 64 * 64;
     char *scratch = (char *)aligned_alloc(64, per_thread * threads);
     if (!panels || !scratch) {
@@ -321,21 +340,22 @@ int tq_chunk_attention(const float *q, int64_t q_stride, const void *keys, const
         }
         int tid = thread_num();
         char *mine = scratch + per_thread * tid;
-        void *qb = mine;
-        float *s = (float *)(mine + FA_ROWS * d * 4);
-        void *p = mine + FA_ROWS * (d * 4 + FA_KEYS * 4);
-        float *o = (float *)(mine + FA_ROWS * (d * 4 + FA_KEYS * 8));
+        __m512 *l = (__m512 *)mine;
+        void *qb = mine + (size_t)group * FA_ROWS * 64;
+        float *o = (float *)((char *)qb + (size_t)group * FA_ROWS * d * 4);
+        float *s = o + (size_t)group * FA_ROWS * d, *m = s + FA_ROWS * FA_KEYS * 2;
+        void *p = s + FA_ROWS * FA_KEYS;
         /* one KV head at a time (its panels stay in this core's L2), its longest tiles (the chunk's last rows)
-         * first, the query heads that share it side by side */
+         * first, the query heads that share it in one tile */
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < (int64_t)heads * tiles; w++) {
-            int hh = (int)(w % group), g = (int)(w / (group * tiles));
-            int64_t t = tiles - 1 - w / group % tiles;
+        for (int64_t w = 0; w < (int64_t)kv_heads * tiles; w++) {
+            int g = (int)(w / tiles);
+            int64_t t = tiles - 1 - w % tiles;
             int64_t r0 = t * FA_ROWS;
             int rows = length - r0 < FA_ROWS ? (int)(length - r0) : FA_ROWS;
             const char *kp = panels + (int64_t)g * nb * span * 2;
-            tile(q, q_stride, kp, kp + nb * span, d, g * group + hh, r0, rows, past, window, qscale, out, out_stride,
-                 qb, s, p, o);
+            tile(q, q_stride, kp, kp + nb * span, d, g * group, group, r0, rows, past, window, qscale, out,
+                 out_stride, qb, s, p, o, m, l);
         }
     }
     free(scratch);
