@@ -62,15 +62,16 @@ def on_path(path: str | None, fn: Callable[[int], float]) -> Callable[[int], flo
 
 
 class DecodeRun:
-    """`batch` 64-token prompts prefilled on `engine` (its matmuls on kernel path `path`, when given), then
-    decoded one timed step at a time."""
+    """`batch` prompts of `prompt` tokens (64) prefilled on `engine` (its matmuls on kernel path `path`, when
+    given), then decoded one timed step at a time."""
 
-    def __init__(self, engine: LLMEngine, batch: int, seed: int, path: str | None = None, steps: int = DECODE_STEPS):
+    def __init__(self, engine: LLMEngine, batch: int, seed: int, path: str | None = None, steps: int = DECODE_STEPS,
+                 prompt: int = DECODE_PROMPT):
         self.engine, self.path = engine, path
         if path:
             native.use_kernel_path(path)
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-        self.seqs = [engine.add_request(f"d{batch}-{seed}-{i}", _prompt(DECODE_PROMPT, seed * 1000 + i), params)
+        self.seqs = [engine.add_request(f"d{batch}-{seed}-{i}", _prompt(prompt, seed * 1000 + i), params)
                      for i in range(batch)]
         while any(s.num_computed < len(s.prompt_ids) for s in self.seqs):  # one step, with decode_step_budget
             engine.step()
@@ -94,11 +95,11 @@ class DecodeRun:
             self.engine.abort(s.request_id)
 
 
-def decode_step_budget(batches: list[int], prefills: list[int]) -> int:
+def decode_step_budget(batches: list[int], prefills: list[int], prompt: int = DECODE_PROMPT) -> int:
     """max_step_tokens for the bench's engines: the longest prompt measured, or every decode batch's prompts
-    in one step. (Prefilled in chunks, the first rows would decode while the last were still prefilling, and
-    finish before the timed steps ended: the "batch 32" steps were of fewer rows.)"""
-    return max([*prefills, *(b * DECODE_PROMPT for b in batches)])
+    (of `prompt` tokens) in one step. (Prefilled in chunks, the first rows would decode while the last were still
+    prefilling, and finish before the timed steps ended: the "batch 32" steps were of fewer rows.)"""
+    return max([*prefills, *(b * prompt for b in batches)])
 
 
 def weight_bytes(engine: LLMEngine) -> int:

@@ -1,7 +1,7 @@
 """Two builds of engine/native's C side by side in one process: an earlier commit's and this tree's.
 
     python -m bench.kernel_ab --baseline REV [--prefill 256,1024,2000] [--rows 255,256,512] [--rounds 5]
-                              [--decode 1,16] [--decode-turns 100]
+                              [--decode 1,16] [--decode-turns 100] [--decode-context 64]
     python -m bench.kernel_ab --old PATH/TO/_ops_avx512....so
 
 On a shared machine whose speed moves from one minute to the next, two kernel versions compare fairly only when
@@ -35,7 +35,7 @@ import torch
 
 import engine.native as native
 from bench.baseline import source_tree
-from bench.engine import DecodeRun, decode_step_budget, engine_prefill
+from bench.engine import DECODE_PROMPT, DecodeRun, decode_step_budget, engine_prefill
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.model_files import DEFAULT_MODEL
@@ -169,18 +169,21 @@ def prefills(libs: dict[str, ctypes.CDLL], lengths: list[int], rounds: int) -> l
     return lines
 
 
-def decodes(libs: dict[str, ctypes.CDLL], batches: list[int], turns_each: int) -> list[str]:
-    """Median seconds of a decode step of each batch, the libraries taking turns a step each."""
+def decodes(libs: dict[str, ctypes.CDLL], batches: list[int], turns_each: int, context: int) -> list[str]:
+    """Median seconds of a decode step of each batch over prompts of `context` tokens, the libraries taking turns a
+    step each."""
+    steps = (turns_each + 1) * len(libs)
+    blocks = max(batches) * ((context + steps + 8) // BLOCK + 2) + 64
     engine = LLMEngine(load_model(DEFAULT_MODEL, "float32", "auto"),
-                       EngineConfig(num_blocks=1024, enable_prefix_cache=False, speculative="off",
-                                    max_step_tokens=decode_step_budget(batches, [])))
+                       EngineConfig(num_blocks=max(1024, blocks), enable_prefix_cache=False, speculative="off",
+                                    max_step_tokens=decode_step_budget(batches, [], context)))
     lines = []
     for b in batches:
-        run = DecodeRun(engine, b, seed=b, steps=(turns_each + 1) * len(libs))
+        run = DecodeRun(engine, b, seed=b, steps=steps, prompt=context)
         got = turns(libs, run.step, turns_each)
         run.close()
         old, new = (got[name][0] for name in ("old", "new"))
-        lines.append(f"| decode batch {b} on {native.kernel_path()} (ms a step) | {old * 1e3:.3f} | "
+        lines.append(f"| decode batch {b} over {context} tokens on {native.kernel_path()} (ms a step) | {old * 1e3:.3f} | "
                      f"{new * 1e3:.3f} | {old / new:.3f}x | |")
     return lines
 
@@ -197,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", default="256,1024,2000", help="prompt lengths (default 256,1024,2000; 0: none)")
     ap.add_argument("--decode", default="1", help="decode batch sizes (default 1; 0: none)")
     ap.add_argument("--decode-turns", type=int, default=100, help="decode steps each library takes (default 100)")
+    ap.add_argument("--decode-context", type=int, default=DECODE_PROMPT,
+                    help=f"tokens of each decode row's prompt (default {DECODE_PROMPT})")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in prefills(libs, lengths, args.rounds) if lengths else []:
         print(line, flush=True)
     batches = [int(b) for b in args.decode.split(",") if int(b)]
-    for line in decodes(libs, batches, args.decode_turns) if batches else []:
+    for line in decodes(libs, batches, args.decode_turns, args.decode_context) if batches else []:
         print(line, flush=True)
     return 0
 

@@ -537,7 +537,8 @@ def test_kernel_ab_takes_turns_between_two_builds_of_ops_c(capsys):
     threads, real = torch.get_num_threads(), native.library
     try:
         assert kernel_ab.main(["--old", str(lib), "--rows", "13", "--chunks", "130:200", "--prefill", "130",
-                               "--rounds", "1", "--threads", "1", "--decode", "2", "--decode-turns", "3"]) == 0
+                               "--rounds", "1", "--threads", "1", "--decode", "2", "--decode-turns", "3",
+                               "--decode-context", "40"]) == 0
     finally:
         torch.set_num_threads(threads)
     assert native.library is real
@@ -554,7 +555,7 @@ def test_kernel_ab_takes_turns_between_two_builds_of_ops_c(capsys):
                                                  *(["| bfloat16 attention, 130 rows over 200 tokens (ms)"] if bf16
                                                    else []),
                                                  f"| prefill on {prefill_path}, 130 tokens (prompt tok/s)",
-                                                 f"| decode batch 2 on {native.kernel_path()} (ms a step)"]
+                                                 f"| decode batch 2 over 40 tokens on {native.kernel_path()} (ms a step)"]
     assert all(r.endswith("| yes |") for r in rows[:-2])
     with pytest.raises(SystemExit):
         kernel_ab.main([])  # --old or --baseline is required
