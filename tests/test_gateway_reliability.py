@@ -250,7 +250,8 @@ def test_a_stream_moves_off_a_worker_that_dies_mid_stream(nats_srv: EmbeddedNats
         wait_until(lambda: len(httpx.get(f"{srv.url}/ready").json()["workers"]) == 2, 15, "both workers")
         result = stream_in_background(srv.url, "[slow] tell me everything", max_tokens=40)
         wait_until(lambda: len(dying.requests) == 1, 15, "the stream to start")
-        time.sleep(1.0)  # about ten tokens out
+        rid = dying.requests[0][1].request_id
+        wait_until(lambda: dying.tokens_out.get(rid, 0) >= 10, 15, "ten tokens out")
         dying.dead, dying.report = True, False
         status, lines = result()
         assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
@@ -332,7 +333,8 @@ def test_a_gateway_whose_link_falls_silent_suspects_itself_not_the_worker(
                            json=chat_body("[slow] a story", max_tokens=50, temperature=0)).json()
         result = stream_in_background(srv.url, "[slow] a story", max_tokens=50)
         wait_until(lambda: len(worker.requests) == 2, 15, "the stream to start")
-        time.sleep(1.0)  # about ten tokens out
+        rid = worker.requests[1][1].request_id
+        wait_until(lambda: worker.tokens_out.get(rid, 0) >= 10, 15, "ten tokens out")
         cut_at = time.monotonic()
         link.cut()
         status, lines = result()

@@ -20,6 +20,7 @@ from bench.cluster import TandemUp
 from tests.harness.chat import stream_chat
 from tests.harness.cluster import busy_worker, tandem_up, wait_restarted
 from tests.harness.native import NEEDS_NATIVE
+from tests.harness.wait import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), NEEDS_NATIVE]
 
@@ -40,10 +41,12 @@ def test_a_stream_waits_for_its_only_decode_worker_to_come_back(up: TandemUp) ->
     async def go() -> tuple[dict, dict]:
         async with httpx.AsyncClient(timeout=300) as client:
             uncut = await stream_chat(client, up.url, PROMPT, max_tokens=96, ignore_eos=True)
-            task = asyncio.create_task(stream_chat(client, up.url, PROMPT, max_tokens=96, ignore_eos=True))
+            seen: dict = {}
+            task = asyncio.create_task(stream_chat(client, up.url, PROMPT, into=seen, max_tokens=96,
+                                                   ignore_eos=True))
             victim = await asyncio.to_thread(busy_worker, up, "decode_only")
             assert victim == "decode-1"
-            await asyncio.sleep(0.5)  # some tokens out
+            await until(lambda: len(seen.get("text", "")) >= 40, 60, "some text out")
             os.kill(up.child_info("decode-1")["pid"], signal.SIGKILL)
             return uncut, await task
 

@@ -26,7 +26,7 @@ from bench.cluster import MODEL, TandemUp
 from tests.harness.chat import assert_clear, long_prompt, stream_chat
 from tests.harness.cluster import busy_worker, status_json, tandem_up, wait_restarted
 from tests.harness.native import NEEDS_NATIVE
-from tests.harness.wait import wait_until
+from tests.harness.wait import until, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), NEEDS_NATIVE]
 
@@ -118,9 +118,11 @@ def test_decode_worker_killed_mid_stream_the_stream_moves_and_reads_as_if_it_had
             # the reference's worker may still report it running for a heartbeat: the victim must be
             # the worker of the stream below, so wait until no worker reports work first
             await asyncio.to_thread(wait_idle, up)
-            task = asyncio.create_task(stream_chat(client, up.url, question, max_tokens=800, ignore_eos=True))
+            seen: dict[str, Any] = {}
+            task = asyncio.create_task(stream_chat(client, up.url, question, into=seen, max_tokens=800,
+                                                   ignore_eos=True))
             victim = await asyncio.to_thread(busy_worker, up, "decode_only")
-            await asyncio.sleep(0.5)  # some tokens went out
+            await until(lambda: len(seen.get("text", "")) >= 40, 60, "some text out")
             before = up.child_info(victim)["restarts"]
             os.kill(up.child_info(victim)["pid"], signal.SIGKILL)
             moved = await task

@@ -30,10 +30,13 @@ def long_prompt(i: int, repeats: int = 30) -> str:
     return f"Request {i}. " + FILLER * repeats + "Summarize the text above."
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, content: str, **body: Any) -> dict[str, Any]:
+async def stream_chat(client: httpx.AsyncClient, url: str, content: str, into: dict[str, Any] | None = None,
+                      **body: Any) -> dict[str, Any]:
     """One streaming chat: {'status', 'text', 'finish', 'error', 'done', 'max_gap'} (an OpenAI error body for a
-    non-200; ``max_gap``: the longest time, in seconds, between two of its SSE events from the first text on)."""
-    out: dict[str, Any] = {"status": None, "text": "", "finish": None, "error": None, "done": False, "max_gap": 0.0}
+    non-200; ``max_gap``: the longest time, in seconds, between two of its SSE events from the first text on),
+    kept up to date in ``into`` as the events arrive, where given (a test waits on the text so far)."""
+    out: dict[str, Any] = {} if into is None else into
+    out.update({"status": None, "text": "", "finish": None, "error": None, "done": False, "max_gap": 0.0})
     payload = {"model": MODEL, "messages": [{"role": "user", "content": content}], "stream": True,
                "temperature": 0, **body}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=payload) as r:

@@ -92,6 +92,7 @@ class FakeWorker:
         self._cancelled: set[str] = set()
         self.sent = SentLog()  # as a real decode worker keeps its streams for replay requests
         self.replays: list[Replay] = []
+        self.tokens_out: dict[str, int] = {}  # request id -> tokens it has streamed
 
     async def start(self) -> None:
         self.nc = await nats.connect(self.url, name=f"fake-{self.worker_id}", max_reconnect_attempts=-1,
@@ -276,6 +277,7 @@ class FakeWorker:
                 await self._send(subj, StreamTokens(request_id=rid, seq=seq, token_ids=[tid], text=delta,
                                                     logprobs=lps, top_logprobs=tops),
                                  lost="[gap]" in prompt and seq == 3)
+                self.tokens_out[rid] = self.tokens_out.get(rid, 0) + 1
             seq += 1
             if stopped:
                 break
