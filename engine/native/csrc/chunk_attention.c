@@ -56,11 +56,6 @@ static inline __m512 exp2_neg(__m512 x, const int fine) {
     return _mm512_maskz_scalef_ps(live, p, n);
 }
 
-static inline __m512 kv_load16(const void *row, int i, int half) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)))
-                : _mm512_loadu_ps((const float *)row + i);
-}
-
 /* Keys [k0, k0 + FA_KEYS) of KV head g from the pool into its panels (zeros outside [first, context): a
  * sliding-window layer's blocks before `first` may be gone). Rows are read 16 or 32 floats at a time; float32 k is
  * scattered into its columns, bfloat16 k's pairs go through a [key][d / 2] table in L1 (32 KB of stack at most) and

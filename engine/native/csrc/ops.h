@@ -45,6 +45,14 @@ static inline const char *kv_address(const void *p, int64_t i, const int half) {
     return (const char *)p + i * (half ? 2 : 4);
 }
 
+#ifdef __AVX512F__
+/* 16 of the pool's K/V elements from offset i of `p`, as float32 (float16 widened exactly). */
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int64_t i, const int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                : _mm512_loadu_ps((const float *)p + i);
+}
+#endif
+
 /* This thread's number in the enclosing OpenMP team (0 outside one, or without OpenMP). */
 static inline int thread_num(void) {
 #ifdef _OPENMP

@@ -25,6 +25,13 @@ static inline __attribute__((always_inline)) float dot_d(const float *a, const v
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
+/* the sums of 8 vectors, as one: [sum y[0], ..., sum y[7]] (hadd, not 8 hsums) */
+static inline __attribute__((always_inline)) __m256 sum8x8(const __m256 y[8]) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(y[4], y[5]), _mm256_hadd_ps(y[6], y[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 /* q . k for 8 consecutive tokens (the pool's rows from offset k, k_stride apart) at once: 8 sums reduced
  * together (hadd, not 8 hsums). */
 static inline __attribute__((always_inline)) __m256 dot8_tokens(const float *q, const void *kv, int64_t k,
@@ -35,9 +42,7 @@ static inline __attribute__((always_inline)) __m256 dot8_tokens(const float *q, 
         __m256 qv = _mm256_loadu_ps(q + j);
         for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, kv_load8(kv, k + t * k_stride + j, half), acc[t]);
     }
-    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    return sum8x8(acc);
 }
 
 /* o[0:width] += sum_t p[t] inv v_t[0:width] over `count` tokens of one block (v: the pool's offset of its first
@@ -217,18 +222,11 @@ static inline __m512 exp_neg16(__m512 x) {
     return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
 }
 
-static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int64_t i, const int half) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
-                : _mm512_loadu_ps((const float *)p + i);
-}
-
-/* the sums of 8 vectors, as one: [sum a[0], ..., sum a[7]] */
+/* the sums of 8 vectors of 16, as one: [sum a[0], ..., sum a[7]] */
 static inline __attribute__((always_inline)) __m256 sum8x16(const __m512 a[8]) {
     __m256 y[8];
     for (int t = 0; t < 8; t++) y[t] = _mm256_add_ps(_mm512_castps512_ps256(a[t]), _mm512_extractf32x8_ps(a[t], 1));
-    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
-    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(y[4], y[5]), _mm256_hadd_ps(y[6], y[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    return sum8x8(y);
 }
 
 /* q . k of H query heads (q: H rows of d) and 8 tokens (their K rows at[0..7], this KV head's columns from gd) into
