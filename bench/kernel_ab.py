@@ -194,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     old = ap.add_mutually_exclusive_group(required=True)
     old.add_argument("--baseline", metavar="REV", help="the commit whose C to compare")
     old.add_argument("--old", metavar="PATH", help="a built library to compare (of this process's variant)")
-    ap.add_argument("--rows", default="255,256,512", help="matmul rows (default 255,256,512)")
+    ap.add_argument("--rows", default="255,256,512", help="matmul rows (default 255,256,512; 0: none)")
     ap.add_argument("--chunks", default="256:256,512:1024,512:2000",
-                    help="attention chunks as rows:context (default 256:256,512:1024,512:2000)")
+                    help="attention chunks as rows:context (default 256:256,512:1024,512:2000; 0: none)")
     ap.add_argument("--prefill", default="256,1024,2000", help="prompt lengths (default 256,1024,2000; 0: none)")
     ap.add_argument("--decode", default="1", help="decode batch sizes (default 1; 0: none)")
     ap.add_argument("--decode-turns", type=int, default=100, help="decode steps each library takes (default 100)")
@@ -213,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{native.variant()} build, {args.threads} threads, medians of {args.rounds} turns each, one process\n")
     print("| measure | old | new | new / old speed | same bits |")
     print("|---|---:|---:|---:|---|")
-    for line in matmuls(libs, [int(r) for r in args.rows.split(",")], args.rounds):
+    for line in matmuls(libs, [int(r) for r in args.rows.split(",") if int(r)], args.rounds):
         print(line, flush=True)
-    chunks = [tuple(int(v) for v in c.split(":")) for c in args.chunks.split(",")]
+    chunks = [tuple(int(v) for v in c.split(":")) for c in args.chunks.split(",") if c != "0"]
     for line in attention(libs, chunks, args.rounds):
         print(line, flush=True)
     lengths = [int(n) for n in args.prefill.split(",") if int(n)]

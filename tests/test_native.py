@@ -23,9 +23,28 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="engine.native is
 HEADS, KV_HEADS, D, BLOCK = 9, 3, 64, 16
 
 
-def test_rms_norm_matches_torch():
-    x, w = torch.randn(7, 576), torch.randn(576)
-    assert torch.allclose(native.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("n", [576, 100, 7])
+def test_rms_norm_matches_torch(rows, n):
+    """RMSNorm, with the residual added in place first or not, is torch's at any width (the AVX-512 loop's masked
+    tail: 100, 7) and row count (40 rows: both threads)."""
+    x, w, residual = torch.randn(rows, n), torch.randn(n), torch.randn(rows, n)
+    assert torch.allclose(native.rms_norm(x, w, 1e-5), F.rms_norm(x, (n,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    summed = x + residual
+    got = native.rms_norm(x, w, 1e-5, residual)
+    assert torch.equal(x, summed)
+    assert torch.allclose(got, F.rms_norm(summed, (n,), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("f", [1536, 24, 5])
+def test_silu_mul_matches_torch_and_its_rows_alone(f):
+    """silu(gate) * up is torch's for any width (AVX-512, AVX2 and scalar tails), for gates far past where e^x
+    overflows either way, and each row's bits are the same computed alone."""
+    gu = torch.randn(40, 2 * f) * 4
+    gu[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    got = native.silu_mul(gu)
+    assert torch.allclose(got, F.silu(gu[:, :f]) * gu[:, f:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(native.silu_mul(gu[7:8].clone())[0], got[7])
 
 
 def _pool(blocks: int = 40, d: int = D) -> tuple[torch.Tensor, torch.Tensor]:

@@ -202,26 +202,6 @@ static inline __attribute__((always_inline)) void attend_row(
 #define SEG_VHEADS 4 /* query heads whose value sums a pass takes (4 x 64 floats: 16 accumulators) */
 #define SEG_RUN 16   /* tokens whose value sums stay in registers (their V rows stay in L1 for every head) */
 
-/* e^x for x <= 0, 16 at a time: exp_neg's polynomial (relative error ~2e-7); below -87 (and -inf) it is 0 */
-static inline __m512 exp_neg16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    x = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
-}
-
 /* the sums of 8 vectors of 16, as one: [sum a[0], ..., sum a[7]] */
 static inline __attribute__((always_inline)) __m256 sum8x16(const __m512 a[8]) {
     __m256 y[8];
