@@ -23,12 +23,13 @@ from tests.harness.json_schemas import CITY, PERSON
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 MODEL = "smollm2-135m-instruct"
+# closed and bounded, as PERSON and CITY are: open objects let a sampled answer add properties past max_tokens
 RECIPE = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40},
     "steps": {"type": "array", "items": {"type": "object", "properties": {
-        "n": {"type": "integer", "minimum": 1}, "text": {"type": "string", "maxLength": 60}},
-        "required": ["n", "text"]}, "minItems": 1, "maxItems": 3}},
-    "required": ["title", "steps"]}
+        "n": {"type": "integer", "minimum": 1, "maximum": 9}, "text": {"type": "string", "maxLength": 60}},
+        "required": ["n", "text"], "additionalProperties": False}, "minItems": 1, "maxItems": 3}},
+    "required": ["title", "steps"], "additionalProperties": False}
 SCHEMAS = [(PERSON, "Describe a famous scientist as JSON."), (CITY, "Describe Paris as JSON."),
            (RECIPE, "Give me a short recipe for tea as JSON.")]
 WEATHER = {"type": "function", "function": {
