@@ -129,8 +129,8 @@ static inline __m256 exp_neg(__m256 x) {
 #endif
 
 #ifdef __AVX512F__
-/* e^x for x <= 0, 16 at a time: exp_neg's polynomial, the same bits lane by lane (relative error ~2e-7); below -87
- * (and -inf) it is 0 */
+/* e^x for x <= 0, 16 at a time: exp_neg's polynomial, the same bits lane by lane for any x but NaN (relative error
+ * ~2e-7); below -87 (and -inf) it is 0 */
 static inline __m512 exp_neg16(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.0f);
     __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
