@@ -139,7 +139,8 @@ void tq_silu_mul(const float *gu, int64_t m, int64_t f, float *out, int threads)
             __m512 x = _mm512_loadu_ps(g + j);
             __m512 e = exp_neg16(_mm512_or_ps(x, sign));
             __m512 pos = _mm512_div_ps(one, _mm512_add_ps(one, e));
-            __m512 sig = _mm512_mask_mul_ps(pos, _mm512_movepi32_mask(_mm512_castps_si512(x)), e, pos);
+            __mmask16 negative = _mm512_cmplt_epi32_mask(_mm512_castps_si512(x), _mm512_setzero_si512());
+            __m512 sig = _mm512_mask_mul_ps(pos, negative, e, pos);
             _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(u + j)));
         }
 #endif
