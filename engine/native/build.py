@@ -48,7 +48,7 @@ VARIANTS = (
             ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"), _X86),
     # x86-64-v3: AVX2, FMA, F16C (Haswell and later, Zen 1 and later)
     Variant("avx2", ("-march=x86-64-v3", "-mtune=generic"), ("avx2", "fma", "f16c", "bmi2"), _X86),
-    # any CPU the compiler targets by default: the C without SIMD intrinsics
+    # any CPU, as the compiler targets it by default: scalar C on x86; NEON for the int16 kernels on aarch64
     Variant("portable", (), ()),
 )
 

@@ -196,7 +196,7 @@ def kernel_path() -> str:
     packed at load, `native.i8_matmul`: decode rows and short chunks with 15-bit activations, long prompt chunks with
     8-bit ones and their attention in bfloat16 where the build has AVX-512 BF16), ``avx512_bf16`` (long prompt chunks and their attention on bfloat16
     panels, everything else as ``avx2``), ``avx2`` (int16 activations and float32 panels; long chunks dequantized
-    for a float32 GEMM), ``portable`` (the C without SIMD), ``invariant`` (every row on the int16 kernels and
+    for a float32 GEMM), ``portable`` (the C for the compiler's default target: scalar on x86, the int16 kernels in NEON on aarch64), ``invariant`` (every row on the int16 kernels and
     the C attention, whatever its step holds: a row's bits never depend on its batch; chosen only when asked
     for) or ``torch`` (no native library). The fastest the CPU has (`kernel_paths`) is chosen at start-up, or the one
     ``TANDEM_KERNELS`` (``--kernels``) names."""

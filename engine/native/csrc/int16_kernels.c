@@ -11,7 +11,10 @@
  * quantized per group of 32 to int16 (x ~ xd xq), so a group's dot product is integer (vpmaddwd) and
  *   out[r, j] = sum_g d[j, g] xd[r, g] sum_i q xq  (+ sum_g m[j, g] xd[r, g] sum_i xq for int4).
  * Each output is computed by the same sequence of operations whatever the tile it is in, so a row's result
- * does not depend on the other rows of its batch. More rows take the float32 panels (panels.c). */
+ * does not depend on the other rows of its batch. More rows take the float32 panels (panels.c). AVX2 and, on
+ * aarch64 (every ARMv8-A CPU), NEON compute the same exact int32 group sums, then scale and add them in float32
+ * in vectors of 8 or 4 (so their last bits can differ); other targets run the scalar C below
+ * (tests/test_native_aarch64.py checks NEON against it, and against this machine's build, under qemu-user). */
 #define TILE_R 4 /* activation rows per tile */
 #define TILE_C 2 /* int4 weight rows per tile at batch 1 (more independent sums in flight: 1.13-1.16x) */
 
@@ -25,6 +28,35 @@ static inline __m256 dot_group(__m256i codes, __m256i high_bytes, const int16_t 
     __m256i hi = _mm256_madd_epi16(_mm256_unpackhi_epi8(codes, high_bytes),
                                    _mm256_loadu_si256((const __m256i *)(y + 16)));
     return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+}
+#elif defined(__ARM_NEON)
+
+/* A group's 32 codes, widened to int16 in the order of its activations' slots (`quantize_rows`): elements 0-7,
+ * 16-23, 8-15, 24-31 (`lo`: elements 0-15, `hi`: 16-31). */
+typedef struct {
+    int16x8_t v[4];
+} GroupCodes;
+
+static inline GroupCodes widen_u8(uint8x16_t lo, uint8x16_t hi) {
+    GroupCodes g = {{vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(lo))), vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(hi))),
+                     vreinterpretq_s16_u16(vmovl_high_u8(lo)), vreinterpretq_s16_u16(vmovl_high_u8(hi))}};
+    return g;
+}
+
+static inline GroupCodes widen_s8(int8x16_t lo, int8x16_t hi) {
+    GroupCodes g = {{vmovl_s8(vget_low_s8(lo)), vmovl_s8(vget_low_s8(hi)), vmovl_high_s8(lo), vmovl_high_s8(hi)}};
+    return g;
+}
+
+/* The group's dot product with its 32 int16 activations: 4 int32 partial sums (exact), as float. */
+static inline float32x4_t dot_group(GroupCodes c, const int16_t *y) {
+    int32x4_t s = vdupq_n_s32(0);
+    for (int i = 0; i < 4; i++) {
+        int16x8_t yv = vld1q_s16(y + 8 * i);
+        s = vmlal_s16(s, vget_low_s16(c.v[i]), vget_low_s16(yv));
+        s = vmlal_high_s16(s, c.v[i], yv);
+    }
+    return vcvtq_f32_s32(s);
 }
 #endif
 
@@ -68,6 +100,22 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, QuantizedRows a,
         /* packs interleaves 128-bit lanes: (0-3, 16-19 | 4-7, 20-23) -> (0-7 | 16-23) */
         _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i2), 0xD8));
         _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i1, i3), 0xD8));
+#elif defined(__ARM_NEON)
+        float32x4_t f[8];
+        int32x4_t c[8];
+        for (int i = 0; i < 8; i++) f[i] = vld1q_f32(v + 4 * i);
+        float32x4_t mx = vabsq_f32(f[0]);
+        for (int i = 1; i < 8; i++) mx = vmaxq_f32(mx, vabsq_f32(f[i]));
+        float amax = vmaxvq_f32(mx);
+        float32x4_t inv = vdupq_n_f32(amax > 0.f ? 32767.f / amax : 0.f);
+        int32x4_t s4 = vdupq_n_s32(0);
+        for (int i = 0; i < 8; i++) { /* to nearest, ties to even: as cvtps and lrintf */
+            c[i] = vcvtnq_s32_f32(vmulq_f32(f[i], inv));
+            s4 = vaddq_s32(s4, c[i]);
+        }
+        int sum = vaddvq_s32(s4);
+        for (int i = 0; i < 4; i++) /* elements 8i..8i+7 to their slots */
+            vst1q_s16(q + UNPACK_SLOT(8 * i), vcombine_s16(vqmovn_s32(c[2 * i]), vqmovn_s32(c[2 * i + 1])));
 #else
         float amax = 0.f;
         for (int i = 0; i < Q8_GROUP; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
@@ -160,6 +208,35 @@ static inline __attribute__((always_inline)) void tile(const int kind, const voi
     }
     for (int c = 0; c < C; c++)
         for (int r = 0; r < R; r++) out[r * os + c] = hsum8(_mm256_add_ps(acc0[c][r], acc1[c][r])) + off[c][r];
+#elif defined(__ARM_NEON)
+    float32x4_t acc0[TILE_C][TILE_R], acc1[TILE_C][TILE_R];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) acc0[c][r] = acc1[c][r] = vdupq_n_f32(0.f);
+    for (int64_t g = 0; g < groups; g += 2) { /* two groups: the int4 pair, or two Q8_0 groups */
+        int two = g + 1 < groups;
+        for (int c = 0; c < C; c++) {
+            GroupCodes u0, u1;
+            if (kind == KIND_Q4) {
+                const uint8_t *b = (const uint8_t *)w + c * (k / 2) + g * 16;
+                uint8x16_t lo = vld1q_u8(b), hi = vld1q_u8(b + 16), low = vdupq_n_u8(0x0F);
+                u0 = widen_u8(vandq_u8(lo, low), vandq_u8(hi, low));
+                u1 = widen_u8(vshrq_n_u8(lo, 4), vshrq_n_u8(hi, 4));
+            } else {
+                const int8_t *q = (const int8_t *)w + c * k + g * Q8_GROUP;
+                u0 = widen_s8(vld1q_s8(q), vld1q_s8(q + 16));
+                u1 = two ? widen_s8(vld1q_s8(q + Q8_GROUP), vld1q_s8(q + Q8_GROUP + 16)) : u0;
+            }
+            for (int r = 0; r < R; r++) {
+                const int16_t *y = a.q + r * k + g * Q8_GROUP;
+                const float *dsr = ds + (c * R + r) * groups + g;
+                acc0[c][r] = vfmaq_n_f32(acc0[c][r], dot_group(u0, y), dsr[0]);
+                if (kind == KIND_Q4 || two)
+                    acc1[c][r] = vfmaq_n_f32(acc1[c][r], dot_group(u1, y + Q8_GROUP), dsr[1]);
+            }
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) out[r * os + c] = vaddvq_f32(vaddq_f32(acc0[c][r], acc1[c][r])) + off[c][r];
 #else
     for (int c = 0; c < C; c++) {
         for (int r = 0; r < R; r++) {

@@ -31,6 +31,9 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#ifdef __ARM_NEON
+#include <arm_neon.h>
+#endif
 
 /* functions one file defines for another, not exported from the library */
 #define INTERNAL __attribute__((visibility("hidden")))
@@ -68,6 +71,10 @@ enum { KIND_Q8 = 8, KIND_Q4 = 4 };
 static inline float half_to_float(uint16_t h) {
 #ifdef __F16C__
     return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+    __fp16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
 #else
     uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, f = h & 1023, bits;
     if (e == 0) {

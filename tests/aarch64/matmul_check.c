@@ -1,0 +1,58 @@
+/* Runs engine/native's int4 / Q8_0 matmul (the int16 kernels) of the build it is compiled into, for
+ * tests/test_native_aarch64.py: cross-compiled with the library's C for aarch64 and run under qemu-user.
+ *
+ *     matmul_check IN OUT
+ *
+ * IN: int64 kind (4: int4, 8: Q8_0), n, k, m, threads; then x float32 [m, k], the codes (int4 [n, k / 2] bytes,
+ * Q8_0 [n, k] int8) and the float16 scales (int4 [n, 2, k / 32], Q8_0 [n, k / 32]). OUT: float32 [m, n]. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+int tq_q8_matmul(const int8_t *q, const uint16_t *d16, int64_t n, int64_t k, const float *x, int64_t m, float *out,
+                 int threads);
+int tq_q4_matmul(const uint8_t *qs, const uint16_t *dm, int64_t n, int64_t k, const float *x, int64_t m,
+                 float *out, int threads);
+
+static void *read_exactly(FILE *f, size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p || fread(p, 1, bytes, f) != bytes) {
+        fprintf(stderr, "matmul_check: input ends early (%zu bytes wanted)\n", bytes);
+        exit(2);
+    }
+    return p;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) {
+        fprintf(stderr, "usage: matmul_check IN OUT\n");
+        return 2;
+    }
+    FILE *in = fopen(argv[1], "rb");
+    if (!in) {
+        perror(argv[1]);
+        return 2;
+    }
+    int64_t *h = (int64_t *)read_exactly(in, 5 * sizeof(int64_t));
+    int64_t kind = h[0], n = h[1], k = h[2], m = h[3];
+    int threads = (int)h[4];
+    int64_t groups = k / 32, code_bytes = kind == 4 ? n * k / 2 : n * k, scales = kind == 4 ? n * 2 * groups : n * groups;
+    float *x = (float *)read_exactly(in, (size_t)(m * k) * sizeof(float));
+    void *codes = read_exactly(in, (size_t)code_bytes);
+    uint16_t *s = (uint16_t *)read_exactly(in, (size_t)scales * sizeof(uint16_t));
+    fclose(in);
+    float *out = (float *)malloc((size_t)(m * n) * sizeof(float));
+    int rc = kind == 4 ? tq_q4_matmul((const uint8_t *)codes, s, n, k, x, m, out, threads)
+                       : tq_q8_matmul((const int8_t *)codes, s, n, k, x, m, out, threads);
+    if (rc) {
+        fprintf(stderr, "matmul_check: the matmul returned %d\n", rc);
+        return 1;
+    }
+    FILE *o = fopen(argv[2], "wb");
+    if (!o || fwrite(out, sizeof(float), (size_t)(m * n), o) != (size_t)(m * n)) {
+        perror(argv[2]);
+        return 2;
+    }
+    fclose(o);
+    return 0;
+}
