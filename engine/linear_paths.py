@@ -101,7 +101,7 @@ class CodedWeight:
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if not native.available():
             return self.torch_kernel(x)
-        if native.kernel_path() == native.VNNI:
+        if native.packs_i8():
             return native.i8_matmul(x, self.i8_panels(), KERNEL_DIGITS)
         return self.native_kernel(x)
 

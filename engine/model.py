@@ -94,7 +94,7 @@ class DecoderModel:
         self.native = self.device.type == "cpu" and dtype == torch.float32 and native.available()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self._fused: dict[str, list[native.Layer] | None] = {}  # per kernel path: avx512_vnni's are packed
+        self._fused: dict[str, list[native.Layer] | None] = {}  # per kernel path: the int8 panels' are packed
         self.fused_layers()
         # long prompt chunks may attend in bfloat16 (as their matmuls run on bfloat16 panels); float weights keep
         # float32 throughout, the reference the quality bench measures against
@@ -234,10 +234,10 @@ class DecoderModel:
 
     def fused_layers(self) -> list[native.Layer] | None:
         """The layers for `engine.native`'s one-call-per-layer path on this process's kernel path, where every linear
-        layer is a kind it multiplies; None elsewhere. Built once per path (avx512_vnni's pack the weights)."""
+        layer is a kind it multiplies; None elsewhere. Built once per path (the int8 panels' pack the weights)."""
         path = native.kernel_path()
         if path not in self._fused:
-            self._fused[path] = self._fused_layers(path == native.VNNI)
+            self._fused[path] = self._fused_layers(native.packs_i8(path))
         return self._fused[path]
 
     def _fused_layers(self, packed: bool) -> list[native.Layer] | None:

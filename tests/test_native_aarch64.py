@@ -1,10 +1,12 @@
 """engine/native's int4 / Q8_0 kernels on aarch64 (NEON), cross-compiled and run under qemu-user.
 
-The decode rows of an ARM machine take the int16 kernels (csrc/int16_kernels.c), which have a NEON path beside
-the AVX2 one. No ARM machine runs the suite, so this compiles the library's C with `aarch64-linux-gnu-gcc`, once as
-the `portable` build compiles on aarch64 (NEON: every ARMv8-A CPU has it) and once without SIMD, links
-`tests/aarch64/matmul_check.c`, and runs both under `qemu-aarch64` on the same inputs: the NEON build must agree
-with the scalar C, and with this machine's own build. `.ci/run` installs the cross compiler and qemu (Debian's
+On an ARM machine the decode rows take the int16 kernels (csrc/int16_kernels.c), which have a NEON path beside the
+AVX2 one, or, where the CPU has the int8 dot product (ARMv8.2 dotprod: the `neon_dotprod` build), every row takes
+the packed int8 panels (csrc/i8_panels.c) as AVX-512 VNNI does. No ARM machine runs the suite, so this compiles the
+library's C with `aarch64-linux-gnu-gcc` three ways (as the `portable` build compiles on aarch64, NEON only; as
+`neon_dotprod`; and without SIMD), links `tests/aarch64/matmul_check.c`, and runs them under `qemu-aarch64` on the
+same inputs: the NEON int16 kernels must agree with the scalar C and with this machine's build, and the dotprod
+panels give the same bits as this machine's VNNI panels. `.ci/run` installs the cross compiler and qemu (Debian's
 `gcc-aarch64-linux-gnu qemu-user`); where they are missing the tests skip.
 """
 
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from engine import native
-from engine.native.build import CSRC, sources
+from engine.native.build import CSRC, VARIANTS, sources
 from tests.harness.native import NEEDS_NATIVE
 
 CC, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", Path("/usr/aarch64-linux-gnu")
@@ -44,8 +46,11 @@ def _build(out: Path, flags: list[str]) -> Path:
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, Path]:
+    """The aarch64 variants' flags as setup.py compiles them (`portable`: NEON; `neon_dotprod`), and no SIMD."""
     tmp = tmp_path_factory.mktemp("aarch64")
-    return {"neon": _build(tmp / "check_neon", []),
+    flags = {v.name: list(v.flags) for v in VARIANTS if v.builds_here("aarch64")}
+    return {"neon": _build(tmp / "check_neon", flags["portable"]),
+            "dotprod": _build(tmp / "check_dotprod", flags["neon_dotprod"]),
             "scalar": _build(tmp / "check_scalar", ["-march=armv8-a+nosimd"])}
 
 
@@ -63,10 +68,11 @@ def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[torch.Ten
 
 
 def _run(exe: Path, tmp: Path, kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-         threads: int = 2) -> torch.Tensor:
+         threads: int = 2, digits: int = 0) -> torch.Tensor:
+    """`exe`'s matmul under qemu: the int16 kernels, or with `digits` the int8 panels."""
     m, k = x.shape
     n = codes.shape[0]
-    (tmp / "in").write_bytes(np.array([KIND[kind], n, k, m, threads], dtype=np.int64).tobytes()
+    (tmp / "in").write_bytes(np.array([KIND[kind], n, k, m, threads, digits], dtype=np.int64).tobytes()
                              + x.numpy().tobytes() + codes.numpy().tobytes() + scales.numpy().tobytes())
     subprocess.run([QEMU, "-L", str(SYSROOT), str(exe), str(tmp / "in"), str(tmp / "out")], check=True,
                    capture_output=True, timeout=120)
@@ -120,3 +126,66 @@ def test_the_neon_build_takes_the_neon_path(builds):
         pytest.skip("needs aarch64-linux-gnu-objdump (binutils-aarch64-linux-gnu)")
     assert "smlal" in disassembly(builds["neon"])
     assert "smlal" not in disassembly(builds["scalar"])
+    assert "sdot" in disassembly(builds["dotprod"]) and "sdot" not in disassembly(builds["neon"])
+
+
+#: (kind, n, k, m): 1-7 rows meet tiles of 1, 2 (two digits) and 3 (one digit) rows; n = 40 a panel's spill
+I8_SHAPES = [("int4", 96, 576, 1), ("int4", 40, 1536, 5), ("int4", 64, 128, 7),
+             ("q8_0", 64, 576, 1), ("q8_0", 40, 96, 3), ("q8_0", 33, 1536, 6)]
+
+
+def _has_i8() -> bool:
+    return native.available() and bool(native.library().tq_has_i8())
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+@pytest.mark.parametrize("kind,n,k,m", I8_SHAPES)
+def test_dotprod_panels_match_the_dequantized_weights(builds, tmp_path, kind, n, k, m, digits):
+    gen = torch.Generator().manual_seed(n + k * m + digits)
+    codes, scales = _weights(kind, n, k, gen)
+    x = torch.randn(m, k, generator=gen)
+    got = _run(builds["dotprod"], tmp_path, kind, x, codes, scales, digits=digits)
+    exact = (x.double() @ _dequantized(kind, codes, scales).T).float()
+    # activations rounded per group of 32 to 8 bits (one digit) or 15 (two)
+    assert torch.allclose(got, exact, rtol=0, atol=(2e-2 if digits == 1 else 2e-4) * float(exact.abs().max()))
+
+
+@pytest.mark.skipif(not _has_i8(), reason="this machine's build has no int8 dot product (AVX-512 VNNI) to compare with")
+@pytest.mark.parametrize("digits", [1, 2])
+@pytest.mark.parametrize("kind,n,k,m", I8_SHAPES)
+def test_dotprod_panels_give_this_machines_vnni_bits(builds, tmp_path, kind, n, k, m, digits):
+    """The same exact integer sums, then the same float operations column by column: the same bits."""
+    gen = torch.Generator().manual_seed(3 * n + k + m + digits)
+    codes, scales = _weights(kind, n, k, gen)
+    x = torch.randn(m, k, generator=gen)
+    here = native.i8_matmul(x, native.i8_pack(kind, codes, scales), digits)
+    arm = _run(builds["dotprod"], tmp_path, kind, x, codes, scales, digits=digits)
+    assert torch.equal(arm, here), float((arm - here).abs().max())
+
+
+def test_only_the_dotprod_build_has_the_int8_panels(builds, tmp_path):
+    """ARMv8-A without the dot product (the portable build) says it has no int8 panels (exit 3); dotprod does."""
+    gen = torch.Generator().manual_seed(1)
+    codes, scales = _weights("q8_0", 32, 64, gen)
+    x = torch.randn(1, 64, generator=gen)
+    with pytest.raises(subprocess.CalledProcessError) as no_i8:
+        _run(builds["neon"], tmp_path, "q8_0", x, codes, scales, digits=2)
+    assert no_i8.value.returncode == 3
+    assert _run(builds["dotprod"], tmp_path, "q8_0", x, codes, scales, digits=2).shape == (1, 32)
+
+
+def test_an_arm_cpu_gets_the_dotprod_build_where_it_has_the_dot_product():
+    """The variant a process loads on aarch64 (engine.native.build.VARIANTS, best first), from /proc/cpuinfo's
+    Features: Cortex-A72 (no dot product) -> portable; Neoverse N1 (asimddp) -> neon_dotprod; x86 builds never."""
+    from engine.native.build import compile_args
+
+    def best(flags: set[str], machine: str) -> str:
+        return next(v.name for v in VARIANTS if v.runs_on(flags, machine))
+
+    a72 = {"fp", "asimd", "evtstrm", "aes", "pmull", "sha1", "sha2", "crc32", "cpuid"}
+    n1 = a72 | {"atomics", "fphp", "asimdhp", "asimdrdm", "lrcpc", "dcpop", "asimddp", "ssbs"}
+    assert best(a72, "aarch64") == "portable"
+    assert best(n1, "aarch64") == best(n1, "arm64") == "neon_dotprod"
+    assert best(n1 | {"avx2", "fma", "f16c", "bmi2"}, "x86_64") == "avx2"  # flags alone never pick another machine's
+    dotprod = next(v for v in VARIANTS if v.name == "neon_dotprod")
+    assert not dotprod.builds_here("x86_64") and "-march=armv8.2-a+dotprod" in compile_args(dotprod)

@@ -83,7 +83,7 @@ def test_status_json_lists_the_worker(cluster: tuple[str, int]) -> None:
     assert w["metrics_url"].endswith(f":{metrics_port}/metrics")
     assert w["stats_error"] is None and w["incarnation"] and w["restarts"] == 0
     assert (w["cpus"], w["threads"], w["device"]) == (str(PIN), 1, "cpu")
-    assert w["kernels"] in ("avx512_vnni", "avx512_bf16", "avx2", "portable", "torch")  # engine.native.kernel_path()
+    assert w["kernels"] in ("avx512_vnni", "neon_dotprod", "avx512_bf16", "avx2", "portable", "torch")  # engine.native.kernel_path()
     s = Subjects(MODEL)
     pools = {p["pool"]: p for p in data["pools"]}
     assert pools["generate"]["stream"] == s.generate_stream and pools["generate"]["consumer"] == s.generate_consumer

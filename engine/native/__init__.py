@@ -7,7 +7,7 @@ Here each is one call, the int4/Q8_0 weights are multiplied as the GGUF stores t
 `q8_matmul`), and a layer of such weights can run as one call (`LayerStep`).
 
 ``setup.py`` compiles ``csrc/`` once per instruction-set variant (`engine.native.build`: ``avx512``,
-``avx512_vnni``, ``avx2``, ``portable``); `engine.native.dispatch` loads the best one the CPU runs and picks the kernel path.
+``avx512_vnni``, ``avx2``, ``neon_dotprod``, ``portable``); `engine.native.dispatch` loads the best one the CPU runs and picks the kernel path.
 Without one the engine runs torch's operations, which are not the same computation: int4 weights through
 torch's bfloat16 kernel, Q8_0 re-quantized to int8 per channel (the start-up warning says so; `kernel_path` is
 then ``torch``). Each call here checks the tensors it hands over (dtype, device, layout, shapes): ctypes passes
@@ -27,6 +27,7 @@ from torch.autograd import profiler
 
 from engine.native.dispatch import (
     BF16_MARGIN,
+    DOTPROD,
     INVARIANT,
     KERNEL_PATHS,
     KINDS,
@@ -37,15 +38,16 @@ from engine.native.dispatch import (
     kernel_path,
     kernel_paths,
     library,
+    packs_i8,
     row_invariant,
     use_kernel_path,
     variant,
     variant_file,
 )
 
-__all__ = ["BF16_MARGIN", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES", "VNNI",
+__all__ = ["BF16_MARGIN", "DOTPROD", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES", "VNNI",
            "I8Panels", "Layer", "LayerStep", "Linear", "argmax", "available", "bf16_attention_paths", "chunk_attention", "bf16_matmul", "has_chunk_attention",
-           "i8_linear", "i8_matmul", "i8_pack", "int4_dequantize", "kernel_path", "kernel_paths", "layer", "library", "linear", "paged_attention",
+           "i8_linear", "i8_matmul", "i8_pack", "int4_dequantize", "kernel_path", "kernel_paths", "layer", "library", "linear", "packs_i8", "paged_attention",
            "panel_min_rows", "q4_matmul", "q8_matmul",
            "rms_norm", "rope_store", "row_invariant", "silu_mul", "use_kernel_path", "variant", "variant_file"]
 
@@ -206,8 +208,8 @@ def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tens
 def panel_min_rows(kind: str) -> int:
     """The fewest rows a matmul of `kind` ("int4", "q8_0") computes with float32 panels instead of int16
     activations: a row's bits are the same in any batch on its side of this (csrc/panels.c says why it switches). Never
-    on kernel paths invariant and avx512_vnni, whose kernel rows take one computation at any count."""
-    if row_invariant() or kernel_path() == VNNI:
+    on kernel paths invariant, avx512_vnni and neon_dotprod, whose kernel rows take one computation at any count."""
+    if row_invariant() or packs_i8():
         return 2**63 - 1
     return int(library().tq_panel_min_rows(KINDS[kind]))
 
@@ -281,9 +283,10 @@ def i8_pack(kind: str, w: torch.Tensor, scales: torch.Tensor) -> I8Panels:
 
 @_profiled("i8_matmul")
 def i8_matmul(x: torch.Tensor, w: I8Panels, digits: int) -> torch.Tensor:
-    """x [m, k] @ W.T as float32 [m, n] on AVX-512 VNNI (kernel path avx512_vnni): x rounded per group of 32 to
-    `digits` int8 digits (2: 15 bits, decode rows and short chunks; 1: 8 bits, long chunks), each group's dot
-    product with the weights' codes exact in int32, then scaled and summed in float32."""
+    """x [m, k] @ W.T as float32 [m, n] on int8 dot products (kernel paths avx512_vnni and neon_dotprod, the same
+    bits): x rounded per group of 32 to `digits` int8 digits (2: 15 bits, decode rows and short chunks; 1: 8 bits,
+    long chunks), each group's dot product with the weights' codes exact in int32, then scaled and summed in
+    float32."""
     x = x.float().contiguous()
     m, k = x.shape
     if k != w.k or digits not in (1, 2):
@@ -294,7 +297,7 @@ def i8_matmul(x: torch.Tensor, w: I8Panels, digits: int) -> torch.Tensor:
                                 _ptr(x, torch.float32, "activations"), m, out.data_ptr(), digits, _threads())
     if rc:
         raise MemoryError(f"{w.kind} int8 matmul of {m}x{k} by {w.n}x{k}: out of memory") if rc == -1 else \
-            RuntimeError("this build has no AVX-512 VNNI")
+            RuntimeError("this build has no int8 dot product (AVX-512 VNNI or ARMv8.2 dotprod)")
     return out
 
 
@@ -372,7 +375,7 @@ def linear(kind: str, w: torch.Tensor, scales: torch.Tensor) -> Linear:
 
 
 def i8_linear(w: I8Panels) -> Linear:
-    """A layer's weight as `tq_decoder_layer` multiplies it on kernel path avx512_vnni (`i8_matmul`, two digits)."""
+    """A layer's weight as `tq_decoder_layer` multiplies it on the int8 panels' paths (`i8_matmul`, two digits)."""
     return Linear(KINDS[w.kind] | I8_PANELS, _ptr(w.data, torch.uint8, "i8 panels"), None, w.n, w.k)
 
 

@@ -48,6 +48,8 @@ VARIANTS = (
             ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"), _X86),
     # x86-64-v3: AVX2, FMA, F16C (Haswell and later, Zen 1 and later)
     Variant("avx2", ("-march=x86-64-v3", "-mtune=generic"), ("avx2", "fma", "f16c", "bmi2"), _X86),
+    # ARMv8.2-A with the int8 dot product (Graviton 2 on, Ampere Altra, Apple M1 on, Cortex-A76 on): the int8 path
+    Variant("neon_dotprod", ("-march=armv8.2-a+dotprod",), ("asimd", "asimddp"), ("aarch64", "arm64")),
     # any CPU, as the compiler targets it by default: scalar C on x86; NEON for the int16 kernels on aarch64
     Variant("portable", (), ()),
 )

@@ -145,14 +145,16 @@ def available() -> bool:
 
 INVARIANT = "invariant"
 VNNI = "avx512_vnni"  # every row on int8 dot products of packed weights (`engine.native.i8_matmul`)
-KERNEL_PATHS = (VNNI, "avx512_bf16", "avx2", "portable", INVARIANT)  # every path a build can have; see kernel_path
+DOTPROD = "neon_dotprod"  # the same on ARM's int8 dot product (the same bits)
+I8_PATHS = {1: VNNI, 2: DOTPROD}  # csrc tq_has_i8() -> the path of its int8 panels
+KERNEL_PATHS = (VNNI, DOTPROD, "avx512_bf16", "avx2", "portable", INVARIANT)  # every path a build can have; see kernel_path
 _chosen = ["torch"]
 _variant = ["none"]
 
 
 def _paths(lib: ctypes.CDLL) -> list[str]:
     simd = ["avx2"] if lib.tq_panel_min_rows(KINDS["int4"]) < 2**62 else ["portable"]
-    i8 = [VNNI] if lib.tq_has_i8() else []
+    i8 = [I8_PATHS[lib.tq_has_i8()]] if lib.tq_has_i8() else []
     if lib.tq_has_bf16():
         bf16 = [*i8, "avx512_bf16"]
         simd = [*bf16, *simd] if _bf16_pays(lib) else [*simd, *bf16]
@@ -194,7 +196,8 @@ def kernel_paths() -> list[str]:
 def kernel_path() -> str:
     """How this process multiplies int4/Q8_0 weights: ``avx512_vnni`` (every row on int8 dot products of the weights
     packed at load, `native.i8_matmul`: decode rows and short chunks with 15-bit activations, long prompt chunks with
-    8-bit ones and their attention in bfloat16 where the build has AVX-512 BF16), ``avx512_bf16`` (long prompt chunks and their attention on bfloat16
+    8-bit ones and their attention in bfloat16 where the build has AVX-512 BF16), ``neon_dotprod`` (the same panels
+    and bits on ARM's int8 dot product; long chunks attend in torch's SDPA), ``avx512_bf16`` (long prompt chunks and their attention on bfloat16
     panels, everything else as ``avx2``), ``avx2`` (int16 activations and float32 panels; long chunks dequantized
     for a float32 GEMM), ``portable`` (the C for the compiler's default target: scalar on x86, the int16 kernels in NEON on aarch64), ``invariant`` (every row on the int16 kernels and
     the C attention, whatever its step holds: a row's bits never depend on its batch; chosen only when asked
@@ -205,7 +208,13 @@ def kernel_path() -> str:
 
 #: kernel path -> what its long prompt chunks' matmuls multiply in, on panels of the compact weights (the paths not
 #: named dequantize the weights for a float32 GEMM)
-PANEL_PRECISION = {VNNI: "int8", "avx512_bf16": "bfloat16"}
+PANEL_PRECISION = {VNNI: "int8", DOTPROD: "int8", "avx512_bf16": "bfloat16"}
+
+
+def packs_i8(path: str | None = None) -> bool:
+    """Whether kernel path `path` (default: this process's) multiplies every row on the int8 panels of weights packed
+    at load (`engine.native.i8_pack`)."""
+    return (path or kernel_path()) in I8_PATHS.values()
 
 
 def bf16_attention_paths() -> list[str]:

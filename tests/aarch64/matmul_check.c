@@ -1,10 +1,12 @@
-/* Runs engine/native's int4 / Q8_0 matmul (the int16 kernels) of the build it is compiled into, for
- * tests/test_native_aarch64.py: cross-compiled with the library's C for aarch64 and run under qemu-user.
+/* Runs engine/native's int4 / Q8_0 matmuls of the build it is compiled into, for tests/test_native_aarch64.py:
+ * cross-compiled with the library's C for aarch64 and run under qemu-user.
  *
  *     matmul_check IN OUT
  *
- * IN: int64 kind (4: int4, 8: Q8_0), n, k, m, threads; then x float32 [m, k], the codes (int4 [n, k / 2] bytes,
- * Q8_0 [n, k] int8) and the float16 scales (int4 [n, 2, k / 32], Q8_0 [n, k / 32]). OUT: float32 [m, n]. */
+ * IN: int64 kind (4: int4, 8: Q8_0), n, k, m, threads, digits (0: the int16 kernels, tq_q4_matmul / tq_q8_matmul;
+ * 1 or 2: the weights packed by tq_i8_pack and multiplied by tq_i8_matmul in that many int8 digits); then x float32
+ * [m, k], the codes (int4 [n, k / 2] bytes, Q8_0 [n, k] int8) and the float16 scales (int4 [n, 2, k / 32], Q8_0
+ * [n, k / 32]). OUT: float32 [m, n]. Exit status 3: this build has no int8 dot product (tq_has_i8). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +15,11 @@ int tq_q8_matmul(const int8_t *q, const uint16_t *d16, int64_t n, int64_t k, con
                  int threads);
 int tq_q4_matmul(const uint8_t *qs, const uint16_t *dm, int64_t n, int64_t k, const float *x, int64_t m,
                  float *out, int threads);
+int tq_has_i8(void);
+int64_t tq_i8_packed_bytes(int kind, int64_t n, int64_t k);
+void tq_i8_pack(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, uint8_t *out, int threads);
+int tq_i8_matmul(int kind, const uint8_t *wp, int64_t n, int64_t k, const float *x, int64_t m, float *out, int digits,
+                 int threads);
 
 static void *read_exactly(FILE *f, size_t bytes) {
     void *p = malloc(bytes ? bytes : 1);
@@ -33,17 +40,25 @@ int main(int argc, char **argv) {
         perror(argv[1]);
         return 2;
     }
-    int64_t *h = (int64_t *)read_exactly(in, 5 * sizeof(int64_t));
+    int64_t *h = (int64_t *)read_exactly(in, 6 * sizeof(int64_t));
     int64_t kind = h[0], n = h[1], k = h[2], m = h[3];
-    int threads = (int)h[4];
+    int threads = (int)h[4], digits = (int)h[5];
     int64_t groups = k / 32, code_bytes = kind == 4 ? n * k / 2 : n * k, scales = kind == 4 ? n * 2 * groups : n * groups;
     float *x = (float *)read_exactly(in, (size_t)(m * k) * sizeof(float));
     void *codes = read_exactly(in, (size_t)code_bytes);
     uint16_t *s = (uint16_t *)read_exactly(in, (size_t)scales * sizeof(uint16_t));
     fclose(in);
     float *out = (float *)malloc((size_t)(m * n) * sizeof(float));
-    int rc = kind == 4 ? tq_q4_matmul((const uint8_t *)codes, s, n, k, x, m, out, threads)
+    int rc;
+    if (digits) {
+        if (!tq_has_i8()) return 3;
+        uint8_t *packed = (uint8_t *)malloc((size_t)tq_i8_packed_bytes((int)kind, n, k));
+        tq_i8_pack((int)kind, codes, s, n, k, packed, threads);
+        rc = tq_i8_matmul((int)kind, packed, n, k, x, m, out, digits, threads);
+    } else {
+        rc = kind == 4 ? tq_q4_matmul((const uint8_t *)codes, s, n, k, x, m, out, threads)
                        : tq_q8_matmul((const int8_t *)codes, s, n, k, x, m, out, threads);
+    }
     if (rc) {
         fprintf(stderr, "matmul_check: the matmul returned %d\n", rc);
         return 1;

@@ -25,7 +25,7 @@ def kernel_paths() -> list[str]:
     return native.kernel_paths() or ["torch"]
 
 
-PANEL_TOLERANCE = {"avx2": 1e-4, "portable": 1e-4, "avx512_bf16": 1e-2, "avx512_vnni": 2e-2,
+PANEL_TOLERANCE = {"avx2": 1e-4, "portable": 1e-4, "avx512_bf16": 1e-2, "avx512_vnni": 2e-2, "neon_dotprod": 2e-2,
                    "invariant": 1e-4}  # of a long chunk's largest output
 #: kernel paths whose long chunks are rounded (bfloat16, int8 activations) -> the rows of their register tiles
-ROUNDED_TILE_ROWS = {"avx512_bf16": 12, "avx512_vnni": 6}
+ROUNDED_TILE_ROWS = {"avx512_bf16": 12, "avx512_vnni": 6, "neon_dotprod": 3}

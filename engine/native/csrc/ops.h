@@ -13,7 +13,7 @@
  *   int16_kernels.c    int4/Q8_0 weights against int16 activations (few rows), and which rows go where
  *   panels.c           many rows on panels of dequantized weights: float32, or bfloat16 for long prompt chunks
  *                      (AVX-512 BF16); int4 to float32 for a GEMM
- *   i8_panels.c        every row on int8 dot products of weights packed at load (AVX-512 VNNI)
+ *   i8_panels.c        every row on int8 dot products of weights packed at load (AVX-512 VNNI, ARM dotprod)
  *   chunk_attention.c  long prompt chunks' attention, flash-attention style (float32 or bfloat16; AVX-512)
  *   layer.c            one decoder layer as one call
  *   peaks.c            this CPU's peaks, for the benchmarks' rooflines
