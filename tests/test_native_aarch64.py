@@ -189,3 +189,18 @@ def test_an_arm_cpu_gets_the_dotprod_build_where_it_has_the_dot_product():
     assert best(n1 | {"avx2", "fma", "f16c", "bmi2"}, "x86_64") == "avx2"  # flags alone never pick another machine's
     dotprod = next(v for v in VARIANTS if v.name == "neon_dotprod")
     assert not dotprod.builds_here("x86_64") and "-march=armv8.2-a+dotprod" in compile_args(dotprod)
+
+
+def _probes(exe: Path, tmp: Path) -> list[float]:
+    subprocess.run([QEMU, "-L", str(SYSROOT), str(exe), "--probes", str(tmp / "probes")], check=True,
+                   capture_output=True, timeout=120)
+    return np.fromfile(tmp / "probes", dtype=np.float64).tolist()
+
+
+def test_the_peak_probes_count_neons_operations(builds, tmp_path):
+    """`engine.native.peaks` times these for `bench.engine`'s rooflines: float32 FMAs 4 lanes wide (12 chains, 1,000
+    rounds, 2 ops each), sdot's 16 multiply-adds where the build has it (none on the portable build), and the read
+    probe's sum."""
+    fma, dot, read = _probes(builds["dotprod"], tmp_path)
+    assert (fma, dot, read) == (2 * 4 * 12 * 1000, 2 * 16 * 12 * 1000, 4096)
+    assert _probes(builds["neon"], tmp_path)[1:] == [0, 4096]

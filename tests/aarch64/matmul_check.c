@@ -6,16 +6,24 @@
  * IN: int64 kind (4: int4, 8: Q8_0), n, k, m, threads, digits (0: the int16 kernels, tq_q4_matmul / tq_q8_matmul;
  * 1 or 2: the weights packed by tq_i8_pack and multiplied by tq_i8_matmul in that many int8 digits); then x float32
  * [m, k], the codes (int4 [n, k / 2] bytes, Q8_0 [n, k] int8) and the float16 scales (int4 [n, 2, k / 32], Q8_0
- * [n, k / 32]). OUT: float32 [m, n]. Exit status 3: this build has no int8 dot product (tq_has_i8). */
+ * [n, k / 32]). OUT: float32 [m, n]. Exit status 3: this build has no int8 dot product (tq_has_i8).
+ *
+ *     matmul_check --probes OUT
+ *
+ * OUT: float64 what tq_probe_fma, tq_probe_vnni and tq_probe_read (of 4,096 ones) return, on one thread. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 int tq_q8_matmul(const int8_t *q, const uint16_t *d16, int64_t n, int64_t k, const float *x, int64_t m, float *out,
                  int threads);
 int tq_q4_matmul(const uint8_t *qs, const uint16_t *dm, int64_t n, int64_t k, const float *x, int64_t m,
                  float *out, int threads);
 int tq_has_i8(void);
+double tq_probe_fma(int64_t iters, int threads);
+double tq_probe_vnni(int64_t iters, int threads);
+float tq_probe_read(const float *x, int64_t n, int threads);
 int64_t tq_i8_packed_bytes(int kind, int64_t n, int64_t k);
 void tq_i8_pack(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, uint8_t *out, int threads);
 int tq_i8_matmul(int kind, const uint8_t *wp, int64_t n, int64_t k, const float *x, int64_t m, float *out, int digits,
@@ -31,6 +39,13 @@ static void *read_exactly(FILE *f, size_t bytes) {
 }
 
 int main(int argc, char **argv) {
+    if (argc == 3 && !strcmp(argv[1], "--probes")) {
+        static float ones[4096];
+        for (int i = 0; i < 4096; i++) ones[i] = 1.f;
+        double got[3] = {tq_probe_fma(1000, 1), tq_probe_vnni(1000, 1), tq_probe_read(ones, 4096, 1)};
+        FILE *o = fopen(argv[2], "wb");
+        return !o || fwrite(got, sizeof(double), 3, o) != 3 || fclose(o);
+    }
     if (argc != 3) {
         fprintf(stderr, "usage: matmul_check IN OUT\n");
         return 2;

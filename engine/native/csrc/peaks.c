@@ -25,6 +25,13 @@ double tq_probe_fma(int64_t iters, int threads) {
             for (int i = 0; i < PROBE_ACC; i++) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
         for (int i = 0; i < PROBE_ACC; i++) total += hsum8(acc[i]);
         width = 8;
+#elif defined(__ARM_NEON)
+        float32x4_t acc[PROBE_ACC], a = vdupq_n_f32(0.999f), b = vdupq_n_f32(1e-3f);
+        for (int i = 0; i < PROBE_ACC; i++) acc[i] = vdupq_n_f32((float)i);
+        for (int64_t t = 0; t < iters; t++)
+            for (int i = 0; i < PROBE_ACC; i++) acc[i] = vfmaq_f32(b, acc[i], a);
+        for (int i = 0; i < PROBE_ACC; i++) total += vaddvq_f32(acc[i]);
+        width = 4;
 #else
         float acc[PROBE_ACC];
         for (int i = 0; i < PROBE_ACC; i++) acc[i] = (float)i;
@@ -59,8 +66,22 @@ double tq_probe_bf16(int64_t iters, int threads) {
 #endif
 }
 
+/* int8 dot products: vpdpbusd (64 multiply-adds an instruction), or NEON's sdot (16). */
 double tq_probe_vnni(int64_t iters, int threads) {
-#if defined(__AVX512VNNI__)
+#if defined(__ARM_FEATURE_DOTPROD)
+    #pragma omp parallel num_threads(threads)
+    {
+        int32x4_t acc[PROBE_ACC];
+        int8x16_t a = vdupq_n_s8(3), b = vdupq_n_s8(-2);
+        for (int i = 0; i < PROBE_ACC; i++) acc[i] = vdupq_n_s32(i);
+        for (int64_t t = 0; t < iters; t++)
+            for (int i = 0; i < PROBE_ACC; i++) acc[i] = vdotq_s32(acc[i], a, b);
+        int64_t total = 0;
+        for (int i = 0; i < PROBE_ACC; i++) total += vaddvq_s32(acc[i]);
+        probe_sink = (float)total;
+    }
+    return 2.0 * 16 * PROBE_ACC * (double)iters * threads;
+#elif defined(__AVX512VNNI__)
     #pragma omp parallel num_threads(threads)
     {
         __m512i acc[PROBE_ACC], a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
@@ -106,6 +127,17 @@ float tq_probe_read(const float *x, int64_t n, int threads) {
                 s3 = _mm256_add_ps(s3, _mm256_loadu_ps(x + i + j + 24));
             }
         total += hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#elif defined(__ARM_NEON)
+        float32x4_t s0 = vdupq_n_f32(0.f), s1 = s0, s2 = s0, s3 = s0;
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i += 64)
+            for (int j = 0; j < 64; j += 16) {
+                s0 = vaddq_f32(s0, vld1q_f32(x + i + j));
+                s1 = vaddq_f32(s1, vld1q_f32(x + i + j + 4));
+                s2 = vaddq_f32(s2, vld1q_f32(x + i + j + 8));
+                s3 = vaddq_f32(s3, vld1q_f32(x + i + j + 12));
+            }
+        total += vaddvq_f32(vaddq_f32(vaddq_f32(s0, s1), vaddq_f32(s2, s3)));
 #else
         float s[8] = {0.f};
         #pragma omp for schedule(static)
