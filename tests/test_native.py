@@ -107,6 +107,10 @@ def test_a_float16_pool_attends_as_float32_holding_the_same_values(d):
     """A float16 KV pool (`--kv-dtype float16`: half the bytes a decode step reads) computes the same bits as a
     float32 pool holding those values: its elements are widened exactly before the same float32 arithmetic.
     rope_store writes each k and v rounded to nearest even, as torch's .half()."""
+    _float16_pool_attends_as_float32(d)
+
+
+def _float16_pool_attends_as_float32(d: int) -> None:
     kc, vc = _pool(d=d)
     kh, vh = kc.half(), vc.half()
     g = torch.Generator().manual_seed(1)
@@ -342,6 +346,16 @@ def test_every_build_computes_what_the_best_one_does(monkeypatch, other):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     for a, b in zip(best[4:], theirs[4:]):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+@pytest.mark.parametrize("other", _builds()[1:] or [pytest.param("portable", marks=pytest.mark.skip)])
+def test_every_build_attends_alike_from_a_float16_pool(monkeypatch, other):
+    """The same on the other builds (the portable C, what an ARM machine runs, and AVX2 at head sizes its vectors do
+    not take): their dot products once summed in whatever order the compiler chose for each element type, and a
+    float16 pool gave other bits than a float32 one holding the same values."""
+    with build(monkeypatch, other):
+        for d in (64, 40, 12):
+            _float16_pool_attends_as_float32(d)
 
 
 def test_without_a_library_the_model_runs_torch_operations_and_says_so(monkeypatch, caplog):

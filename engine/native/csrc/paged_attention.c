@@ -66,6 +66,18 @@ static inline __attribute__((always_inline)) void weigh_values(const int width, 
 #define ATTN_VECTOR(d) 0
 #endif
 
+/* a . (the pool's d elements from offset b) in C: eight partial sums in a fixed order (the compiler may vectorize
+ * them, not reorder them: no `omp simd reduction`, whose order it picks per loop), so a float16 pool and a float32
+ * one holding the same values give the same bits, as on the SIMD paths. */
+static inline float dot_fixed(const float *a, const void *kv, int64_t b, int d, const int half) {
+    float part[8] = {0.f};
+    int j = 0;
+    for (; j + 8 <= d; j += 8)
+        for (int i = 0; i < 8; i++) part[i] += a[j + i] * kv_at(kv, b + j + i, half);
+    for (int i = 0; j < d; j++, i++) part[i] += a[j] * kv_at(kv, b + j, half);
+    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
 /* Row r's attention for KV heads [g0, g1) (its query heads g * group ...): scores, softmax and value sums, in
  * the order every row uses (tokens in order; a head's value sums 64 columns at a time), so its result does not
  * depend on how its heads were split into work items. The vector path walks the context a block at a time for
@@ -118,16 +130,11 @@ static inline __attribute__((always_inline)) void attend_row(
             for (int x = 0; x < nh; x++) {
                 int64_t k = kb + (int64_t)(x / group) * d + i * kv;
                 const float *qh = qh0 + (int64_t)x * d;
-                float s = 0.f;
 #ifdef __AVX2__
-                if (ATTN_VECTOR(d)) {
-                    s = dot_d(qh, keys, k, d, half);
-                } else
+                float s = ATTN_VECTOR(d) ? dot_d(qh, keys, k, d, half) : dot_fixed(qh, keys, k, d, half);
+#else
+                float s = dot_fixed(qh, keys, k, d, half);
 #endif
-                {
-                    #pragma omp simd reduction(+ : s)
-                    for (int j = 0; j < d; j++) s += qh[j] * kv_at(keys, k + j, half);
-                }
                 s = start + i < first ? -INFINITY : s * scale;
                 scores[x * len + start + i] = s;
                 mx[x] = s > mx[x] ? s : mx[x];
