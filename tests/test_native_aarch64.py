@@ -4,7 +4,7 @@ On an ARM machine the decode rows take the int16 kernels (csrc/int16_kernels.c),
 AVX2 one, or, where the CPU has the int8 dot product (ARMv8.2 dotprod: the `neon_dotprod` build), every row takes
 the packed int8 panels (csrc/i8_panels.c) as AVX-512 VNNI does. No ARM machine runs the suite, so this compiles the
 library's C with `aarch64-linux-gnu-gcc` three ways (as the `portable` build compiles on aarch64, NEON only; as
-`neon_dotprod`; and without SIMD), links `tests/aarch64/matmul_check.c`, and runs them under `qemu-aarch64` on the
+`neon_dotprod`; and without SIMD), links `tests/aarch64/native_check.c`, and runs them under `qemu-aarch64` on the
 same inputs: the NEON int16 kernels must agree with the scalar C and with this machine's build, and the dotprod
 panels give the same bits as this machine's VNNI panels. `.ci/run` installs the cross compiler and qemu (Debian's
 `gcc-aarch64-linux-gnu qemu-user`); where they are missing the tests skip.
@@ -25,7 +25,7 @@ from engine.native.build import CSRC, VARIANTS, sources
 from tests.harness.native import NEEDS_NATIVE
 
 CC, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", Path("/usr/aarch64-linux-gnu")
-DRIVER = Path(__file__).with_name("aarch64") / "matmul_check.c"
+DRIVER = Path(__file__).with_name("aarch64") / "native_check.c"
 
 pytestmark = pytest.mark.skipif(not (shutil.which(CC) and shutil.which(QEMU) and SYSROOT.is_dir()),
                                 reason=f"needs {CC} and {QEMU} (Debian: gcc-aarch64-linux-gnu qemu-user)")
@@ -204,3 +204,38 @@ def test_the_peak_probes_count_neons_operations(builds, tmp_path):
     fma, dot, read = _probes(builds["dotprod"], tmp_path)
     assert (fma, dot, read) == (2 * 4 * 12 * 1000, 2 * 16 * 12 * 1000, 4096)
     assert _probes(builds["neon"], tmp_path)[1:] == [0, 4096]
+
+
+def _attend(exe: Path, tmp: Path, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
+            lens: torch.Tensor, heads: int, scale: float, threads: int = 2) -> torch.Tensor:
+    """`exe`'s tq_paged_attention under qemu (row r reads table r)."""
+    blocks, bs, kv_heads, d = keys.shape
+    rows = q.shape[0]
+    header = [rows, heads, kv_heads, d, bs, blocks, tables.shape[1], int(keys.dtype == torch.float16), threads]
+    (tmp / "att").write_bytes(np.array(header, dtype=np.int64).tobytes() + np.float32(scale).tobytes()
+                              + q.numpy().tobytes() + keys.numpy().tobytes() + values.numpy().tobytes()
+                              + tables.numpy().tobytes() + lens.numpy().tobytes())
+    subprocess.run([QEMU, "-L", str(SYSROOT), str(exe), "--attention", str(tmp / "att"), str(tmp / "att_out")],
+                   check=True, capture_output=True, timeout=120)
+    return torch.from_numpy(np.fromfile(tmp / "att_out", dtype=np.float32).reshape(rows, heads * d).copy())
+
+
+@pytest.mark.parametrize("d", [64, 12])
+def test_arm_attention_reads_a_float16_pool_as_float32_holding_its_values(builds, tmp_path, d):
+    """On aarch64 decode attention runs the C's scalar path (vectorized by the compiler): a float16 pool gives the
+    bits of a float32 pool holding the same values (its dot products sum in a fixed order), and this machine's
+    build's results to float32 rounding."""
+    g = torch.Generator().manual_seed(d)
+    heads, kv_heads, bs, blocks = 9, 3, 16, 40
+    keys = torch.randn(blocks, bs, kv_heads, d, generator=g).half()
+    values = torch.randn(blocks, bs, kv_heads, d, generator=g).half()
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:12] for _ in range(4)])
+    lens = torch.tensor([33, 190, 7, 128])
+    q = torch.randn(4, heads * d, generator=g)
+    half = _attend(builds["dotprod"], tmp_path, q, keys, values, tables, lens, heads, 0.3)
+    single = _attend(builds["dotprod"], tmp_path, q, keys.float(), values.float(), tables, lens, heads, 0.3)
+    assert torch.equal(half, single)
+    assert torch.equal(_attend(builds["neon"], tmp_path, q, keys, values, tables, lens, heads, 0.3, threads=1), half)
+    if native.available():
+        here = native.paged_attention(q, keys, values, tables, torch.arange(4), lens, heads, 0.3)
+        assert torch.allclose(half, here, rtol=0, atol=1e-5)
