@@ -17,8 +17,9 @@ STEP_TOKENS, PREFILL_STEP_TOKENS = 512, 256  # default --max-step-tokens of deco
 #: --kernels: auto and engine.native.KERNEL_PATHS (named here too: this module stays free of torch)
 KERNEL_CHOICES = ("auto", "avx512_vnni", "neon_dotprod", "avx512_bf16", "avx2", "portable", "invariant")
 #: --kernels, as help text
-KERNELS_HELP = ("auto (the fastest this CPU has), avx512_vnni, neon_dotprod, avx512_bf16, avx2, portable, or invariant (every row on one path: "
-                "a request's tokens never depend on what else its steps hold; slower prompts and large batches)")
+KERNELS_HELP = ("auto (the fastest this CPU has), avx512_vnni, neon_dotprod, avx512_bf16, avx2, portable, or invariant "
+                "(every row on one path: a request's tokens never depend on what else its steps hold; slower prompts and "
+                "large batches)")
 #: the most tokens a request that gives neither max_tokens nor max_completion_tokens gets (--default-max-tokens)
 DEFAULT_MAX_TOKENS = 2048
 

@@ -147,7 +147,8 @@ INVARIANT = "invariant"
 VNNI = "avx512_vnni"  # every row on int8 dot products of packed weights (`engine.native.i8_matmul`)
 DOTPROD = "neon_dotprod"  # the same on ARM's int8 dot product (the same bits)
 I8_PATHS = {1: VNNI, 2: DOTPROD}  # csrc tq_has_i8() -> the path of its int8 panels
-KERNEL_PATHS = (VNNI, DOTPROD, "avx512_bf16", "avx2", "portable", INVARIANT)  # every path a build can have; see kernel_path
+#: every path a build can have; see kernel_path
+KERNEL_PATHS = (VNNI, DOTPROD, "avx512_bf16", "avx2", "portable", INVARIANT)
 _chosen = ["torch"]
 _variant = ["none"]
 
@@ -197,11 +198,12 @@ def kernel_path() -> str:
     """How this process multiplies int4/Q8_0 weights: ``avx512_vnni`` (every row on int8 dot products of the weights
     packed at load, `native.i8_matmul`: decode rows and short chunks with 15-bit activations, long prompt chunks with
     8-bit ones and their attention in bfloat16 where the build has AVX-512 BF16), ``neon_dotprod`` (the same panels
-    and bits on ARM's int8 dot product; long chunks attend in torch's SDPA), ``avx512_bf16`` (long prompt chunks and their attention on bfloat16
-    panels, everything else as ``avx2``), ``avx2`` (int16 activations and float32 panels; long chunks dequantized
-    for a float32 GEMM), ``portable`` (the C for the compiler's default target: scalar on x86, the int16 kernels in NEON on aarch64), ``invariant`` (every row on the int16 kernels and
-    the C attention, whatever its step holds: a row's bits never depend on its batch; chosen only when asked
-    for) or ``torch`` (no native library). The fastest the CPU has (`kernel_paths`) is chosen at start-up, or the one
+    and bits on ARM's int8 dot product; long chunks attend in torch's SDPA), ``avx512_bf16`` (long prompt chunks and
+    their attention on bfloat16 panels, everything else as ``avx2``), ``avx2`` (int16 activations and float32
+    panels; long chunks dequantized for a float32 GEMM), ``portable`` (the C for the compiler's default target:
+    scalar on x86, the int16 kernels in NEON on aarch64), ``invariant`` (every row on the int16 kernels and the C
+    attention, whatever its step holds: a row's bits never depend on its batch; chosen only when asked for) or
+    ``torch`` (no native library). The fastest the CPU has (`kernel_paths`) is chosen at start-up, or the one
     ``TANDEM_KERNELS`` (``--kernels``) names."""
     return _chosen[0] if library() is not None else "torch"
 
