@@ -174,23 +174,6 @@ def test_only_the_dotprod_build_has_the_int8_panels(builds, tmp_path):
     assert _run(builds["dotprod"], tmp_path, "q8_0", x, codes, scales, digits=2).shape == (1, 32)
 
 
-def test_an_arm_cpu_gets_the_dotprod_build_where_it_has_the_dot_product():
-    """The variant a process loads on aarch64 (engine.native.build.VARIANTS, best first), from /proc/cpuinfo's
-    Features: Cortex-A72 (no dot product) -> portable; Neoverse N1 (asimddp) -> neon_dotprod; x86 builds never."""
-    from engine.native.build import compile_args
-
-    def best(flags: set[str], machine: str) -> str:
-        return next(v.name for v in VARIANTS if v.runs_on(flags, machine))
-
-    a72 = {"fp", "asimd", "evtstrm", "aes", "pmull", "sha1", "sha2", "crc32", "cpuid"}
-    n1 = a72 | {"atomics", "fphp", "asimdhp", "asimdrdm", "lrcpc", "dcpop", "asimddp", "ssbs"}
-    assert best(a72, "aarch64") == "portable"
-    assert best(n1, "aarch64") == best(n1, "arm64") == "neon_dotprod"
-    assert best(n1 | {"avx2", "fma", "f16c", "bmi2"}, "x86_64") == "avx2"  # flags alone never pick another machine's
-    dotprod = next(v for v in VARIANTS if v.name == "neon_dotprod")
-    assert not dotprod.builds_here("x86_64") and "-march=armv8.2-a+dotprod" in compile_args(dotprod)
-
-
 def _probes(exe: Path, tmp: Path) -> list[float]:
     subprocess.run([QEMU, "-L", str(SYSROOT), str(exe), "--probes", str(tmp / "probes")], check=True,
                    capture_output=True, timeout=120)
