@@ -54,6 +54,12 @@ def builds(tmp_path_factory) -> dict[str, Path]:
             "scalar": _build(tmp / "check_scalar", ["-march=armv8-a+nosimd"])}
 
 
+def _qemu(exe: Path, *args: str | Path) -> None:
+    """Run the aarch64 `exe` with `args` under qemu-user (its libraries from the cross sysroot)."""
+    subprocess.run([QEMU, "-L", str(SYSROOT), str(exe), *map(str, args)], check=True, capture_output=True,
+                   timeout=120)
+
+
 def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random codes and float16 scales in the layouts `native.q4_matmul` / `q8_matmul` take."""
     groups = k // 32
@@ -74,8 +80,7 @@ def _run(exe: Path, tmp: Path, kind: str, x: torch.Tensor, codes: torch.Tensor, 
     n = codes.shape[0]
     (tmp / "in").write_bytes(np.array([KIND[kind], n, k, m, threads, digits], dtype=np.int64).tobytes()
                              + x.numpy().tobytes() + codes.numpy().tobytes() + scales.numpy().tobytes())
-    subprocess.run([QEMU, "-L", str(SYSROOT), str(exe), str(tmp / "in"), str(tmp / "out")], check=True,
-                   capture_output=True, timeout=120)
+    _qemu(exe, tmp / "in", tmp / "out")
     return torch.from_numpy(np.fromfile(tmp / "out", dtype=np.float32).reshape(m, n).copy())
 
 
@@ -175,8 +180,7 @@ def test_only_the_dotprod_build_has_the_int8_panels(builds, tmp_path):
 
 
 def _probes(exe: Path, tmp: Path) -> list[float]:
-    subprocess.run([QEMU, "-L", str(SYSROOT), str(exe), "--probes", str(tmp / "probes")], check=True,
-                   capture_output=True, timeout=120)
+    _qemu(exe, "--probes", tmp / "probes")
     return np.fromfile(tmp / "probes", dtype=np.float64).tolist()
 
 
@@ -198,8 +202,7 @@ def _attend(exe: Path, tmp: Path, q: torch.Tensor, keys: torch.Tensor, values: t
     (tmp / "att").write_bytes(np.array(header, dtype=np.int64).tobytes() + np.float32(scale).tobytes()
                               + q.numpy().tobytes() + keys.numpy().tobytes() + values.numpy().tobytes()
                               + tables.numpy().tobytes() + lens.numpy().tobytes())
-    subprocess.run([QEMU, "-L", str(SYSROOT), str(exe), "--attention", str(tmp / "att"), str(tmp / "att_out")],
-                   check=True, capture_output=True, timeout=120)
+    _qemu(exe, "--attention", tmp / "att", tmp / "att_out")
     return torch.from_numpy(np.fromfile(tmp / "att_out", dtype=np.float32).reshape(rows, heads * d).copy())
 
 
