@@ -336,8 +336,8 @@ def test_a_variant_that_does_not_build_leaves_no_old_library_behind(tmp_path):
 def test_every_build_computes_what_the_best_one_does(monkeypatch, other):
     """Another build of the same C (AVX2 on an AVX-512 machine, or the portable C without SIMD: what a
     machine without those instructions loads) gives the same results to float32 rounding or, where one build
-    multiplies float32 panels (many rows) and the other int16 activations, to the int16 rounding (~1e-5). The best
-    build runs its avx2 path here: avx512_vnni's int8 dot products are their own test's."""
+    multiplies float32 panels (many rows) and the other int16 activations, to the int16 rounding (~1e-5). Each
+    build runs its avx2 path here where it has one: avx512_vnni's int8 dot products are their own test's."""
     from engine import quant
 
     w4 = quant.Int4Weight.quantize(torch.randn(64, 320 * 2) * 0.05)
@@ -346,14 +346,15 @@ def test_every_build_computes_what_the_best_one_does(monkeypatch, other):
     x4, x8 = torch.randn(40, 640), torch.randn(40, 96)
 
     def outputs() -> list[torch.Tensor]:
-        return [w4(x4[:5]), w4(x4[:1]), w8(x8[:5]), w8(x8[:1]), w4(x4), w8(x8)]
+        """On the build's avx2 path where it has one (avx512_vnni's int8 panels are their own test's)."""
+        here = native.kernel_path()
+        native.use_kernel_path("avx2" if "avx2" in kernel_paths() else here)
+        try:
+            return [w4(x4[:5]), w4(x4[:1]), w8(x8[:5]), w8(x8[:1]), w4(x4), w8(x8)]
+        finally:
+            native.use_kernel_path(here)
 
-    here = native.kernel_path()
-    native.use_kernel_path("avx2" if "avx2" in kernel_paths() else here)
-    try:
-        best = outputs()
-    finally:
-        native.use_kernel_path(here)
+    best = outputs()
     with build(monkeypatch, other):
         if other == "portable":
             assert native.panel_min_rows("int4") > len(x4)
