@@ -18,6 +18,7 @@ from engine.quant import Int4Weight, Q8Weight
 from tests.harness.reference_models import (
     decode_logits,
     engine_logits,
+    tokenizer_fields,
     write_gguf_gemma3_from_hf,
     write_hf_family,
 )
@@ -48,8 +49,7 @@ def tiny(tmp_path_factory, smollm):
 
 @pytest.fixture(scope="module")
 def gguf_fields(smollm):
-    reader = gguf.GGUFReader(str(smollm.path))
-    return {k: f.contents() for k, f in reader.fields.items()
+    return {k: v for k, v in tokenizer_fields(smollm.path).items()
             if k in ("tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")}
 
 

@@ -14,7 +14,13 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.model_files import load_text
 from engine.model_text import ModelLoadError
-from tests.harness.reference_models import decode_logits, engine_logits, write_gguf_from_hf, write_hf_llama
+from tests.harness.reference_models import (
+    decode_logits,
+    engine_logits,
+    tokenizer_fields,
+    write_gguf_from_hf,
+    write_hf_llama,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,10 +29,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. 1 2 3 4 5 6 7 8 9 10 and 
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory, smollm):
-    import gguf
-
-    reader = gguf.GGUFReader(str(smollm.path))
-    fields = {k: f.contents() for k, f in reader.fields.items()
+    fields = {k: v for k, v in tokenizer_fields(smollm.path).items()
               if k in ("tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                        "tokenizer.ggml.merges")}
     root = tmp_path_factory.mktemp("tiny")
@@ -116,10 +119,7 @@ def test_unsupported_architecture_named(tiny_dirs, tmp_path):
 
 
 def test_unsupported_quant_type_named(tiny_dirs, smollm, tmp_path):
-    import gguf
-
-    reader = gguf.GGUFReader(str(smollm.path))
-    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+    fields = tokenizer_fields(smollm.path)
     path = write_gguf_from_hf(tiny_dirs["tied"], tmp_path / "iq.gguf", fields, "Q4_0")
     # Q4_0 is supported; a type outside the list must be refused by name.
     from engine import gguf_file
@@ -176,10 +176,7 @@ def test_hf_identity_depends_on_weights(tiny_dirs, tmp_path):
 
 @pytest.fixture(scope="module")
 def gguf_tokenizer_fields(smollm) -> dict:
-    import gguf
-
-    reader = gguf.GGUFReader(str(smollm.path))
-    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+    return tokenizer_fields(smollm.path)
 
 
 def test_unsupported_gguf_tokenizer_refused(tiny_dirs, gguf_tokenizer_fields, tmp_path):

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from bench import llama_server
 from engine.tokenizer import TextTokenizer
+from tests.harness.reference_models import tokenizer_fields
 
 GOLDEN = Path(__file__).parent / "data" / "gemma3_token_ids.json"
 SP = "\u2581"
@@ -46,20 +47,8 @@ def gemma_path() -> Path:
 
 @pytest.fixture(scope="module")
 def gemma_fields(gemma_path) -> dict:
-    """Its tokenizer.* fields, read by engine.gguf_file; kept as JSON in <cache>/test-models, since gguf's
-    reader takes 10-20 s over 262,144 tokens."""
-    from engine.gguf_file import _gguf_fields, open_gguf
-    from engine.model_cache import cache_dir
-
-    kept = cache_dir() / "test-models" / (gemma_path.name + ".tokenizer-fields.json")
-    if kept.exists() and kept.stat().st_mtime >= gemma_path.stat().st_mtime:
-        return json.loads(kept.read_text(encoding="utf-8"))
-    fields = {k: v for k, v in _gguf_fields(open_gguf(gemma_path)).items() if k.startswith("tokenizer.ggml.")}
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    part = kept.with_name(f"{kept.name}.{os.getpid()}.part")
-    part.write_text(json.dumps(fields, ensure_ascii=False), encoding="utf-8")
-    os.replace(part, kept)
-    return fields
+    """Its tokenizer.* fields, read by engine.gguf_file."""
+    return tokenizer_fields(gemma_path)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,12 @@ import numpy as np
 import torch
 
 from engine.engine import LLMEngine
+from engine.gguf_file import gguf_fields, open_gguf
+
+
+def tokenizer_fields(gguf_path: Path) -> dict:
+    """A GGUF's tokenizer.ggml.* metadata (what `write_gguf_from_hf` copies into a tiny model's file)."""
+    return {k: v for k, v in gguf_fields(open_gguf(gguf_path)).items() if k.startswith("tokenizer.ggml.")}
 
 
 def write_hf_llama(dst: Path, tokenizer_json: str, *, rope_scaling: dict | None = None, tie: bool = True,
