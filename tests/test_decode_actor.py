@@ -28,6 +28,7 @@ from bus.wire import ErrorCode, decode, encode
 from kv.layout import KVLayout
 from kv.transfer import create_engine
 from runtime.settings import Settings
+from tests.harness.wait import until
 
 
 class RecordingRunner:
@@ -436,13 +437,11 @@ def test_the_deadline_watch_sleeps_until_the_nearest_deadline_and_a_newcomer_can
         actor.requests["near"] = request("near", deadline=time.time() + 0.3)
         actor.arrived.set()
         t0 = time.monotonic()
-        while not expired and time.monotonic() - t0 < 10:
-            await asyncio.sleep(0.02)
+        await until(lambda: expired, 10, "the near deadline to expire", 0.02)
         waited = time.monotonic() - t0
         actor.requests["queued"] = request("queued", start_by=time.time() + 0.2)
         actor.arrived.set()
-        while len(expired) < 2 and time.monotonic() - t0 < 10:
-            await asyncio.sleep(0.02)
+        await until(lambda: len(expired) == 2, 10, "the queued request's start-by to pass", 0.02)
         watch.cancel()
         assert waited < 5.0, waited  # the newcomer's deadline, not the far one's
         return expired

@@ -47,7 +47,7 @@ from runtime.names import ROLE_PREFILL_AND_DECODE
 from runtime.settings import GatewayConfig
 from tests.harness.fakes import UTF8_REPLY, WORDS, FakeWorker, LoopThread
 from tests.harness.gateway import ServerThread, assert_error, chat_body, dropped_counts, make_config
-from tests.harness.wait import read_quiet, read_until, wait_until
+from tests.harness.wait import read_quiet, read_until, until, wait_until
 
 # ============================================================================ fixtures
 
@@ -687,7 +687,6 @@ async def _disconnect_non_stream(gw: ServerThread, worker: FakeWorker) -> None:
         task = asyncio.create_task(ac.post(f"{gw.url}/v1/chat/completions", json=chat_body("[slow]")))
         await asyncio.to_thread(wait_until, lambda: len(worker.requests) > n_before, 15,
                                 "the request to reach the worker", 0.02)
-        await asyncio.sleep(0.3)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -860,9 +859,7 @@ def test_disconnect_before_first_token_cancels(gw: ServerThread, worker: FakeWor
     async def go() -> None:
         async with httpx.AsyncClient(timeout=30) as ac:
             task = asyncio.create_task(ac.post(f"{gw.url}/v1/chat/completions", json=chat_body("[hang]", stream=True)))
-            while len(worker.requests) == n_before:
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.2)
+            await until(lambda: len(worker.requests) > n_before, 10, "the request to reach the worker", 0.02)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -435,15 +435,13 @@ def test_in_process_pair_small_chunks_strided_layers_and_cancel(
             a.write("b", [], [], "empty", grant=b.grant([], time.time() + 60)),
         ]
         seen: list[str] = []
-        end = time.monotonic() + 10
-        while True:
-            # Both sides poll: NIXL without a progress thread moves only while they do.
+
+        def landed() -> bool:  # both sides poll: NIXL without a progress thread moves only while they do
             done = [h.poll() for h in handles]
-            seen += b.completed()
-            if all(done) and {"whole", "layers", "empty"} <= set(seen):
-                break
-            assert time.monotonic() < end, f"saw only {seen}"
-            time.sleep(0.001)
+            seen.extend(b.completed())
+            return all(done) and {"whole", "layers", "empty"} <= set(seen)
+
+        wait_until(landed, 10, lambda: f"the writes to land (saw only {seen})", 0.001)
         assert torch.equal(b.pool.tensor[[5, 6, 7, 8, 20]], a.pool.tensor[[0, 1, 2, 3, 9]])
         assert torch.equal(b.pool.tensor[[12, 14, 16], 1:3], a.pool.tensor[[10, 11, 12], 1:3])
         assert not b.pool.tensor[[12, 14, 16], 0].any() and not b.pool.tensor[[12, 14, 16], 3].any()
@@ -519,11 +517,12 @@ def test_write_for_an_earlier_incarnation_is_refused(kind: str) -> None:
         with pytest.raises(TransferError, match="peer restarted"):
             a.write("b", [0], [0], "stale", incarnation="an-earlier-b")
         h = a.write("b", [0], [0], "", incarnation=b.incarnation, grant=b.grant([0], time.time() + 60))
-        end = time.monotonic() + 10
-        while not h.poll():  # both sides poll: NIXL without a progress thread needs it
+
+        def landed() -> bool:  # both sides poll: NIXL without a progress thread needs it
             b.completed()
-            assert time.monotonic() < end
-            time.sleep(0.001)
+            return h.poll()
+
+        wait_until(landed, 10, "the write to land", 0.001)
     finally:
         a.close()
         b.close()
@@ -583,10 +582,7 @@ def test_tcp_writes_queued_to_a_removed_peer_end_at_once() -> None:
                 outcomes.append(str(e))
         assert time.monotonic() - t0 < 20, outcomes  # not the 60 s deadline
         assert any("removed" in o for o in outcomes), outcomes
-        end = time.monotonic() + 10
-        while a._inflight and time.monotonic() < end:
-            time.sleep(0.01)
-        assert not a._inflight
+        wait_until(lambda: not a._inflight, 10, "the engine to forget the ended writes", 0.01)
     finally:
         a.close()
         b.close()

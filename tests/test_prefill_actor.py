@@ -17,6 +17,7 @@ from actors.seen import SeenIds
 from bus.prefill_messages import KVDestination, PrefillDone, PrefillJob
 from bus.replay import SentLog
 from engine.params import SamplingParams
+from tests.harness.wait import until
 
 
 def job(n: int = 1) -> PrefillJob:
@@ -97,9 +98,12 @@ def test_prefill_done_leaves_before_the_model_thread_lets_the_job_go(monkeypatch
         monkeypatch.setattr(actors.prefill, "publish_kept", publish_kept)
         actor.jobs["r1:0"] = job()
         task = asyncio.create_task(actor._run_job(job()))
-        while not any(isinstance(m, PrefillDone) for _, m, _ in sent):
-            await asyncio.sleep(0.01)
+
+        def answered() -> bool:
             assert not task.done(), task
+            return any(isinstance(m, PrefillDone) for _, m, _ in sent)
+
+        await until(answered, 10, "the PrefillDone", 0.01)
         assert not actor.jobs  # its place is free for the next job already
         actor.runner.step_over.set()  # the model thread's step ends: now it lets the job go
         await asyncio.wait_for(task, 5)
