@@ -92,7 +92,10 @@ def _read_metadata(buf: memoryview, at: int, count: int) -> tuple[dict[str, Any]
 
 
 def gguf_fields(reader) -> dict[str, Any]:
-    """A reader's (`open_gguf`) metadata as Python values, by key."""
+    """A reader's (`open_gguf`) metadata as Python values, by key (from its own fields where a gguf release's
+    reader did not call `_build_fields`)."""
+    if not hasattr(reader, "metadata"):
+        reader.metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     return reader.metadata
 
 

@@ -92,6 +92,8 @@ def test_gguf_metadata_reads_as_ggufs_own_reader(tmp_path: Path) -> None:
     import gguf
     import numpy as np
 
+    from engine.gguf_file import gguf_fields
+
     T = gguf.GGUFValueType
     scalars = {T.UINT8: 200, T.INT8: -100, T.UINT16: 60_000, T.INT16: -30_000, T.UINT32: 4_000_000_000,
                T.INT32: -2_000_000_000, T.FLOAT32: 0.1, T.BOOL: True, T.UINT64: 2**63 + 5, T.INT64: -(2**62),
@@ -115,6 +117,7 @@ def test_gguf_metadata_reads_as_ggufs_own_reader(tmp_path: Path) -> None:
         w.close()
         ours, stock = _our_reading(path), _stock_reading(path)
         assert ours == stock
+        assert gguf_fields(gguf.GGUFReader(str(path))) == ours[0]  # a reader that never called _build_fields
         assert [type(v) for v in ours[0].values()] == [type(v) for v in stock[0].values()]
         assert ours[0]["test.texts"][3] == "世界 🙂" and ours[0]["test.uint64"] == 2**63 + 5
     ours, stock = _our_reading(resolve_model_path("smollm2-135m-instruct")), \
