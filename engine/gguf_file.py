@@ -91,11 +91,16 @@ def _read_metadata(buf: memoryview, at: int, count: int) -> tuple[dict[str, Any]
     return out, at, alignment
 
 
+def _field_values(reader) -> dict[str, Any]:
+    """What gguf's reader itself made of the metadata, as Python values."""
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
 def gguf_fields(reader) -> dict[str, Any]:
     """A reader's (`open_gguf`) metadata as Python values, by key (from its own fields where a gguf release's
     reader did not call `_build_fields`)."""
     if not hasattr(reader, "metadata"):
-        reader.metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        reader.metadata = _field_values(reader)
     return reader.metadata
 
 
@@ -161,15 +166,15 @@ def open_gguf(path: Path):
                 if self.byte_order != "I":
                     raise _Unusual("a big-endian file")
                 self.metadata, end, alignment = _read_metadata(memoryview(self.data), offs, int(count))
+                if alignment is not None and alignment[0] != _UINT32:
+                    raise _Unusual("general.alignment is not a uint32")  # the reader refuses it, naming it
             except (_Unusual, struct.error, UnicodeDecodeError):
                 end = super()._build_fields(offs, count)
-                self.metadata = {k: f.contents() for k, f in self.fields.items() if not k.startswith("GGUF.")}
+                self.metadata = _field_values(self)
                 return end
             if alignment is not None:  # what the reader checks and lays the tensors out by
-                kind, value = alignment
-                dtype = np.uint32 if kind == _UINT32 else np.uint64
-                self._push_field(gguf.ReaderField(offs, "general.alignment", [np.array([value], dtype)], [0],
-                                                  [GGUFValueType(kind)]), skip_sum=True)
+                self._push_field(gguf.ReaderField(offs, "general.alignment", [np.array([alignment[1]], np.uint32)],
+                                                  [0], [GGUFValueType.UINT32]), skip_sum=True)
             return end
 
         def _build_tensors(self, start_offs: int, fields: list) -> None:

@@ -120,6 +120,16 @@ def test_gguf_metadata_reads_as_ggufs_own_reader(tmp_path: Path) -> None:
         assert gguf_fields(gguf.GGUFReader(str(path))) == ours[0]  # a reader that never called _build_fields
         assert [type(v) for v in ours[0].values()] == [type(v) for v in stock[0].values()]
         assert ours[0]["test.texts"][3] == "世界 🙂" and ours[0]["test.uint64"] == 2**63 + 5
+    odd = tmp_path / "odd-alignment.gguf"
+    w = gguf.GGUFWriter(odd, "llama")
+    w.add_key_value("general.alignment", 64, T.UINT64)  # gguf's reader refuses it; so must we
+    w.add_tensor("a", np.ones(3, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file: Bad type for general.alignment"):
+        _our_reading(odd)
     ours, stock = _our_reading(resolve_model_path("smollm2-135m-instruct")), \
         _stock_reading(resolve_model_path("smollm2-135m-instruct"))
     assert ours == stock and len(ours[0]["tokenizer.ggml.tokens"]) == 49152
