@@ -18,6 +18,7 @@ from engine.quant import Int4Weight, Q8Weight
 from tests.harness.reference_models import (
     decode_logits,
     engine_logits,
+    finish_gguf,
     tokenizer_fields,
     write_gguf_gemma3_from_hf,
     write_hf_family,
@@ -235,10 +236,7 @@ def test_unsupported_family_and_settings_named(tiny, tmp_path):
 
 def test_unsupported_gguf_architecture_named_before_any_weight(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     with pytest.raises(ModelLoadError, match=r"phi\.gguf: unsupported architecture 'phi2' \(general\.architecture; "
                                              r"supported: llama, gemma3, qwen2, qwen3\)"):
         load_text(str(tmp_path / "phi.gguf"))

@@ -24,6 +24,7 @@ from engine.quant import (
     weight_from_tensors,
 )
 from tests.harness.native import NEEDS_NATIVE, PANEL_TOLERANCE, ROUNDED_TILE_ROWS
+from tests.harness.reference_models import finish_gguf
 
 ROWS, COLS = 96, 256
 BLOCK_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}
@@ -54,10 +55,7 @@ def gguf_tensors(tmp_path_factory):
             w.add_tensor(f"w.{qt.name}", quantize(floats, qt), raw_dtype=qt)
     for qt in BLOCK_BYTES:
         w.add_tensor(f"w.{qt.name}", k_quant_blocks(qt, rng), raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return {t.name: t for t in GGUFReader(str(path)).tensors}
 
 

@@ -19,6 +19,7 @@ from bus.server import EmbeddedNats
 from engine.model_files import load_text, resolve_model_path
 from engine.model_text import ModelLoadError
 from runtime.health import WorkerHealth
+from tests.harness.reference_models import finish_gguf
 from tests.harness.wait import wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,20 +69,22 @@ def test_a_file_that_is_not_gguf_is_named(tmp_path: Path, monkeypatch: pytest.Mo
         load_text(str(short))
 
 
+def _tensor_table(reader) -> tuple[list, int]:
+    return [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in reader.tensors], reader.data_offset
+
+
 def _stock_reading(path: Path) -> tuple[dict, list, int]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    return ({k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")},
-            [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in reader.tensors], reader.data_offset)
+    return ({k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}, *_tensor_table(reader))
 
 
 def _our_reading(path: Path) -> tuple[dict, list, int]:
     from engine.gguf_file import gguf_fields, open_gguf
 
     reader = open_gguf(path)
-    return (gguf_fields(reader), [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in reader.tensors],
-            reader.data_offset)
+    return (gguf_fields(reader), *_tensor_table(reader))
 
 
 def test_gguf_metadata_reads_as_ggufs_own_reader(tmp_path: Path) -> None:
@@ -111,10 +114,7 @@ def test_gguf_metadata_reads_as_ggufs_own_reader(tmp_path: Path) -> None:
             w.add_key_value("test.nested", [[1, 2], [3, 4]], T.ARRAY, T.ARRAY)
         w.add_tensor("a", np.arange(12, dtype=np.float32).reshape(3, 4))
         w.add_tensor("b", np.ones(5, dtype=np.float16))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        finish_gguf(w)
         ours, stock = _our_reading(path), _stock_reading(path)
         assert ours == stock
         assert gguf_fields(gguf.GGUFReader(str(path))) == ours[0]  # a reader that never called _build_fields
@@ -124,10 +124,7 @@ def test_gguf_metadata_reads_as_ggufs_own_reader(tmp_path: Path) -> None:
     w = gguf.GGUFWriter(odd, "llama")
     w.add_key_value("general.alignment", 64, T.UINT64)  # gguf's reader refuses it; so must we
     w.add_tensor("a", np.ones(3, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     with pytest.raises(ModelLoadError, match="not a readable GGUF file: Bad type for general.alignment"):
         _our_reading(odd)
     ours, stock = _our_reading(resolve_model_path("smollm2-135m-instruct")), \

@@ -13,6 +13,14 @@ from engine.engine import LLMEngine
 from engine.gguf_file import gguf_fields, open_gguf
 
 
+def finish_gguf(w) -> None:
+    """Write a `gguf.GGUFWriter`'s header, metadata and tensors to its file, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def tokenizer_fields(gguf_path: Path) -> dict:
     """A GGUF's tokenizer.ggml.* metadata (what `write_gguf_from_hf` copies into a tiny model's file)."""
     return {k: v for k, v in gguf_fields(open_gguf(gguf_path)).items() if k.startswith("tokenizer.ggml.")}
@@ -110,10 +118,7 @@ def write_gguf_from_hf(hf_dir: Path, dst: Path, fields_from: dict, qtype: str = 
         add(b + "ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
         add(b + "ffn_up.weight", sd[p + "mlp.up_proj.weight"])
         add(b + "ffn_down.weight", sd[p + "mlp.down_proj.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return dst
 
 
@@ -196,10 +201,7 @@ def write_gguf_gemma3_from_hf(hf_dir: Path, dst: Path, fields_from: dict, qtypes
     for i in range(cfg["num_hidden_layers"]):
         for theirs, ours in names.items():
             add(f"blk.{i}.{ours}.weight", sd[f"model.layers.{i}.{theirs}.weight"], norm=ours.endswith("norm"))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return dst
 
 
