@@ -16,6 +16,7 @@ from engine.model_files import load_text
 from engine.model_text import ModelLoadError
 from engine.quant import Int4Weight, Q8Weight
 from tests.harness.reference_models import (
+    BPE_VOCABULARY,
     decode_logits,
     engine_logits,
     finish_gguf,
@@ -50,8 +51,7 @@ def tiny(tmp_path_factory, smollm):
 
 @pytest.fixture(scope="module")
 def gguf_fields(smollm):
-    return {k: v for k, v in tokenizer_fields(smollm.path).items()
-            if k in ("tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")}
+    return tokenizer_fields(smollm.path, BPE_VOCABULARY)
 
 
 def reference_logits(path, family: str, ids: list[int]) -> torch.Tensor:

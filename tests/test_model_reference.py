@@ -15,6 +15,7 @@ from engine.loader import load_model
 from engine.model_files import load_text
 from engine.model_text import ModelLoadError
 from tests.harness.reference_models import (
+    BPE_VOCABULARY,
     decode_logits,
     engine_logits,
     tokenizer_fields,
@@ -29,9 +30,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. 1 2 3 4 5 6 7 8 9 10 and 
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory, smollm):
-    fields = {k: v for k, v in tokenizer_fields(smollm.path).items()
-              if k in ("tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-                       "tokenizer.ggml.merges")}
+    fields = tokenizer_fields(smollm.path, BPE_VOCABULARY)
     root = tmp_path_factory.mktemp("tiny")
     tok_json = smollm.tokenizer.tok.to_str()
     tied = write_hf_llama(root / "tied", tok_json)

@@ -21,9 +21,15 @@ def finish_gguf(w) -> None:
     w.close()
 
 
-def tokenizer_fields(gguf_path: Path) -> dict:
-    """A GGUF's tokenizer.ggml.* metadata (what `write_gguf_from_hf` copies into a tiny model's file)."""
-    return {k: v for k, v in gguf_fields(open_gguf(gguf_path)).items() if k.startswith("tokenizer.ggml.")}
+#: the BPE vocabulary alone, without the source model's special ids and chat template
+BPE_VOCABULARY = ("tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+
+
+def tokenizer_fields(gguf_path: Path, keys: tuple[str, ...] | None = None) -> dict:
+    """A GGUF's tokenizer.ggml.* metadata, or only `keys` of it (what `write_gguf_from_hf` copies into a tiny
+    model's file)."""
+    return {k: v for k, v in gguf_fields(open_gguf(gguf_path)).items()
+            if (k in keys if keys is not None else k.startswith("tokenizer.ggml."))}
 
 
 def write_hf_llama(dst: Path, tokenizer_json: str, *, rope_scaling: dict | None = None, tie: bool = True,
