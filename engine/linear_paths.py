@@ -16,7 +16,6 @@ its row count:
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,12 +97,10 @@ class CodedWeight:
             self._i8 = native.i8_pack(*self.panel_codes())
         return self._i8
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if not native.available():
-            return self.torch_kernel(x)
-        if native.packs_i8():
-            return native.i8_matmul(x, self.i8_panels(), KERNEL_DIGITS)
-        return self.native_kernel(x)
+    def kernel(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if native.available() and native.packs_i8():
+            return native.i8_matmul(x, self.i8_panels(), KERNEL_DIGITS, out)
+        return _into(self.native_kernel(x) if native.available() else self.torch_kernel(x), out)
 
 
 class QuantizedWeight(Protocol):
@@ -113,7 +110,7 @@ class QuantizedWeight(Protocol):
     in_features: int
     workspace: Workspace | None
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor: ...
+    def kernel(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def panel_codes(self) -> tuple[str, torch.Tensor, torch.Tensor] | None: ...
 
@@ -123,26 +120,38 @@ class QuantizedWeight(Protocol):
 
 
 def split_call(weight: QuantizedWeight, x: torch.Tensor, dequant_rows: int) -> torch.Tensor:
-    """Rows [0, dequant_rows) through dequantize + MKL, the rest through the weight-only kernel."""
+    """Rows [0, dequant_rows) through the long-chunk path, the rest through the weight-only kernel, each into its
+    rows of one output (a mixed step's prompt chunk and decode rows: no copy of either to join them)."""
     if dequant_rows <= 0:
         return weight.kernel(x)
     long_rows = _long_rows(weight)
     if dequant_rows >= x.shape[0]:
-        return long_rows(x)
-    return torch.cat([long_rows(x[:dequant_rows]), weight.kernel(x[dequant_rows:]).to(x.dtype)])
+        return long_rows(x, None).to(x.dtype)
+    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32, device=x.device)
+    long_rows(x[:dequant_rows], out[:dequant_rows])
+    weight.kernel(x[dequant_rows:], out[dequant_rows:])
+    return out.to(x.dtype)
 
 
-def _long_rows(weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A long chunk's matmul with `weight` on this process's kernel path: panels of its codes where the path has
-    them and the weight gives them, else dequantize + MKL."""
+def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`result`, copied into `out` where one is given."""
+    return result if out is None else out.copy_(result)
+
+
+LongRows = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def _long_rows(weight: QuantizedWeight) -> LongRows:
+    """A long chunk's matmul with `weight` on this process's kernel path, as float32 (into `out` where given):
+    panels of its codes where the path has them and the weight gives them, else dequantize + MKL."""
     codes, precision = weight.panel_codes(), native.PANEL_PRECISION.get(native.kernel_path())
     if codes is None or precision is None:
-        return functools.partial(_dequant_matmul, weight)
+        return lambda x, out: _into(_dequant_matmul(weight, x), out)
     if precision == "int8":
         panels = weight.i8_panels()
-        return lambda x: native.i8_matmul(x, panels, 1).to(x.dtype)
+        return lambda x, out: native.i8_matmul(x, panels, 1, out)
     kind, w, scales = codes
-    return lambda x: native.bf16_matmul(kind, x, w, scales).to(x.dtype)
+    return lambda x, out: _into(native.bf16_matmul(kind, x, w, scales), out)
 
 
 def _dequant_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:

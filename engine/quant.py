@@ -174,8 +174,9 @@ class Int8Weight:
         """None: a long chunk's rows dequantize (`engine.native` has no panels of per-row int8)."""
         return None
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.scales)
+    def kernel(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.scales)
+        return y if out is None else out.copy_(y)
 
     def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
         return split_call(self, x, dequant_rows)

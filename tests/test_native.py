@@ -615,8 +615,13 @@ def test_int8_matmul_is_exact_integer_dot_products_of_the_rounded_rows(kind, n, 
             got, want = native.i8_matmul(x, panels, digits), _int8_reference(kind, x, codes, scales, digits)
             assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (kind, n, k, rows, digits)
             assert torch.equal(native.i8_matmul(x[-1:], panels, digits)[0], got[-1])
+            into = torch.full((rows + 2, n), float("nan"))  # rows of a bigger output, as a mixed step's
+            assert native.i8_matmul(x, panels, digits, into[1:-1]).data_ptr() == into[1].data_ptr()
+            assert torch.equal(into[1:-1], got) and into[0].isnan().all() and into[-1].isnan().all()
             error[digits] = ((got - float32).abs().max() / float32.abs().max()).item()
         assert error[2] < 5e-4 and error[1] > 10 * error[2], error
+        with pytest.raises(ValueError, match="out must be"):
+            native.i8_matmul(x, panels, 1, torch.empty(rows, n + 1))
 
 
 CHUNK_ATTENTION = pytest.mark.skipif(not native.has_chunk_attention(), reason="this build has no AVX-512")

@@ -217,11 +217,13 @@ def test_long_chunk_rows_on_each_kernel_path(cls, kernel_path):
     x = torch.randn(150, 576)
     got, want = w(x, dequant_rows=150), x @ w.dequantize().T
     assert (got - want).abs().max() <= PANEL_TOLERANCE.get(kernel_path, 1e-2) * want.abs().max()
-    rest, alone = w(x, dequant_rows=100)[100:], w(x[100:])  # the rest on the kernel
+    split = w(x, dequant_rows=100)  # the first 100 rows a long chunk, the rest on the kernel, into one output
+    rest, alone = split[100:], w(x[100:])
     if kernel_path == "torch":  # torch's kernels: int4 in bfloat16, Q8_0 re-quantized per channel
         assert (rest - alone).abs().max() <= 2e-2 * alone.abs().max()
     else:
-        assert torch.allclose(rest, alone)
+        assert torch.equal(rest, alone)
+    assert torch.equal(split[:100], w(x[:100], dequant_rows=100))
     if kernel_path in ROUNDED_TILE_ROWS:
         assert (got - want).abs().max() > 1e-6 * want.abs().max()  # it did run rounded
         tile = ROUNDED_TILE_ROWS[kernel_path]

@@ -282,17 +282,21 @@ def i8_pack(kind: str, w: torch.Tensor, scales: torch.Tensor) -> I8Panels:
 
 
 @_profiled("i8_matmul")
-def i8_matmul(x: torch.Tensor, w: I8Panels, digits: int) -> torch.Tensor:
+def i8_matmul(x: torch.Tensor, w: I8Panels, digits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] on int8 dot products (kernel paths avx512_vnni and neon_dotprod, the same
     bits): x rounded per group of 32 to `digits` int8 digits (2: 15 bits, decode rows and short chunks; 1: 8 bits,
     long chunks), each group's dot product with the weights' codes exact in int32, then scaled and summed in
-    float32."""
+    float32. Into `out` where given (float32, contiguous [m, n]: a step's rows of two kinds share one output)."""
     x = x.float().contiguous()
     m, k = x.shape
     if k != w.k or digits not in (1, 2):
         raise ValueError(f"engine.native: i8_matmul of rows of {k} in {digits} digits by a {w.kind} weight of "
                          f"{w.n}x{w.k}")
-    out = torch.empty(m, w.n, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(m, w.n, dtype=torch.float32)
+    elif out.shape != (m, w.n) or out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"engine.native: i8_matmul's out must be a contiguous float32 [{m}, {w.n}] CPU tensor, "
+                         f"not {out.dtype} {list(out.shape)}")
     rc = library().tq_i8_matmul(KINDS[w.kind], _ptr(w.data, torch.uint8, "i8 panels"), w.n, k,
                                 _ptr(x, torch.float32, "activations"), m, out.data_ptr(), digits, _threads())
     if rc:
