@@ -24,8 +24,7 @@ from bus.generate_messages import GenerateRequest, StreamError, StreamFinish, St
 from bus.publish import publish
 from bus.stats_messages import WorkerStats
 from bus.wire import ErrorCode
-from engine.engine import LLMEngine, StepOutput
-from engine.sampling import TokenLogprob
+from engine.engine import StepOutput
 from engine.sequence import SeqStatus
 from kv.blocks import prefix_hashes
 from runtime import metrics
@@ -58,7 +57,7 @@ class Request:
     uncached: int = 0  # prompt tokens not in this worker's prefix cache when the prefill was placed
     local_started: float | None = None  # when a local prefill was handed to the engine (to learn its cost)
     in_engine: bool = False
-    remote: RemotePrefill | None = None  # while a prefill worker computes the prompt
+    remote: RemotePrefill | None = None  # until a prefill worker's computing of the prompt has settled
     cancelled: bool = False
     begun: bool = False  # computing started once (a prefill worker took a job, or the engine placed it)
 
@@ -81,6 +80,7 @@ class DecodeActor(WorkerActor):
         if self.role == "decode_only":
             self.remote = RemotePrefills(self.nc, self.subjects, self.s, self.runner, self.transfer, self.layout,
                                          self.worker_id, self.incarnation, self.model, self.spawn)
+            self.engine.connector = self.remote  # set before any request: the engine's steps run on another thread
             await self.remote.start()
         self.spawn(self._emitter())
         self.spawn(self._deadline_watch())
@@ -144,9 +144,8 @@ class DecodeActor(WorkerActor):
         log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids), extra={"request_id": req.request_id})
         if mode == "remote":
             r.remote = self.remote.prefill(req, r.prompt_ids, req.sampling, target)
-            self.spawn(self._prefill_remotely(r))
-        else:  # not awaited: the next message waits for no model step, and counts as held at once (bus/demand.py)
-            self.spawn(self._start_local(r))
+        # not awaited: the next message waits for no model step, and counts as held at once (bus/demand.py)
+        self.spawn(self._start(r))
 
     async def answer_duplicate(self, item: GenerateRequest, where: str) -> None:
         """Say so on its stream subject: a person who sent the same JSON twice learns to change request_id
@@ -171,8 +170,8 @@ class DecodeActor(WorkerActor):
             message=f"malformed generate request: {error}"), keep=False)
 
     def _validate(self, r: Request) -> None:
-        """The prompt's tokens and the deadline; the rest of the request is checked where it enters an engine
-        (`add_request` or `reserve_remote`, on the model thread), which answers a bad one with a 400."""
+        """The prompt's tokens and the deadline; the rest of the request is checked where it enters the engine
+        (`add_request`, on the model thread), which answers a bad one with a 400."""
         req = r.req
         if not r.prompt_ids and req.prompt:
             r.prompt_ids = self.engine.tokenizer.encode_prompt(req.prompt)
@@ -218,28 +217,37 @@ class DecodeActor(WorkerActor):
                               self.s.prefill_stall_budget_ms / 1000, decoding)
         return mode, reason, None
 
-    async def _start_local(self, r: Request) -> None:
-        if r.cancelled:  # dropped while a remote attempt was winding down: nothing may run for it
+    async def _start(self, r: Request) -> None:
+        """Into the engine: computed here, or (``r.remote``) placed there for a prefill worker to fill."""
+        if r.cancelled:  # dropped before it got here: nothing may run for it
             return
+        remote = r.remote is not None
         r.in_engine = True
-        r.local_started = time.time()
+        r.local_started = None if remote else time.time()
         try:
             await self.runner.call(lambda e: e.add_request(r.req.request_id, r.prompt_ids,
                                                            r.req.sampling,
                                                            resume_ids=list(r.req.resume_ids),
-                                                           shown_chars=r.req.shown_chars))
+                                                           shown_chars=r.req.shown_chars, remote=remote))
         except ValueError as e:
             r.in_engine = False
+            if r.remote is not None:
+                r.remote.abandon()  # no job went out
+                r.remote = None
             await self._fail(r, ErrorCode.BAD_REQUEST, str(e.args[0]), 400)
+            return
+        if remote:
+            await self._prefill_remotely(r)
 
     # ---------------------------------------------------------------- remote prefill
 
     async def _prefill_remotely(self, r: Request) -> None:
-        """Have a prefill worker compute the prompt, then join the batch, fail, or prefill it here."""
-        rid = r.req.request_id
+        """Have a prefill worker compute the prompt, then tell the engine: join the batch, prefill it here, or drop
+        it (and fail the request)."""
+        rid, rp = r.req.request_id, r.remote
         t0 = time.time()
         try:
-            outcome = await r.remote.run()
+            outcome = await rp.run()
         except Exception as e:  # an unexpected error fails the request instead of leaving it to hang
             log.exception("request %s: remote prefill crashed", rid, extra={"request_id": rid})
             if await self._drop(rid) is not None:
@@ -247,6 +255,9 @@ class DecodeActor(WorkerActor):
             return
         if r.cancelled or outcome.kind == CANCELLED:
             return
+        r.remote = None
+        fallback = self.s.remote_prefill_fallback != "error"
+        self.remote.settle(rp, outcome, fallback)  # the engine applies it at its next step
         if outcome.kind == FAILED:
             await self._fail(r, outcome.code, outcome.message, outcome.status)
             return
@@ -256,32 +267,19 @@ class DecodeActor(WorkerActor):
             r.transfer_s = done.timings.get("transfer", 0.0)
             r.prefill_step_s = done.timings.get("step", 0.0)
             r.prefill_s = time.time() - t0
-            r.kv_bytes, r.kv_transfer = r.remote.kv_bytes, done.transfer or r.remote.mechanism
+            r.kv_bytes, r.kv_transfer = rp.kv_bytes, done.transfer or rp.mechanism
             self.recent.transfer(rid, r.prefill_worker, r.kv_transfer, r.kv_bytes,
                                  done.timings.get("write", r.transfer_s))
             self.costs.saw_remote(r.uncached, done.timings, r.prefill_s)
-            info = None
-            if done.first_logprob is not None:
-                info = TokenLogprob(done.first_token, done.first_logprob, list(done.first_top_logprobs or []))
-            r.in_engine = True
-            try:
-                await self.runner.call(self._first_token_on_model_thread, rid, done.first_token, info)
-            finally:
-                r.remote = None
             return
-        r.remote = None
-        if self.s.remote_prefill_fallback == "error":
+        if not fallback:
             await self._fail(r, ErrorCode.WORKER_LOST, "remote prefill failed twice", 503)
             return
         count_decision("local", "remote_fallback")
         self.recent.decision(rid, "local", "remote_fallback", len(r.prompt_ids))
         log.info("request %s: falling back to local prefill", rid, extra={"request_id": rid})
         r.mode, r.prefill_reason = "local", "remote_fallback"
-        await self._start_local(r)
-
-    def _first_token_on_model_thread(self, engine: LLMEngine, rid: str, token: int, info: TokenLogprob | None) -> None:
-        """Handed out by the model thread itself, so it cannot fall behind the next step's token."""
-        self.runner.hand_out([engine.complete_remote(rid, token, info)])
+        r.local_started = time.time()
 
     # ---------------------------------------------------------------- streaming out
 
@@ -374,10 +372,10 @@ class DecodeActor(WorkerActor):
             return None
         self.changed.set()
         r.cancelled = True
+        if r.remote is not None:
+            r.remote.abandon()  # first: the engine's abort then holds blocks a writer may still touch
         if r.in_engine:
             await self.runner.call(lambda e: e.abort(request_id))
-        elif r.remote is not None:
-            await r.remote.abandon()
         return r
 
     async def _deadline_watch(self) -> None:
@@ -418,6 +416,6 @@ class DecodeActor(WorkerActor):
         r = await self._drop(rid)
         if r is None:
             return
-        if r.remote is not None and r.remote.job_sent and not r.in_engine:
+        if r.remote is not None and r.remote.job_sent:
             await publish(self.nc, self.subjects.cancel(rid), Cancel(request_id=rid, reason=code))
         await self._fail(r, code, message, status)

@@ -2,7 +2,8 @@
 
 It pulls prefill jobs when it has room, checks the KV layout fingerprint, computes the prompt
 (its own prefix cache helps), writes the KV into the blocks the decode worker reserved, and
-answers with the first token and timings.
+answers with the first token and timings. The writes start from the engine's KV connector
+(`JobStreams`, engine/kv_connector.py's sending side), layer by layer while the prompt computes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from bus.prefill_messages import KVMetaReply, KVMetaRequest, PrefillAccepted, Pr
 from bus.publish import publish, publish_kept, request
 from bus.wire import ErrorCode
 from engine.engine import StepOutput
+from engine.kv_connector import KVConnector, RemoteResult
+from engine.sequence import Sequence
 from kv.layout import KVLayout, LayoutMismatch
 from kv.transfer.handles import TransferError
 from runtime import metrics
@@ -48,8 +51,11 @@ class PrefillActor(WorkerActor):
         # came while both places were taken: they wait here, so the cap holds for them too
         self.backlog: collections.deque[PrefillJob] = collections.deque()
         self.peer_incarnations: dict[str, str] = {}  # decode workers whose pool metadata this transfer holds
+        self.streams = JobStreams()
 
     async def start(self) -> None:
+        self.streams.runner = self.runner
+        self.engine.connector = self.streams  # set before any job: the engine's steps run on another thread
         await self.take_work("prefill", self.subjects.prefill_worker(self.worker_id))
 
     async def ensure_peer(self, worker_id: str, incarnation: str, endpoint: str | None = None,
@@ -250,18 +256,17 @@ class PrefillActor(WorkerActor):
         return local, remote
 
     def _admit(self, engine, job: PrefillJob, params, stream: LayerStream) -> None:
-        """On the model thread: queue the prompt, holding its blocks for the transfer. A layer-wise transfer
-        wants the prompt in one step (all of its compute overlaps the writes); otherwise it is chunked like
-        any prompt, so a short job that arrives meanwhile is not held behind a long one (engine/scheduler.py)."""
-        engine.add_request(job_key(job), job.prompt_ids, params, hold_blocks=True, whole_prefill=stream.layerwise)
-        engine.layer_hooks[job_key(job)] = stream.on_layer
+        """On the model thread: queue the prompt, its K/V shipped by `stream` and its blocks kept for the transfer.
+        A layer-wise transfer wants the prompt in one step (all of its compute overlaps the writes); otherwise it
+        is chunked like any prompt, so a short job that arrives meanwhile is not held behind a long one
+        (engine/scheduler.py)."""
+        self.streams.streams[job_key(job)] = stream
+        engine.add_request(job_key(job), job.prompt_ids, params, whole_prefill=stream.layerwise)
 
-    @staticmethod
-    def _let_go(engine, key: str) -> None:
-        """On the model thread: drop the job's layer hooks, stop it if it still computes, free its blocks."""
-        engine.layer_hooks.pop(key, None)
+    def _let_go(self, engine, key: str) -> None:
+        """On the model thread: ship nothing more of the job, stop it if it still computes, free its blocks."""
+        self.streams.release(key)
         engine.abort(key)
-        engine.release_held(key)
 
     def _check_cancel(self, rid: str) -> None:
         if rid in self.cancelled_ids:
@@ -279,6 +284,36 @@ class PrefillActor(WorkerActor):
             fut = self.first_tokens.get(key)
             if fut is not None and not fut.done():
                 fut.set_exception(_JobError(ErrorCode.CANCELLED, "request was cancelled"))
+
+
+class JobStreams(KVConnector):
+    """The prefill engine's KV connector: the `LayerStream` of each job ships the K/V of the step that completes
+    its prompt, layer by layer (`save_layer`, on the model thread), and the job's sequence is kept with its blocks
+    until its transfer is over (`release`)."""
+
+    saves_layers = True
+
+    def __init__(self) -> None:
+        self.streams: dict[str, LayerStream] = {}  # by job key, the job's id in the engine
+        self.runner = None  # the actor's EngineRunner, once it runs
+        self._released: collections.deque[str] = collections.deque()
+
+    def save_layer(self, layer: int, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if (stream := self.streams.get(seq.request_id)) is not None:
+                stream.on_layer(layer)
+
+    def request_finished(self, seq: Sequence) -> bool:
+        return seq.request_id in self.streams
+
+    def finished(self) -> tuple[list[RemoteResult], list[str]]:
+        return [], [self._released.popleft() for _ in range(len(self._released))]
+
+    def release(self, key: str) -> None:
+        """Job ``key`` ships nothing more: the engine may free its blocks at its next step, for which it is woken."""
+        if self.streams.pop(key, None) is not None:
+            self._released.append(key)
+            self.runner.wake()
 
 
 def job_key(job: PrefillJob) -> str:

@@ -1,22 +1,24 @@
-"""Remote prefill, the decode side: a prefill worker computes a prompt into blocks reserved here.
+"""Remote prefill, the decode side: a prefill worker computes a prompt into blocks the engine placed here.
 
-`RemotePrefill.run()` reserves the blocks, sends the `PrefillJob`, waits for its `PrefillDone` and
-for the transfer engine to report that the bytes landed, retries once on another prefill worker, and
-returns an `Outcome`: landed (with the first token), failed (an error for the client) or fall back
-(prefill it here). Every wait is woken by an event — the reply on NATS, the transfer engine's
-completion descriptor, `abandon()` — never by a sleep loop; only a transfer engine that sees
-landings by polling alone (NIXL without a progress thread) is polled, and only while a write
-through it is expected. The decode actor keeps admission, streaming and cancel: it calls
-`abandon()` when it drops a request and joins a landed one to its batch.
+`RemotePrefills` is the decode engine's KV connector (engine/kv_connector.py): the engine places a remote
+request's prompt when it has the blocks and hands them to `after_allocation`; `RemotePrefill.run()` then sends the
+`PrefillJob`, waits for its `PrefillDone` and for the transfer engine to report that the bytes landed, has the
+engine place the prompt again for one retry on another prefill worker, and returns an `Outcome`: landed (with the
+first token), failed (an error for the client) or fall back (prefill it here). The decode actor tells the engine
+the outcome (`settle`), which applies it at its next step (`finished`). Every wait is woken by an event — the
+placement, the reply on NATS, the transfer engine's completion descriptor, `abandon()` — never by a sleep loop;
+only a transfer engine that sees landings by polling alone (NIXL without a progress thread) is polled, and only
+while a write through it is expected.
 
-`RemotePrefills` is what one decode worker's remote prefills share: the reply subscription, the
-live prefill workers (`actors.prefill_workers`), the landings (`actors.landings`), and the quarantine of blocks
-a writer may still touch.
+`RemotePrefills` is also what one decode worker's remote prefills share: the reply subscription, the live prefill
+workers (`actors.prefill_workers`), the landings (`actors.landings`), and the quarantine of blocks a writer may
+still touch (the engine holds them under the attempt's tag until `finished()` lets the tag go).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -40,7 +42,10 @@ from bus.stats_messages import WorkerStats
 from bus.streams import claim, claim_key, taken_already
 from bus.subjects import Subjects
 from bus.wire import ErrorCode, MessageError, decode
+from engine.kv_connector import DROP, LANDED, LOCAL, RETRY, KVConnector, RemoteResult
 from engine.params import SamplingParams
+from engine.sampling import TokenLogprob
+from engine.sequence import Sequence
 from kv.layout import KVLayout
 from kv.transfer.base import TransferEngine
 from kv.transfer.grants import GRANT_CHECKED
@@ -57,7 +62,7 @@ WITHDRAW_FOR_S = 15.0
 #: the prefill worker keeps it)
 LATE_ANSWER_S = 2.0
 
-LANDED, FAILED, FALLBACK, CANCELLED = "landed", "failed", "fallback", "cancelled"
+FAILED, FALLBACK, CANCELLED = "failed", "fallback", "cancelled"  # and LANDED, as the engine's
 
 
 def count_decision(mode: str, reason: str) -> None:
@@ -69,17 +74,20 @@ def count_decision(mode: str, reason: str) -> None:
 class Outcome:
     """How a remote prefill ended: ``landed`` (``done`` holds the first token), ``failed`` (``code``,
     ``message``, ``status`` for the client), ``fallback`` (prefill it locally) or ``cancelled``
-    (the request was dropped; `abandon()` has dealt with the blocks)."""
+    (the request was dropped; `abandon()` has dealt with the blocks). ``hold``: the tag the placement's
+    fresh blocks stay quarantined under ('' none)."""
 
     kind: str
     done: PrefillDone | None = None
     code: str = ""
     message: str = ""
     status: int = 0
+    hold: str = ""
 
 
-class RemotePrefills:
-    """One decode worker's remote prefills: what they share, and `prefill()` to start one."""
+class RemotePrefills(KVConnector):
+    """One decode worker's remote prefills: what they share, `prefill()` to start one, and the decode engine's
+    KV connector (its methods below `after_allocation` run on the model thread)."""
 
     def __init__(self, nc: Any, subjects: Subjects, settings: Settings, runner: EngineRunner,
                  transfer: TransferEngine, layout: KVLayout, worker_id: str, incarnation: str, model: str,
@@ -91,8 +99,13 @@ class RemotePrefills:
         self.workers = PrefillWorkers(model)
         self.landings = Landings(transfer, spawn)
         self.attempts: dict[str, RemotePrefill] = {}  # by "<request>:<attempt>": attempts waiting for a reply
-        self.quarantined: dict[str, list[int]] = {}  # blocks a prefill attempt may still write
+        self.by_request: dict[str, RemotePrefill] = {}  # remote prefills not yet settled
+        self.quarantined: set[str] = set()  # attempts whose blocks the engine holds: they may still be written
         self.attempts_over = SeenIds()  # attempts whose writer said it writes no more
+        # placements that end without their K/V: request -> (tag, deadline, mechanism) of the blocks to hold
+        self._ending: dict[str, tuple[str, float, str]] = {}
+        self._results: collections.deque[RemoteResult] = collections.deque()  # for the engine's next step
+        self._released: collections.deque[str] = collections.deque()  # quarantine tags the engine may free
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.prefill_done_of_worker(self.worker_id), cb=self.on_reply)
@@ -102,7 +115,60 @@ class RemotePrefills:
 
     def prefill(self, req: GenerateRequest, prompt_ids: list[int], params: SamplingParams,
                 target: str | None) -> RemotePrefill:
-        return RemotePrefill(self, req, prompt_ids, params, target)
+        rp = self.by_request[req.request_id] = RemotePrefill(self, req, prompt_ids, params, target)
+        return rp
+
+    # ---------------------------------------------------------------- the engine's KV connector
+
+    def after_allocation(self, seq: Sequence, blocks: list[int]) -> None:
+        self.runner.loop.call_soon_threadsafe(self._placed, seq.request_id, seq.num_cached, blocks)
+
+    def placement_ended(self, seq: Sequence) -> str:
+        tag, deadline, mechanism = self._ending.pop(seq.request_id, ("", 0.0, ""))
+        if tag:  # its release may start only now that the engine holds the blocks under the tag
+            self.runner.loop.call_soon_threadsafe(self._hold, tag, deadline, mechanism)
+        return tag
+
+    def finished(self) -> tuple[list[RemoteResult], list[str]]:
+        results = [self._results.popleft() for _ in range(len(self._results))]
+        return results, [self._released.popleft() for _ in range(len(self._released))]
+
+    # ---------------------------------------------------------------- the same, on the event loop
+
+    def _placed(self, rid: str, first_index: int, blocks: list[int]) -> None:
+        rp = self.by_request.get(rid)
+        if rp is not None:
+            rp.placed(first_index, blocks)
+
+    def end_placement(self, rid: str, outcome: str, hold: str = "", deadline: float = 0.0, mechanism: str = "",
+                      first_token: int = 0, info: TokenLogprob | None = None) -> None:
+        """Tell the engine how request ``rid``'s placement ended (`engine.kv_connector`'s outcomes), holding its
+        fresh blocks under attempt tag ``hold`` (a writer may still touch them) until its writer answers or
+        ``deadline`` passes."""
+        self.hold_when_ended(rid, hold, deadline, mechanism)
+        if outcome != RETRY:
+            self.by_request.pop(rid, None)
+        self._results.append(RemoteResult(rid, outcome, first_token, info))
+        self.runner.wake()
+
+    def hold_when_ended(self, rid: str, tag: str, deadline: float, mechanism: str) -> None:
+        """When request ``rid``'s placement ends (a result, an abort), the engine holds its fresh blocks under
+        ``tag`` ('' frees them); the first word stands (a result's, over the abort that may follow it)."""
+        if tag:
+            self._ending.setdefault(rid, (tag, deadline, mechanism))
+
+    def settle(self, rp: RemotePrefill, outcome: Outcome, fallback: bool = True) -> None:
+        """Apply a finished `RemotePrefill.run()` in the engine: join the batch, prefill here (``fallback``), or
+        drop the request (its owner fails it)."""
+        if outcome.kind == LANDED:
+            lp = None
+            if outcome.done.first_logprob is not None:
+                lp = TokenLogprob(outcome.done.first_token, outcome.done.first_logprob,
+                                  list(outcome.done.first_top_logprobs or []))
+            self.end_placement(rp.rid, LANDED, first_token=outcome.done.first_token, info=lp)
+        else:
+            self.end_placement(rp.rid, LOCAL if outcome.kind == FALLBACK and fallback else DROP, outcome.hold,
+                               rp.deadline, rp.mechanism)
 
     async def _on_stats(self, msg: Msg) -> None:
         try:
@@ -127,26 +193,27 @@ class RemotePrefills:
             attempt.answered(reply)
         if reply.ok or not reply.wrote:  # that attempt writes no more
             self.attempts_over.add(tag)
-            await self.release_quarantine(tag)
+            self.release_quarantine(tag)
 
-    def quarantine(self, tag: str, blocks: list[int], deadline: float, mechanism: str = "") -> None:
-        """Hold blocks until attempt ``tag`` answers (it has stopped writing) or its deadline passes.
+    def _hold(self, tag: str, deadline: float, mechanism: str = "") -> None:
+        """The engine holds attempt ``tag``'s blocks: let them go once it answers (it has stopped writing) or its
+        deadline passes.
 
         The answer may already be here: a cancel and the writer's PrefillDone race. A writer that uses a
         mechanism which refuses a write without its grant (TCP: ``kv.transfer.grants.GRANT_CHECKED``) cannot
         land a byte once the attempt's grant is revoked, so its blocks are free at once.
         """
-        if not blocks:
-            return
-        self.quarantined.setdefault(tag, []).extend(blocks)
+        self.quarantined.add(tag)
         granted_only = set(self.transfer.mechanisms()) <= GRANT_CHECKED  # this pool takes no other write
         over = tag in self.attempts_over or mechanism in GRANT_CHECKED or granted_only
-        delay = 0.0 if over else max(0.0, deadline - time.time()) + QUARANTINE_GRACE_S
-        self.spawn(self._release_after(tag, delay))
+        if over:
+            self.release_quarantine(tag)
+        else:
+            self.spawn(self._release_after(tag, max(0.0, deadline - time.time()) + QUARANTINE_GRACE_S))
 
     async def _release_after(self, tag: str, delay: float) -> None:
         await asyncio.sleep(delay)
-        await self.release_quarantine(tag)
+        self.release_quarantine(tag)
 
     async def ask_again(self, tag: str, from_seq: int = 0) -> None:
         """Ask the prefill workers to publish their answers to attempt ``tag`` again (from ``from_seq``: 0 the
@@ -199,12 +266,14 @@ class RemotePrefills:
         log.info("withdrew prefill job %s from the pool%s", tag, "" if first else "; a prefill worker had claimed it")
         if first:
             self.attempts_over.add(tag)
-            await self.release_quarantine(tag)
+            self.release_quarantine(tag)
 
-    async def release_quarantine(self, tag: str) -> None:
-        blocks = self.quarantined.pop(tag, None)
-        if blocks:
-            await self.runner.call(lambda e: e.release_quarantine(blocks))
+    def release_quarantine(self, tag: str) -> None:
+        """Attempt ``tag`` writes no more: the engine may free its blocks."""
+        if tag in self.quarantined:
+            self.quarantined.discard(tag)
+            self._released.append(tag)
+            self.runner.wake()
 
 
 class RemotePrefill:
@@ -224,6 +293,8 @@ class RemotePrefill:
         self.begun = False  # a prefill worker took a job of this request (ever)
         self.cancelled = False
         self._answer: asyncio.Future | None = None  # this attempt's PrefillDone (None: given up)
+        # the engine's placement of the prompt for this attempt: (first token index, fresh blocks), None: given up
+        self._placement: asyncio.Future = asyncio.get_running_loop().create_future()
 
     @property
     def tag(self) -> str:
@@ -231,39 +302,31 @@ class RemotePrefill:
         return f"{self.rid}:{self.attempt}"
 
     async def run(self) -> Outcome:
+        """Up to two attempts, each in blocks the engine placed for it; a failed first one has the engine place the
+        prompt again (its blocks held while its writer may still come) for a second on another prefill worker."""
         hub, rid, target = self.hub, self.rid, self.target
         tried: list[str] = []
         for attempt in range(2):
-            if self.cancelled:
-                return Outcome(CANCELLED)
             self.attempt, self.job_sent, self.taker = attempt, False, None
-            try:  # the engine's entry: it checks the request (a bad one fails here, before any job goes out)
-                reserved = await hub.runner.call(lambda e: e.reserve_remote(rid, self.prompt_ids, self.params))
-            except ValueError as e:
-                return Outcome(FAILED, code=ErrorCode.BAD_REQUEST, message=str(e.args[0]), status=400)
-            if reserved is None:
-                count_decision("local", "no_blocks_for_remote")
-                break
-            seq, fresh = reserved
-            if self.cancelled:  # abandon()'s abandon_remote runs after this reservation and frees it
+            placed = await self._placement
+            if placed is None or self.cancelled:
                 return Outcome(CANCELLED)
+            first_index, fresh = placed
             t_attempt = time.time()
-            done = await self._attempt(fresh, seq.num_cached, target)
+            done = await self._attempt(fresh, first_index, target)
             if self.cancelled:
                 return Outcome(CANCELLED)
             if done is not None and done.ok:
                 metrics.REMOTE_PREFILL_WAIT.observe(time.time() - t_attempt)
                 return Outcome(LANDED, done=done)
             if done is not None and done.error_code == ErrorCode.LAYOUT_MISMATCH:
-                await hub.runner.call(lambda e: e.abandon_remote(rid, quarantine=False))
                 return Outcome(FAILED, done=done, code=done.error_code, message=done.error or "KV layout mismatch",
                                status=500)
             # Failed or timed out: after a timeout, or a failure once writing began, the prefill
             # side may still write into these blocks.
             timed_out = done is None
             held = (timed_out and self.job_sent) or (done is not None and done.wrote)  # a writer may still come
-            blocks = await hub.runner.call(lambda e, held: e.abandon_remote(rid, held), held)
-            hub.quarantine(self.tag, blocks, self.deadline, self.mechanism)
+            hold = self.tag if held else ""
             why = "timed out" if timed_out else f"failed: {done.error}"
             log.warning("request %s: remote prefill attempt %d %s", rid, attempt, why, extra={"request_id": rid})
             count_decision("remote_failed", "timeout" if timed_out else done.error_code or "error")
@@ -272,9 +335,16 @@ class RemotePrefill:
                 tried.append(worker)
             others = [w for w in hub.workers.alive() if w not in tried and w != target]
             target = others[0] if others else None
-            if target is None and not hub.workers.alive():
-                break
-        return Outcome(CANCELLED) if self.cancelled else Outcome(FALLBACK)
+            if attempt == 1 or (target is None and not hub.workers.alive()):
+                return Outcome(FALLBACK, hold=hold)
+            self._placement = asyncio.get_running_loop().create_future()  # before the engine can place it again
+            hub.end_placement(rid, RETRY, hold, self.deadline, self.mechanism)
+        raise AssertionError("unreachable: the second attempt returns")
+
+    def placed(self, first_index: int, blocks: list[int]) -> None:
+        """The engine placed the prompt (its tokens from ``first_index`` on go into ``blocks``)."""
+        if not self._placement.done():
+            self._placement.set_result((first_index, blocks))
 
     async def _attempt(self, fresh: list[int], first_index: int, target: str | None) -> PrefillDone | None:
         """Publish the job and wait for its PrefillDone and for the KV to land. None on timeout or abandon."""
@@ -370,16 +440,18 @@ class RemotePrefill:
         if self._answer is not None and not self._answer.done():
             self._answer.set_result(done)
 
-    async def abandon(self) -> None:
-        """The request is dropped (cancel, deadline, drain, lost bus): stop waiting, and free its blocks —
-        or quarantine them, once a job went out, until that attempt answers or its deadline passes."""
+    def abandon(self) -> None:
+        """The request is dropped (cancel, deadline, drain, lost bus): stop waiting, and — once a job went out —
+        have the engine hold its blocks (when it aborts the request) until that attempt answers or its deadline
+        passes."""
         self.cancelled = True
         hub, tag = self.hub, self.tag
-        deadline = self.deadline or time.time() + hub.s.prefill_timeout
         if self._answer is not None and not self._answer.done():
             self._answer.set_result(None)
+        if not self._placement.done():
+            self._placement.set_result(None)
         hub.landings.settled(tag)
         hub.transfer.revoke(self.grant)
-        rid, job_sent = self.rid, self.job_sent
-        blocks = await hub.runner.call(lambda e: e.abandon_remote(rid, job_sent))
-        hub.quarantine(tag, blocks, deadline, self.mechanism)
+        hub.by_request.pop(self.rid, None)
+        if self.job_sent:  # the owner aborts the request in the engine next
+            hub.hold_when_ended(self.rid, tag, self.deadline or time.time() + hub.s.prefill_timeout, self.mechanism)

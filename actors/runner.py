@@ -19,6 +19,7 @@ from typing import Any
 from engine.engine import LLMEngine, StepOutput
 
 log = logging.getLogger(__name__)
+_WAKE = ("wake",)  # a queued item that only makes the model loop look again
 
 
 class EngineRunner:
@@ -36,6 +37,10 @@ class EngineRunner:
     def stop(self) -> None:
         """Make `run` return after the calls queued before this one."""
         self.calls.put(None)
+
+    def wake(self) -> None:
+        """Make the model thread step again: the engine's KV connector has news for it (engine/kv_connector.py)."""
+        self.calls.put(_WAKE)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """Run `fn(engine, *args)` on the model thread; the future resolves on the event loop."""
@@ -73,8 +78,8 @@ class EngineRunner:
                 items = []
                 if not self.engine.has_work() or self.engine.last_plan_size == 0:
                     # idle, or the last step (after the last call) found nothing to compute: the work waits for
-                    # blocks only a call (free, abort, a landed prefill) releases. Sleep until one comes; signal
-                    # handlers still run on this thread meanwhile.
+                    # blocks only a call (free, abort) or the KV connector (a landed prefill, a released quarantine)
+                    # releases. Sleep until one comes; signal handlers still run on this thread meanwhile.
                     items.append(self.calls.get())
                 while True:
                     try:
@@ -84,8 +89,9 @@ class EngineRunner:
                 for item in items:
                     if item is None:
                         return
-                    self._run_call(item)
-                if self.engine.has_work():
+                    if item is not _WAKE:
+                        self._run_call(item)
+                if self.engine.has_work() or any(item is _WAKE for item in items):
                     started = time.perf_counter()
                     outputs = self.engine.step()
                     # even with no outputs: a step may have placed a prompt or freed blocks (the pull loop waits on it)

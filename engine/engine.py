@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from engine import native
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import GrammarCompiler, GrammarState, check_grammar
+from engine.kv_connector import DROP, LANDED, LOCAL, KVConnector
 from engine.loader import LoadedModel
 from engine.model import DecoderModel
 from engine.model_files import KV_DTYPES
@@ -86,8 +86,12 @@ def kv_dtype_for(quantized: bool, cfg: EngineConfig) -> str:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None, pool: KVPool | None = None):
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None, pool: KVPool | None = None,
+                 connector: KVConnector | None = None):
         self.cfg = cfg or EngineConfig()
+        #: where the K/V of prompts another worker computes comes from (engine/kv_connector.py); set before the
+        #: first remote request
+        self.connector = connector or KVConnector()
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         mc = loaded.config
@@ -111,9 +115,8 @@ class LLMEngine:
         self.pool_tokens = self.token_blocks(self.blocks.num_blocks) * self.cfg.block_size
         self.max_seq_tokens = min(self.max_model_len, self.pool_tokens)  # a sequence ends "length" there
         self.seqs: dict[str, Sequence] = {}
-        self.held: dict[str, Sequence] = {}
-        # request id -> fn(layer): called per layer in the step that completes that request's prompt
-        self.layer_hooks: dict[str, Callable[[int], None]] = {}
+        self.held: dict[str, Sequence] = {}  # ended, kept with their blocks while the connector sends their K/V
+        self.quarantined: dict[str, list[int]] = {}  # connector key -> blocks a late remote write may still hit
         self.device = torch.device(self.cfg.device)
         self.last_plan_size = 0
         self._grammars: GrammarCompiler | None = None  # built at the first grammar (it indexes the vocabulary)
@@ -157,20 +160,19 @@ class LLMEngine:
             check_grammar(params.grammar)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    hold_blocks: bool = False, resume_ids: list[int] | None = None, shown_chars: int = 0,
-                    whole_prefill: bool = False) -> Sequence:
-        """Queue a request. With `hold_blocks` its KV stays allocated after it finishes, until
-        `release_held` — a prefill worker keeps the blocks while it transfers them; `whole_prefill`
-        computes the prompt in one step (past the step budget), so a layer-wise transfer overlaps all of
-        it. `resume_ids`:
+                    resume_ids: list[int] | None = None, shown_chars: int = 0, whole_prefill: bool = False,
+                    remote: bool = False) -> Sequence:
+        """Queue a request. `whole_prefill` computes the prompt in one step (past the step budget), so a layer-wise
+        transfer (the connector's `save_layer`) overlaps all of it. `resume_ids`:
         output another engine generated already (a migrated request), resumed as after a preemption;
-        `shown_chars` of its text were emitted there."""
+        `shown_chars` of its text were emitted there. `remote`: another worker computes the prompt's K/V into
+        the blocks placed for it, through `self.connector` (engine/kv_connector.py)."""
         if request_id in self.seqs or request_id in self.held:
             raise ValueError(f"request {request_id} is already in the engine")
         self.check_request(prompt_ids, params)
         seq = self._new_sequence(request_id, prompt_ids, params)
-        seq.hold_blocks = hold_blocks
         seq.whole_prefill = whole_prefill
+        seq.remote = remote and not resume_ids
         if resume_ids:
             if seq.grammar is not None and not seq.grammar.accept_all(list(resume_ids)):
                 raise ValueError(f"the resumed tokens do not follow the request's grammar: {seq.grammar.error}",
@@ -196,72 +198,65 @@ class LLMEngine:
             log.info("grammar tokenizer index built in %.2fs", time.perf_counter() - t0)
         return self._grammars.compile(params.grammar)
 
-    def release_held(self, request_id: str) -> None:
-        seq = self.held.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.free(seq)
-
-    # ------------------------------------------------------------ remote prefill (decode side)
-
-    def reserve_remote(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> tuple[Sequence, list[int]] | None:
-        """Blocks for a prompt another worker will prefill: prefix-cache hits plus fresh blocks.
-
-        Returns the sequence and the fresh blocks (to be written from token `seq.num_cached` on, in
-        `Scheduler.prompt_blocks` order: windowed groups only from their window on), or None when the pool
-        cannot hold the prompt now.
-        """
-        if request_id in self.seqs:
-            raise ValueError(f"request {request_id} is already in the engine")
-        self.check_request(prompt_ids, params)
-        seq = self._new_sequence(request_id, prompt_ids, params)
-        if not self.scheduler.place(seq):
-            return None
-        self.scheduler.let_go(seq, len(prompt_ids))  # nobody computes here what the first step does not read
-        seq.status = SeqStatus.REMOTE
-        self.seqs[request_id] = seq
-        return seq, [b for group in self.scheduler.prompt_blocks(seq, seq.num_cached // self.cfg.block_size)
-                     for b in group]
-
     def prompt_blocks(self, request_id: str, first_block: int) -> list[list[int]]:
         """Per group, a sequence's blocks that a remote prefill writes from block `first_block` on
         (`Scheduler.prompt_blocks`)."""
         seq = self.seqs.get(request_id) or self.held[request_id]
         return self.scheduler.prompt_blocks(seq, first_block)
 
-    def complete_remote(self, request_id: str, first_token: int, info: TokenLogprob | None) -> StepOutput:
-        """The prompt's KV has landed: join the running batch with the first token."""
-        seq = self.seqs[request_id]
-        if seq.status is not SeqStatus.REMOTE:
-            raise RuntimeError(f"{request_id} is not waiting for a remote prefill")
-        self.scheduler.commit(seq, len(seq.prompt_ids) - seq.num_computed)
-        seq.status = SeqStatus.RUNNING
-        self.scheduler.running.append(seq)
-        return self.append_token(seq, first_token, info)
+    # ------------------------------------------------------------ prompts computed elsewhere (kv_connector)
 
-    def abandon_remote(self, request_id: str, quarantine: bool) -> list[int]:
-        """Drop a remote-prefill sequence. Blocks that a late write may still hit are quarantined
-        (returned; free them with `release_quarantine`), the rest are released."""
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.status is not SeqStatus.REMOTE:
-            return []
-        del self.seqs[request_id]
-        held = self.scheduler.free(seq, seq.num_cached // self.cfg.block_size if quarantine else None)
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = "abort"
-        return held
+    def _remote_results(self) -> list[StepOutput]:
+        """Apply what the connector reports (once a step, before planning): landed prompts join the batch with their
+        first token; the others are placed again, prefilled here, or dropped; released quarantines are free."""
+        results, released = self.connector.finished()
+        for key in released:
+            self.blocks.release_quarantine(self.quarantined.pop(key, []))
+            if (seq := self.held.pop(key, None)) is not None:
+                self.scheduler.free(seq)
+        outputs = []
+        for r in results:
+            seq = self.seqs.get(r.request_id)
+            if seq is None or seq.status is not SeqStatus.WAITING_FOR_REMOTE_KV:
+                continue  # aborted meanwhile: abort ended its placement
+            if r.outcome == LANDED:
+                self.scheduler.landed(seq)
+                outputs.append(self.append_token(seq, r.first_token, r.info))
+                continue
+            self._unplace(seq)
+            if r.outcome == DROP:
+                del self.seqs[seq.request_id]
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+                continue
+            seq.remote = r.outcome != LOCAL
+            self.scheduler.waiting.appendleft(seq)  # it was admitted before anything queued behind it
+        return outputs
 
-    def release_quarantine(self, blocks: list[int]) -> None:
-        self.blocks.release_quarantine(blocks)
+    def _start_placed(self) -> None:
+        """Hand the prompts this step's plan placed for remote K/V to the connector: their writers may start."""
+        for seq in self.scheduler.placed_remote:
+            self.connector.after_allocation(seq, [b for group in self.scheduler.prompt_blocks(
+                seq, seq.num_cached // self.cfg.block_size) for b in group])
+        self.scheduler.placed_remote = []
+
+    def _unplace(self, seq: Sequence) -> None:
+        """End `seq`'s placement without its K/V: its fresh blocks quarantined under the connector's key (a late
+        write may still hit them), or free."""
+        key = self.connector.placement_ended(seq)
+        held = self.scheduler.unplace(seq, quarantine=bool(key))
+        if held:
+            self.quarantined.setdefault(key, []).extend(held)
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.get(request_id)
         if seq is None:
             return False
-        if seq.status is SeqStatus.REMOTE:  # left in place: abandon_remote still frees its blocks
-            raise RuntimeError("abort a remote-prefill sequence through its owner (blocks may be quarantined)")
         del self.seqs[request_id]
-        self.scheduler.finish(seq)
+        if seq.status is SeqStatus.WAITING_FOR_REMOTE_KV:
+            self._unplace(seq)
+            seq.status = SeqStatus.FINISHED
+        else:
+            self.scheduler.finish(seq)
         seq.finish_reason = seq.finish_reason or "abort"
         return True
 
@@ -279,16 +274,18 @@ class LLMEngine:
     # ------------------------------------------------------------ stepping
 
     def step(self) -> list[StepOutput]:
+        landed = self._remote_results()
         self._draft()
         plan = self.scheduler.schedule()
         self.last_plan_size = len(plan)
+        self._start_placed()
         if not plan:
-            return []
+            return landed
         for seq, _ in plan:  # a seed fixes each draw by its index: same output on any worker, after preemption
             if seq.generator is not None:
                 seq.generator.manual_seed(draw_seed(seq.params.seed, len(seq.output_ids)))
         t0 = time.perf_counter()
-        sampled, tokens, infos = self.runner.run(plan, self.layer_hooks)
+        sampled, tokens, infos = self.runner.run(plan, self.connector)
         dt = time.perf_counter() - t0
         if self.drafter is not None and all(decodes(s, n) or s.draft for s, n in plan):  # decode rows only
             self.drafter.cost.observe(sum(n for _, n in plan), dt)
@@ -296,8 +293,8 @@ class LLMEngine:
             if not seq.draft:
                 self.scheduler.commit(seq, n)
             seq.compute_s += dt
-        return [self._verify(seq, toks, infos) if seq.draft else self.append_token(seq, toks[0], infos[0])
-                for seq, toks, infos in zip(sampled, tokens, infos)]
+        return landed + [self._verify(seq, toks, infos) if seq.draft else self.append_token(seq, toks[0], infos[0])
+                         for seq, toks, infos in zip(sampled, tokens, infos)]
 
     def _draft(self) -> None:
         """Drafts for the decoding sequences, while there are few enough that verifying them pays."""
@@ -352,7 +349,7 @@ class LLMEngine:
                 seq.finish_reason = "length"
         if seq.finish_reason is not None:
             self.seqs.pop(seq.request_id, None)
-            if seq.hold_blocks:
+            if self.connector.request_finished(seq):
                 self.scheduler.running.remove(seq)
                 seq.status = SeqStatus.FINISHED
                 self.held[seq.request_id] = seq

@@ -9,19 +9,17 @@ or block lists. Host-side staging buffers are allocated once and grow when a ste
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch, PrefillSpan
+from engine.kv_connector import KVConnector
 from engine.linear_paths import KERNELS
 from engine.model import DecoderModel
 from engine.sampling import Sampler, TokenLogprob, draw_seed
 from engine.sequence import Sequence
 from kv.pool import KVPool
-
-LayerHook = Callable[[int], None]
 
 
 class DecodeRows:
@@ -114,18 +112,18 @@ class ModelRunner:
         self.buffers = StepBuffers(self.device)
         self.sampler = Sampler()
 
-    def run(self, plan: list[tuple[Sequence, int]], hooks: dict[str, LayerHook]
+    def run(self, plan: list[tuple[Sequence, int]], connector: KVConnector
             ) -> tuple[list[Sequence], list[list[int]], list[list[TokenLogprob | None]]]:
         """Compute `plan` (sequence, new tokens) and sample the sequences whose prompt is complete.
 
-        `hooks[request_id](layer)` runs after each layer of the step that completes that request's
-        prompt (layer-wise KV streaming). Returns the sampled sequences and, per sequence, its tokens and
+        The connector's `save_layer(layer, the sampled sequences)` runs after each layer where it asks for it
+        (layer-wise KV streaming of the prompts this step completes). Returns the sampled sequences and, per sequence, its tokens and
         logprobs: one, or one per row of its draft (`seq.draft`) and the row before it, each drawn as plain
         decoding would draw it at that position had the draft before it been kept.
         """
         batch, sampled = self.prepare(plan)
-        calls = [hooks[s.request_id] for s in sampled if s.request_id in hooks]
-        layer_done = (lambda li: [h(li) for h in calls]) if calls else None
+        saving = connector.saves_layers and sampled
+        layer_done = (lambda li: connector.save_layer(li, sampled)) if saving else None
         logits = self.model.forward(batch, self.pool, layer_done)
         if not sampled:
             return [], [], []

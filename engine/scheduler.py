@@ -27,6 +27,8 @@ class Scheduler:
         self.max_step_tokens = max_step_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.remote: list[Sequence] = []  # placed, waiting for their prompt's K/V from another worker
+        self.placed_remote: list[Sequence] = []  # of those, the ones the last `schedule` placed
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -34,7 +36,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.remote)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -69,9 +71,19 @@ class Scheduler:
         # long prompt passed over MAX_PASSED_OVER steps in a row takes the rest of the next one's budget.
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         admitted_tokens = 0
-        while self.waiting and admitted_tokens < budget and len(self.running) < self.max_batch:
+        self.placed_remote = []
+        while self.waiting and len(self.running) + len(self.remote) < self.max_batch:
             seq = self.waiting[0]
-            if not self._admit(seq):
+            if seq.remote:  # placed only, outside the budget: another worker computes its prompt (engine/kv_connector.py)
+                if not self.place(seq):
+                    break
+                self.waiting.popleft()
+                self.let_go(seq, len(seq.prompt_ids))  # nobody computes here what the first step does not read
+                seq.status = SeqStatus.WAITING_FOR_REMOTE_KV
+                self.remote.append(seq)
+                self.placed_remote.append(seq)
+                continue
+            if admitted_tokens >= budget or not self._admit(seq):
                 break
             self.waiting.popleft()
             self.running.append(seq)
@@ -222,6 +234,22 @@ class Scheduler:
                         self.blocks.register(table[i], group_key(h, g))
         if self.layout.windows:
             self.let_go(seq, seq.num_computed)
+
+    def landed(self, seq: Sequence) -> None:
+        """`seq`'s prompt K/V came from another worker: it joins the batch with its prompt computed."""
+        self.remote.remove(seq)
+        self.commit(seq, len(seq.prompt_ids) - seq.num_computed)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def unplace(self, seq: Sequence, quarantine: bool) -> list[int]:
+        """`seq` waits for remote K/V no more: its blocks go (the fresh ones quarantined, and returned, with
+        `quarantine`) and it leaves the placed ones, for the queue's front or for good."""
+        self.remote.remove(seq)
+        held = self.free(seq, seq.num_cached // self.block_size if quarantine else None)
+        seq.block_hashes, seq.num_computed = [], 0
+        seq.status = SeqStatus.WAITING
+        return held
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:

@@ -16,7 +16,7 @@ from engine.sampling import TokenLogprob
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    REMOTE = "remote"  # blocks reserved, KV being written by a prefill worker
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # placed; another worker writes its prompt's K/V (kv_connector)
     FINISHED = "finished"
 
 
@@ -45,7 +45,7 @@ class Sequence:
         self.detok: IncrementalDetokenizer | None = None  # set by the engine, which has the tokenizer
         self.grammar: GrammarState | None = None  # set by the engine when the output follows a grammar
         self.preemptions = 0
-        self.hold_blocks = False
+        self.remote = False  # its prompt's K/V comes from another worker (engine/kv_connector.py)
         # the whole prompt in one step, past the step budget (up to WHOLE_PREFILL_MAX_TOKENS): a prefill
         # worker streams its KV layer by layer while that step runs
         self.whole_prefill = False

@@ -2,9 +2,10 @@
 quarantined blocks, events that end a wait, dropped requests, work that arrives while draining.
 
 A cancel reaches the decode worker and the prefill worker at once; the prefill worker's
-"I wrote nothing" answer can be handled before the decode worker has finished quarantining
-the blocks. Either order must free them at once; only a writer that began writing keeps
-them until the attempt's deadline.
+"I wrote nothing" answer can be handled before the decode engine holds the blocks. Either order
+must free them at once; only a writer that began writing keeps them until the attempt's deadline.
+`RemotePrefills` is the decode engine's KV connector here: the tests place prompts and read what
+it hands the engine (`finished()`) as the model thread would.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from actors.decode import DecodeActor, Request
 from actors.prefill_workers import PrefillWorkers
-from actors.remote_prefill import CANCELLED, LANDED, RemotePrefills
+from actors.remote_prefill import CANCELLED, FALLBACK, LANDED, RemotePrefills
 from actors.seen import SeenIds
 from bus.generate_messages import GenerateRequest, StreamError
 from bus.prefill_messages import PrefillAccepted, PrefillDone, PrefillJob
@@ -32,15 +33,21 @@ from tests.harness.wait import until
 
 
 class RecordingRunner:
-    """Stands in for the model thread: runs each call on a stub engine that records releases."""
+    """Stands in for the model thread: runs each call on no engine, and counts the KV connector's wakes."""
 
     def __init__(self) -> None:
-        self.released: list[int] = []
-        self.engine = SimpleNamespace(release_quarantine=self.released.extend)
+        self.wakes = 0
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    def wake(self) -> None:
+        self.wakes += 1
 
     async def call(self, fn, *args):
         await asyncio.sleep(0)
-        return fn(self.engine, *args)
+        return fn(None, *args)
 
 
 class RecordingNats:
@@ -131,140 +138,187 @@ def cancel_timers(hub: RemotePrefills) -> None:
         t.cancel()
 
 
+def released(hub: RemotePrefills) -> list[str]:
+    """The quarantine tags the engine may free now (what its next step would take)."""
+    return hub.finished()[1]
+
+
 def test_answer_before_quarantine_frees_blocks_at_once():
     async def go():
         hub = bare_remote()
         await hub.on_reply(done_msg(wrote=False))
-        hub.quarantine("r1:0", [4, 5, 6], deadline=time.time() + 90)
-        await settle(hub)
-        return hub
+        hub._hold("r1:0", deadline=time.time() + 90)
+        return hub, released(hub)
 
-    hub = asyncio.run(go())
-    assert hub.runner.released == [4, 5, 6]
-    assert hub.quarantined == {}
+    hub, free = asyncio.run(go())
+    assert free == ["r1:0"] and hub.quarantined == set() and hub.runner.wakes == 1
 
 
 def test_answer_after_quarantine_frees_blocks():
     async def go():
         hub = bare_remote()
-        hub.quarantine("r1:0", [7, 8], deadline=time.time() + 90)
+        hub._hold("r1:0", deadline=time.time() + 90)
+        assert released(hub) == []
         await hub.on_reply(done_msg(wrote=False))
-        assert hub.runner.released == [7, 8]
+        free = released(hub)
         cancel_timers(hub)  # the deadline timer has nothing left to free
-        return hub
+        return hub, free
 
-    hub = asyncio.run(go())
-    assert hub.quarantined == {}
+    hub, free = asyncio.run(go())
+    assert free == ["r1:0"] and hub.quarantined == set()
 
 
 def test_writer_that_began_writing_keeps_blocks_until_deadline():
     async def go():
         hub = bare_remote()
         await hub.on_reply(done_msg(wrote=True))
-        hub.quarantine("r1:0", [9], deadline=time.time() + 90)
+        hub._hold("r1:0", deadline=time.time() + 90)
         for _ in range(5):
             await asyncio.sleep(0)
-        held = (list(hub.runner.released), dict(hub.quarantined))
+        held = (released(hub), set(hub.quarantined))
         cancel_timers(hub)
         return held
 
-    released, quarantined = asyncio.run(go())
-    assert released == []
-    assert quarantined == {"r1:0": [9]}
+    free, quarantined = asyncio.run(go())
+    assert free == [] and quarantined == {"r1:0"}
 
 
-def test_two_quarantines_under_one_tag_are_both_freed():
+def test_a_quarantine_past_its_deadline_is_freed(monkeypatch):
+    monkeypatch.setattr("actors.remote_prefill.QUARANTINE_GRACE_S", 0.05)
+
     async def go():
         hub = bare_remote()
-        hub.quarantine("r1:0", [1, 2], deadline=time.time() + 90)
-        hub.quarantine("r1:0", [3], deadline=time.time() + 90)
-        await hub.on_reply(done_msg(wrote=False))
-        cancel_timers(hub)
-        return hub
+        await hub.on_reply(done_msg(wrote=True))
+        hub._hold("r1:0", deadline=time.time() - 10)
+        assert released(hub) == []  # not before its grace
+        await until(lambda: "r1:0" not in hub.quarantined, 30, "the quarantine's release")
+        return released(hub)
 
-    hub = asyncio.run(go())
-    assert sorted(hub.runner.released) == [1, 2, 3]
-
-
-class RemoteEngine:
-    """The decode engine's remote-prefill calls, recorded: blocks 10-11 reserved, then landed or abandoned."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def reserve_remote(self, rid, prompt_ids, params):
-        self.calls.append(("reserve", rid))
-        return SimpleNamespace(num_cached=0), [10, 11]
-
-    def abandon_remote(self, rid, quarantine):
-        self.calls.append(("abandon", rid, quarantine))
-        return [10, 11] if quarantine else []
-
-    def release_quarantine(self, blocks):
-        self.calls.append(("release", list(blocks)))
+    assert asyncio.run(go()) == ["r1:0"]
 
 
-def remote_hub(**settings) -> tuple[RemotePrefills, RemoteEngine]:
-    engine = RemoteEngine()
-    runner = RecordingRunner()
-    runner.engine = engine
-    hub = bare_remote(runner, **settings)
+def remote_hub(**settings) -> RemotePrefills:
+    hub = bare_remote(RecordingRunner(), **settings)
     hub.workers.heard(WorkerStats(role="prefill_only", worker_id="p1"))
-    return hub, engine
+    return hub
 
 
 def request(rid: str = "r1") -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_ids=[1, 2, 3], stream_subject=f"s.{rid}")
 
 
-async def job_sent(hub: RemotePrefills) -> PrefillJob:
-    while not any(subject.endswith(".prefill.p1") for subject, _ in hub.nc.published):
+async def place(hub: RemotePrefills, blocks: list[int], rid: str = "r1") -> None:
+    """The engine placed the prompt in ``blocks`` (from the model thread)."""
+    hub.after_allocation(SimpleNamespace(request_id=rid, num_cached=0), blocks)
+    await asyncio.sleep(0)
+
+
+async def job_sent(hub: RemotePrefills, worker: str = "p1", jobs: int = 1) -> PrefillJob:
+    while sum(subject.endswith(f".prefill.{worker}") for subject, _ in hub.nc.published) < jobs:
         await asyncio.sleep(0)
     return decode(hub.nc.published[-1][1], PrefillJob)
 
 
+def placement_ended(hub: RemotePrefills, rid: str = "r1") -> str:
+    """What the engine asks when the placement ends without its K/V (from the model thread)."""
+    return hub.placement_ended(SimpleNamespace(request_id=rid))
+
+
 def test_a_remote_prefill_lands_on_its_reply_and_its_landing_event():
-    """The PrefillDone and the transfer engine's notice end the wait (no poll of the engine: it needs none)."""
+    """The PrefillDone and the transfer engine's notice end the wait (no poll of the engine: it needs none); the
+    engine hears of it once the actor settles it."""
     async def go():
-        hub, engine = remote_hub()
+        hub = remote_hub()
         rp = hub.prefill(request(), [1, 2, 3], None, "p1")
         running = asyncio.get_running_loop().create_task(rp.run())
+        await place(hub, [10, 11])
         job = await job_sent(hub)
         await hub.on_reply(SimpleNamespace(data=encode(PrefillAccepted(request_id="r1", prefill_worker_id="p1",
                                                                        transfer="shm"))))
         await hub.on_reply(done_msg(wrote=True, ok=True))
         hub.landings.collect(["r1:0"])
         outcome = await asyncio.wait_for(running, timeout=30)
-        return outcome, job, engine, hub, rp
+        before = hub.finished()
+        hub.settle(rp, outcome)
+        return outcome, job, hub, rp, before
 
-    outcome, job, engine, hub, rp = asyncio.run(go())
+    outcome, job, hub, rp, before = asyncio.run(go())
     assert outcome.kind == LANDED and outcome.done.first_token == 7
     assert job.dst.block_ids == [10, 11] and job.reply_subject == "tandem.prefill.done.d9.r1"
     # the job carried a write grant for exactly its blocks, revoked once the KV landed
     assert job.dst.grant == "grant-0" and hub.transfer.revoked == ["grant-0"] and hub.transfer.grants == {}
-    assert engine.calls == [("reserve", "r1")]
-    assert rp.begun and hub.attempts == {} and hub.landings.polled == set()
+    assert before == ([], [])
+    [result], free = hub.finished()
+    assert (result.request_id, result.outcome, result.first_token, free) == ("r1", "landed", 7, [])
+    assert rp.begun and hub.attempts == {} and hub.by_request == {} and hub.landings.polled == set()
     assert hub.landings._poller is None and hub.transfer.reads == 0
+
+
+def test_a_failed_attempt_that_wrote_holds_its_blocks_and_the_prompt_is_placed_again_for_another_worker():
+    async def go():
+        hub = remote_hub()
+        hub.workers.heard(WorkerStats(role="prefill_only", worker_id="p2"))
+        rp = hub.prefill(request(), [1, 2, 3], None, "p1")
+        running = asyncio.get_running_loop().create_task(rp.run())
+        await place(hub, [10, 11])
+        await job_sent(hub)
+        await hub.on_reply(done_msg(wrote=True))  # failed after writing: a late byte may still come
+        await until(lambda: hub._results, 30, "the retry's result")
+        [retry], _ = hub.finished()
+        hold = placement_ended(hub)
+        await place(hub, [12, 13])
+        second = await job_sent(hub, "p2")
+        await hub.on_reply(SimpleNamespace(data=encode(PrefillDone(request_id="r1", ok=False, attempt=1,
+                                                                   error_code="internal", wrote=False))))
+        outcome = await asyncio.wait_for(running, timeout=30)
+        hub.settle(rp, outcome)
+        [local], _ = hub.finished()
+        quarantined = set(hub.quarantined)
+        cancel_timers(hub)
+        return retry, hold, second, outcome, local, quarantined, placement_ended(hub)
+
+    retry, hold, second, outcome, local, quarantined, last_hold = asyncio.run(go())
+    assert retry.outcome == "retry" and hold == "r1:0" and quarantined == {"r1:0"}
+    assert (second.attempt, second.dst.block_ids) == (1, [12, 13])
+    assert outcome.kind == FALLBACK and local.outcome == "local"
+    assert last_hold == ""  # the second attempt wrote nothing: its blocks are free at once
 
 
 def test_abandon_wakes_a_waiting_remote_prefill_and_quarantines_its_blocks():
     """A cancel ends the wait at once (not at the 10-minute deadline) and holds the blocks the job named."""
     async def go():
-        hub, engine = remote_hub(prefill_timeout=600.0)
+        hub = remote_hub(prefill_timeout=600.0)
         rp = hub.prefill(request(), [1, 2, 3], None, "p1")
         running = asyncio.get_running_loop().create_task(rp.run())
+        await place(hub, [10, 11])
         await job_sent(hub)
-        await rp.abandon()
+        rp.abandon()
         outcome = await asyncio.wait_for(running, timeout=30)
-        held = dict(hub.quarantined)
+        hold = placement_ended(hub)  # the actor's abort, on the model thread
+        await asyncio.sleep(0)
+        held = (set(hub.quarantined), released(hub))
         cancel_timers(hub)
-        return outcome, engine, held, hub.transfer
+        return outcome, hold, held, hub.transfer
 
-    outcome, engine, held, transfer = asyncio.run(go())
+    outcome, hold, (quarantined, free), transfer = asyncio.run(go())
     assert outcome.kind == CANCELLED
-    assert engine.calls == [("reserve", "r1"), ("abandon", "r1", True)]
-    assert held == {"r1:0": [10, 11]}
+    assert hold == "r1:0" and quarantined == {"r1:0"} and free == []
     assert transfer.revoked == ["grant-0"]  # a late write over TCP is refused; other engines: the quarantine
+
+
+def test_abandon_before_the_prompt_is_placed_ends_the_remote_prefill():
+    async def go():
+        hub = remote_hub()
+        rp = hub.prefill(request(), [1, 2, 3], None, "p1")
+        running = asyncio.get_running_loop().create_task(rp.run())
+        await asyncio.sleep(0)
+        rp.abandon()
+        outcome = await asyncio.wait_for(running, timeout=30)
+        await place(hub, [10, 11])  # placed as the abort came: nothing goes out for it
+        return outcome, hub, placement_ended(hub)
+
+    outcome, hub, hold = asyncio.run(go())
+    assert outcome.kind == CANCELLED and hold == "" and hub.nc.published == [] and hub.by_request == {}
 
 
 @pytest.mark.parametrize("accepted, pool", [("tcp", "shm"), ("", "tcp")])
@@ -273,45 +327,49 @@ def test_abandoning_a_tcp_attempt_frees_its_blocks_at_once(accepted: str, pool: 
     blocks go back at once instead of waiting out the quarantine (shm and NIXL writes need no grant). TCP is
     known from the taker's answer, or from this pool, when TCP is all that reaches it."""
     async def go():
-        hub, engine = remote_hub(prefill_timeout=600.0)
+        hub = remote_hub(prefill_timeout=600.0)
         hub.transfer.name = pool
         rp = hub.prefill(request(), [1, 2, 3], None, "p1")
         running = asyncio.get_running_loop().create_task(rp.run())
+        await place(hub, [10, 11])
         await job_sent(hub)
         await hub.on_reply(SimpleNamespace(data=encode(PrefillAccepted(request_id="r1", prefill_worker_id="p1",
                                                                        transfer=accepted))))
-        await rp.abandon()
+        rp.abandon()
         await asyncio.wait_for(running, timeout=30)
+        hold = placement_ended(hub)
         for _ in range(5):
             await asyncio.sleep(0)
-        held = dict(hub.quarantined)
+        held = (set(hub.quarantined), released(hub))
         cancel_timers(hub)
-        return engine, held, hub.transfer
+        return hold, held, hub.transfer
 
-    engine, held, transfer = asyncio.run(go())
-    assert held == {} and ("release", [10, 11]) in engine.calls
+    hold, (quarantined, free), transfer = asyncio.run(go())
+    assert hold == "r1:0" and quarantined == set() and free == ["r1:0"]
     assert transfer.revoked == ["grant-0"]
 
 
 def test_abandon_while_waiting_for_the_landing_wakes_that_wait_too():
     async def go():
-        hub, engine = remote_hub(prefill_timeout=600.0)
+        hub = remote_hub(prefill_timeout=600.0)
         rp = hub.prefill(request(), [1, 2, 3], None, "p1")
         running = asyncio.get_running_loop().create_task(rp.run())
+        await place(hub, [10, 11])
         await job_sent(hub)
         await hub.on_reply(done_msg(wrote=True, ok=True))  # answered, but the bytes have not landed
         for _ in range(5):
             await asyncio.sleep(0)
         assert "r1:0" in hub.landings.waiters
-        await rp.abandon()
+        rp.abandon()
         outcome = await asyncio.wait_for(running, timeout=30)
-        return outcome, engine, dict(hub.quarantined)
+        hold = placement_ended(hub)
+        await asyncio.sleep(0)
+        return outcome, hold, set(hub.quarantined), released(hub)
 
-    outcome, engine, held = asyncio.run(go())
+    outcome, hold, quarantined, free = asyncio.run(go())
     assert outcome.kind == CANCELLED
-    # quarantined, and let go at once: the attempt said it writes no more (ok)
-    assert engine.calls[-2:] == [("abandon", "r1", True), ("release", [10, 11])]
-    assert held == {}
+    # held, and let go at once: the attempt said it writes no more (ok)
+    assert hold == "r1:0" and quarantined == set() and free == ["r1:0"]
 
 
 def test_a_landing_wakes_its_wait_through_the_transfer_engines_descriptor():
@@ -353,7 +411,7 @@ def test_a_landing_wakes_its_wait_through_the_transfer_engines_descriptor():
 
 def test_a_landing_noticed_before_its_reply_is_kept_for_the_wait():
     async def go():
-        hub, _ = remote_hub()
+        hub = remote_hub()
         hub.landings.collect(["r1:0"])
         return await hub.landings.wait("r1:0", timeout=30), await hub.landings.wait("r1:0", timeout=0)
 
@@ -372,7 +430,7 @@ def test_a_dropped_request_never_starts_a_local_prefill():
         actor.runner.call = call
         r = Request(GenerateRequest(request_id="r1", prompt_ids=[1, 2, 3], stream_subject="s.r1"), [1, 2, 3])
         r.cancelled = True
-        await actor._start_local(r)
+        await actor._start(r)
         return calls, r
 
     calls, r = asyncio.run(go())

@@ -6,6 +6,7 @@ import pytest
 
 from engine.params import SamplingParams
 from tests.harness.chat import chat_ids
+from tests.harness.kv_connector import RecordingConnector
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 QUESTIONS = [
@@ -305,14 +306,51 @@ def test_cached_tokens_after_preemption_count_only_prompt_cache_hits(make_engine
         assert 0 <= out.cached_tokens <= out.prompt_tokens, out
 
 
-def test_abort_of_a_remote_prefill_sequence_leaves_it_to_its_owner(smollm, make_engine):
-    engine = make_engine()
-    seq, fresh = engine.reserve_remote("r", chat_ids(smollm, QUESTIONS[0]), SamplingParams(max_tokens=4))
-    assert fresh
-    with pytest.raises(RuntimeError, match="through its owner"):
-        engine.abort("r")
-    assert engine.abandon_remote("r", quarantine=False) == []  # and the blocks are free again (fixture checks)
-    assert engine.blocks.num_free == engine.blocks.num_blocks
+def test_a_remote_prompt_is_placed_held_placed_again_and_prefilled_here(smollm, make_engine):
+    """A remote request waits placed (no step computes it) and its blocks go to the connector. A retry holds the fresh
+    blocks under the connector's key and places the prompt again in others; a fall back computes it here, the
+    same tokens as a local request; the held blocks are free once the connector releases the key."""
+    from engine.kv_connector import LOCAL, RETRY, RemoteResult
+    from engine.sequence import SeqStatus
+
+    ids, params = chat_ids(smollm, QUESTIONS[0]), SamplingParams(max_tokens=6, temperature=0.0)
+    [local] = make_engine().generate([ids], params)
+    engine, connector = make_engine(), RecordingConnector()
+    engine.connector = connector
+    seq = engine.add_request("r", ids, params, remote=True)
+    assert engine.step() == [] and seq.status is SeqStatus.WAITING_FOR_REMOTE_KV and seq.num_computed == 0
+    first, blocks = connector.placed.pop("r")
+    assert first == 0 and len(blocks) == -(-len(ids) // engine.cfg.block_size)
+    assert engine.step() == [] and engine.last_plan_size == 0  # nothing computes it here
+    connector.hold, connector.results = "r:0", [RemoteResult("r", RETRY)]
+    assert engine.step() == []
+    assert engine.quarantined == {"r:0": blocks} and set(connector.placed["r"][1]).isdisjoint(blocks)
+    connector.hold, connector.results = "", [RemoteResult("r", LOCAL)]
+    tokens = [t for _ in range(20) if engine.has_work() for out in engine.step() for t in out.token_ids]
+    assert tokens == local.output_ids and engine.quarantined == {"r:0": blocks}
+    connector.released = ["r:0"]
+    engine.step()
+    assert engine.quarantined == {}  # and every block is free (the fixture checks)
+
+
+def test_aborting_or_dropping_a_placed_remote_prompt_holds_what_a_writer_may_touch(smollm, make_engine):
+    from engine.kv_connector import DROP, RemoteResult
+
+    ids, params = chat_ids(smollm, QUESTIONS[0]), SamplingParams(max_tokens=4)
+    engine, connector = make_engine(), RecordingConnector()
+    engine.connector = connector
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, ids, params, remote=True)
+    engine.step()
+    connector.hold = "a:0"
+    assert engine.abort("a") and engine.quarantined == {"a:0": connector.placed["a"][1]}
+    connector.hold = ""
+    assert engine.abort("b") and "b" not in engine.seqs
+    connector.results = [RemoteResult("c", DROP)]
+    assert engine.step() == [] and not engine.has_work() and "c" not in engine.seqs
+    connector.released = ["a:0"]
+    engine.step()
+    assert engine.quarantined == {}
 
 
 def test_sequence_outgrowing_the_pool_ends_with_length(smollm, make_engine):

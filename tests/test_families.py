@@ -11,10 +11,12 @@ import torch
 
 from engine.config import ModelConfig
 from engine.engine import EngineConfig, LLMEngine
+from engine.kv_connector import LANDED, RemoteResult
 from engine.loader import _q4_codes, _q8_codes, load_model
 from engine.model_files import load_text
 from engine.model_text import ModelLoadError
 from engine.quant import Int4Weight, Q8Weight
+from tests.harness.kv_connector import RecordingConnector
 from tests.harness.reference_models import (
     BPE_VOCABULARY,
     decode_logits,
@@ -93,11 +95,14 @@ def test_windowed_kv_moves_between_engines_as_a_remote_prefill_does(tiny, smollm
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     [whole] = LLMEngine(loaded, EngineConfig(num_blocks=16)).generate([ids], params)
 
-    prefill = LLMEngine(loaded, EngineConfig(num_blocks=16, max_step_tokens=16))  # chunks that pass the window
-    prefill.add_request("r", ids, SamplingParams(max_tokens=1, temperature=0.0), hold_blocks=True)
+    prefill = LLMEngine(loaded, EngineConfig(num_blocks=16, max_step_tokens=16),  # chunks that pass the window
+                        connector=RecordingConnector(keep={"r"}))
+    prefill.add_request("r", ids, SamplingParams(max_tokens=1, temperature=0.0))
     first = [t for _ in range(20) if prefill.has_work() for out in prefill.step() for t in out.token_ids]
-    decode = LLMEngine(loaded, EngineConfig(num_blocks=16))
-    seq, dst = decode.reserve_remote("r", ids, params)
+    decode = LLMEngine(loaded, EngineConfig(num_blocks=16), connector=RecordingConnector())
+    seq = decode.add_request("r", ids, params, remote=True)
+    decode.step()
+    _, dst = decode.connector.placed["r"]
     src, dst_groups = prefill.prompt_blocks("r", 0), decode.prompt_blocks("r", 0)
     n, local = -(-len(ids) // 16), decode.layout.first_needed(1, len(ids))
     assert local > 0  # the prompt passed the window (16): its first blocks are not sent
@@ -105,9 +110,11 @@ def test_windowed_kv_moves_between_engines_as_a_remote_prefill_does(tiny, smollm
     assert dst == [b for g in dst_groups for b in g]
     for s, d in zip(src, dst_groups):
         decode.pool.tensor[d] = prefill.pool.tensor[s]
-    prefill.release_held("r")
+    assert prefill.held and prefill.blocks.num_free < prefill.blocks.num_blocks  # kept while it is sent
+    prefill.connector.released = ["r"]
+    prefill.step()
     prefill.blocks.check_idle()
-    decode.complete_remote("r", first[0], None)
+    decode.connector.results = [RemoteResult("r", LANDED, first[0])]
     while decode.has_work():
         decode.step()
     assert seq.output_ids == whole.output_ids
