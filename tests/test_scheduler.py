@@ -149,3 +149,31 @@ def test_a_budget_with_one_token_left_still_moves_a_prompt_on():
     one = make(budget=1)
     one.add(seq("p", 3))
     assert [run(one) for _ in range(3)] == [{"p": 1}] * 3
+
+
+def test_a_remote_prompt_is_placed_outside_the_budget_and_lands_in_the_batch():
+    """A prompt another worker computes takes blocks, not step tokens: it is placed even when decode rows use the
+    whole budget, never planned while it waits, and joins the batch with its prompt computed once it lands."""
+    from engine.sequence import SeqStatus
+
+    def decode_step() -> dict[str, int]:
+        for s in sched.running:
+            s.output_ids.append(7)  # each running sequence's token of the step before
+        return run(sched)
+
+    sched = make(budget=4)
+    for rid in ("d1", "d2"):
+        sched.add(seq(rid, 2))
+    assert run(sched) == {"d1": 2, "d2": 2}
+    sched.max_step_tokens = 2
+    remote = seq("r", 40)
+    remote.remote = True
+    sched.add(remote)
+    assert decode_step() == {"d1": 1, "d2": 1}  # two rows fill the budget
+    assert sched.placed_remote == [remote] and sched.remote == [remote]
+    assert remote.status is SeqStatus.WAITING_FOR_REMOTE_KV and len(remote.block_tables[0]) == 3
+    assert decode_step() == {"d1": 1, "d2": 1} and sched.placed_remote == []
+    free = sched.blocks.num_free
+    sched.landed(remote)
+    assert remote.num_computed == 40 and sched.blocks.num_free == free and sched.remote == []
+    assert decode_step() == {"d1": 1, "d2": 1, "r": 1}  # its first token, the prefill worker's, then decodes
