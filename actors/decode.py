@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 
 from actors.base import WorkerActor, bad_messages
-from actors.prefill_choice import PrefillCosts, choose
-from actors.remote_prefill import CANCELLED, FAILED, LANDED, RemotePrefill, RemotePrefills, count_decision
+from actors.prefill_choice import PrefillCosts, choose, count_decision
+from actors.remote_prefill import CANCELLED, FAILED, LANDED, RemotePrefill, RemotePrefills
 from bus.control_messages import Cancel
 from bus.demand import DEFERRED_REASONS
 from bus.generate_messages import GenerateRequest, StreamError, StreamFinish, StreamTokens, Timings, Usage

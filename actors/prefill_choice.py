@@ -20,9 +20,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime import metrics
+
 PRIOR_S_PER_TOKEN = 0.004  # prefill seconds per token before anything was measured (SmolLM2-135M, 1 CPU thread)
 PRIOR_HANDOFF_S = 0.010  # remote TTFT beyond queue + compute + transfer before any remote prefill was seen
 SMOOTHING = 0.2  # weight of the newest observation in each running estimate
+
+
+def count_decision(mode: str, reason: str) -> None:
+    """Where a prompt is prefilled and why (``tandem_decode_prefill_decisions_total``)."""
+    metrics.PREFILL_DECISIONS.labels(mode, reason).inc()
 
 
 def _blend(old: float | None, new: float) -> float:

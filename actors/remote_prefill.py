@@ -12,7 +12,7 @@ while a write through it is expected.
 
 `RemotePrefills` is also what one decode worker's remote prefills share: the reply subscription, the live prefill
 workers (`actors.prefill_workers`), the landings (`actors.landings`), and the quarantine of blocks a writer may
-still touch (the engine holds them under the attempt's tag until `finished()` lets the tag go).
+still touch (`actors.quarantine`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from nats.js.errors import APIError, NoStreamResponseError
 
 from actors.base import bad_messages
 from actors.landings import Landings
+from actors.prefill_choice import count_decision
 from actors.prefill_workers import PrefillWorkers
+from actors.quarantine import Quarantine
 from actors.runner import EngineRunner
-from actors.seen import SeenIds
 from bus.control_messages import Replay
 from bus.generate_messages import GenerateRequest
 from bus.prefill_messages import KVDestination, PrefillAccepted, PrefillDone, PrefillJob
@@ -48,13 +49,11 @@ from engine.sampling import TokenLogprob
 from engine.sequence import Sequence
 from kv.layout import KVLayout
 from kv.transfer.base import TransferEngine
-from kv.transfer.grants import GRANT_CHECKED
 from runtime import metrics
 from runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 
-QUARANTINE_GRACE_S = 5.0
 LIVENESS_CHECK_S = 0.5  # how often a wait for a PrefillDone looks at its prefill worker's reports
 #: a job nobody took is withdrawn from the pool, retried this long while the pool has no leader
 WITHDRAW_FOR_S = 15.0
@@ -63,11 +62,6 @@ WITHDRAW_FOR_S = 15.0
 LATE_ANSWER_S = 2.0
 
 FAILED, FALLBACK, CANCELLED = "failed", "fallback", "cancelled"  # and LANDED, as the engine's
-
-
-def count_decision(mode: str, reason: str) -> None:
-    """Where a prompt is prefilled and why (``tandem_decode_prefill_decisions_total``)."""
-    metrics.PREFILL_DECISIONS.labels(mode, reason).inc()
 
 
 @dataclass
@@ -100,12 +94,8 @@ class RemotePrefills(KVConnector):
         self.landings = Landings(transfer, spawn)
         self.attempts: dict[str, RemotePrefill] = {}  # by "<request>:<attempt>": attempts waiting for a reply
         self.by_request: dict[str, RemotePrefill] = {}  # remote prefills not yet settled
-        self.quarantined: set[str] = set()  # attempts whose blocks the engine holds: they may still be written
-        self.attempts_over = SeenIds()  # attempts whose writer said it writes no more
-        # placements that end without their K/V: request -> (tag, deadline, mechanism) of the blocks to hold
-        self._ending: dict[str, tuple[str, float, str]] = {}
+        self.quarantine = Quarantine(transfer, runner, spawn)
         self._results: collections.deque[RemoteResult] = collections.deque()  # for the engine's next step
-        self._released: collections.deque[str] = collections.deque()  # quarantine tags the engine may free
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.prefill_done_of_worker(self.worker_id), cb=self.on_reply)
@@ -124,14 +114,10 @@ class RemotePrefills(KVConnector):
         self.runner.loop.call_soon_threadsafe(self._placed, seq.request_id, seq.num_cached, blocks)
 
     def placement_ended(self, seq: Sequence) -> str:
-        tag, deadline, mechanism = self._ending.pop(seq.request_id, ("", 0.0, ""))
-        if tag:  # its release may start only now that the engine holds the blocks under the tag
-            self.runner.loop.call_soon_threadsafe(self._hold, tag, deadline, mechanism)
-        return tag
+        return self.quarantine.placement_ended(seq.request_id)
 
     def finished(self) -> tuple[list[RemoteResult], list[str]]:
-        results = [self._results.popleft() for _ in range(len(self._results))]
-        return results, [self._released.popleft() for _ in range(len(self._released))]
+        return [self._results.popleft() for _ in range(len(self._results))], self.quarantine.released()
 
     # ---------------------------------------------------------------- the same, on the event loop
 
@@ -145,17 +131,11 @@ class RemotePrefills(KVConnector):
         """Tell the engine how request ``rid``'s placement ended (`engine.kv_connector`'s outcomes), holding its
         fresh blocks under attempt tag ``hold`` (a writer may still touch them) until its writer answers or
         ``deadline`` passes."""
-        self.hold_when_ended(rid, hold, deadline, mechanism)
+        self.quarantine.when_ended(rid, hold, deadline, mechanism)
         if outcome != RETRY:
             self.by_request.pop(rid, None)
         self._results.append(RemoteResult(rid, outcome, first_token, info))
         self.runner.wake()
-
-    def hold_when_ended(self, rid: str, tag: str, deadline: float, mechanism: str) -> None:
-        """When request ``rid``'s placement ends (a result, an abort), the engine holds its fresh blocks under
-        ``tag`` ('' frees them); the first word stands (a result's, over the abort that may follow it)."""
-        if tag:
-            self._ending.setdefault(rid, (tag, deadline, mechanism))
 
     def settle(self, rp: RemotePrefill, outcome: Outcome, fallback: bool = True) -> None:
         """Apply a finished `RemotePrefill.run()` in the engine: join the batch, prefill here (``fallback``), or
@@ -192,28 +172,7 @@ class RemotePrefills(KVConnector):
         if attempt is not None:
             attempt.answered(reply)
         if reply.ok or not reply.wrote:  # that attempt writes no more
-            self.attempts_over.add(tag)
-            self.release_quarantine(tag)
-
-    def _hold(self, tag: str, deadline: float, mechanism: str = "") -> None:
-        """The engine holds attempt ``tag``'s blocks: let them go once it answers (it has stopped writing) or its
-        deadline passes.
-
-        The answer may already be here: a cancel and the writer's PrefillDone race. A writer that uses a
-        mechanism which refuses a write without its grant (TCP: ``kv.transfer.grants.GRANT_CHECKED``) cannot
-        land a byte once the attempt's grant is revoked, so its blocks are free at once.
-        """
-        self.quarantined.add(tag)
-        granted_only = set(self.transfer.mechanisms()) <= GRANT_CHECKED  # this pool takes no other write
-        over = tag in self.attempts_over or mechanism in GRANT_CHECKED or granted_only
-        if over:
-            self.release_quarantine(tag)
-        else:
-            self.spawn(self._release_after(tag, max(0.0, deadline - time.time()) + QUARANTINE_GRACE_S))
-
-    async def _release_after(self, tag: str, delay: float) -> None:
-        await asyncio.sleep(delay)
-        self.release_quarantine(tag)
+            self.quarantine.over(tag)
 
     async def ask_again(self, tag: str, from_seq: int = 0) -> None:
         """Ask the prefill workers to publish their answers to attempt ``tag`` again (from ``from_seq``: 0 the
@@ -265,15 +224,7 @@ class RemotePrefills(KVConnector):
             return
         log.info("withdrew prefill job %s from the pool%s", tag, "" if first else "; a prefill worker had claimed it")
         if first:
-            self.attempts_over.add(tag)
-            self.release_quarantine(tag)
-
-    def release_quarantine(self, tag: str) -> None:
-        """Attempt ``tag`` writes no more: the engine may free its blocks."""
-        if tag in self.quarantined:
-            self.quarantined.discard(tag)
-            self._released.append(tag)
-            self.runner.wake()
+            self.quarantine.over(tag)
 
 
 class RemotePrefill:
@@ -454,4 +405,4 @@ class RemotePrefill:
         hub.transfer.revoke(self.grant)
         hub.by_request.pop(self.rid, None)
         if self.job_sent:  # the owner aborts the request in the engine next
-            hub.hold_when_ended(self.rid, tag, self.deadline or time.time() + hub.s.prefill_timeout, self.mechanism)
+            hub.quarantine.when_ended(self.rid, tag, self.deadline or time.time() + hub.s.prefill_timeout, self.mechanism)

@@ -147,17 +147,17 @@ def test_answer_before_quarantine_frees_blocks_at_once():
     async def go():
         hub = bare_remote()
         await hub.on_reply(done_msg(wrote=False))
-        hub._hold("r1:0", deadline=time.time() + 90)
+        hub.quarantine.hold("r1:0", deadline=time.time() + 90)
         return hub, released(hub)
 
     hub, free = asyncio.run(go())
-    assert free == ["r1:0"] and hub.quarantined == set() and hub.runner.wakes == 1
+    assert free == ["r1:0"] and hub.quarantine.held == set() and hub.runner.wakes == 1
 
 
 def test_answer_after_quarantine_frees_blocks():
     async def go():
         hub = bare_remote()
-        hub._hold("r1:0", deadline=time.time() + 90)
+        hub.quarantine.hold("r1:0", deadline=time.time() + 90)
         assert released(hub) == []
         await hub.on_reply(done_msg(wrote=False))
         free = released(hub)
@@ -165,17 +165,17 @@ def test_answer_after_quarantine_frees_blocks():
         return hub, free
 
     hub, free = asyncio.run(go())
-    assert free == ["r1:0"] and hub.quarantined == set()
+    assert free == ["r1:0"] and hub.quarantine.held == set()
 
 
 def test_writer_that_began_writing_keeps_blocks_until_deadline():
     async def go():
         hub = bare_remote()
         await hub.on_reply(done_msg(wrote=True))
-        hub._hold("r1:0", deadline=time.time() + 90)
+        hub.quarantine.hold("r1:0", deadline=time.time() + 90)
         for _ in range(5):
             await asyncio.sleep(0)
-        held = (released(hub), set(hub.quarantined))
+        held = (released(hub), set(hub.quarantine.held))
         cancel_timers(hub)
         return held
 
@@ -184,14 +184,14 @@ def test_writer_that_began_writing_keeps_blocks_until_deadline():
 
 
 def test_a_quarantine_past_its_deadline_is_freed(monkeypatch):
-    monkeypatch.setattr("actors.remote_prefill.QUARANTINE_GRACE_S", 0.05)
+    monkeypatch.setattr("actors.quarantine.QUARANTINE_GRACE_S", 0.05)
 
     async def go():
         hub = bare_remote()
         await hub.on_reply(done_msg(wrote=True))
-        hub._hold("r1:0", deadline=time.time() - 10)
+        hub.quarantine.hold("r1:0", deadline=time.time() - 10)
         assert released(hub) == []  # not before its grace
-        await until(lambda: "r1:0" not in hub.quarantined, 30, "the quarantine's release")
+        await until(lambda: "r1:0" not in hub.quarantine.held, 30, "the quarantine's release")
         return released(hub)
 
     assert asyncio.run(go()) == ["r1:0"]
@@ -273,7 +273,7 @@ def test_a_failed_attempt_that_wrote_holds_its_blocks_and_the_prompt_is_placed_a
         outcome = await asyncio.wait_for(running, timeout=30)
         hub.settle(rp, outcome)
         [local], _ = hub.finished()
-        quarantined = set(hub.quarantined)
+        quarantined = set(hub.quarantine.held)
         cancel_timers(hub)
         return retry, hold, second, outcome, local, quarantined, placement_ended(hub)
 
@@ -296,7 +296,7 @@ def test_abandon_wakes_a_waiting_remote_prefill_and_quarantines_its_blocks():
         outcome = await asyncio.wait_for(running, timeout=30)
         hold = placement_ended(hub)  # the actor's abort, on the model thread
         await asyncio.sleep(0)
-        held = (set(hub.quarantined), released(hub))
+        held = (set(hub.quarantine.held), released(hub))
         cancel_timers(hub)
         return outcome, hold, held, hub.transfer
 
@@ -340,7 +340,7 @@ def test_abandoning_a_tcp_attempt_frees_its_blocks_at_once(accepted: str, pool: 
         hold = placement_ended(hub)
         for _ in range(5):
             await asyncio.sleep(0)
-        held = (set(hub.quarantined), released(hub))
+        held = (set(hub.quarantine.held), released(hub))
         cancel_timers(hub)
         return hold, held, hub.transfer
 
@@ -364,7 +364,7 @@ def test_abandon_while_waiting_for_the_landing_wakes_that_wait_too():
         outcome = await asyncio.wait_for(running, timeout=30)
         hold = placement_ended(hub)
         await asyncio.sleep(0)
-        return outcome, hold, set(hub.quarantined), released(hub)
+        return outcome, hold, set(hub.quarantine.held), released(hub)
 
     outcome, hold, quarantined, free = asyncio.run(go())
     assert outcome.kind == CANCELLED
