@@ -143,7 +143,7 @@ class DecodeActor(WorkerActor):
         self.recent.decision(req.request_id, mode, reason, len(r.prompt_ids))
         log.info("request %s: %s prefill (%s), %d prompt tokens", req.request_id, mode, reason, len(r.prompt_ids), extra={"request_id": req.request_id})
         if mode == "remote":
-            r.remote = self.remote.prefill(req, r.prompt_ids, req.sampling, target)
+            r.remote = self.remote.prefill(req, r.prompt_ids, target)
         # not awaited: the next message waits for no model step, and counts as held at once (bus/demand.py)
         self.spawn(self._start(r))
 

@@ -18,6 +18,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from actors.base import WorkerActor, bad_messages
+from actors.runner import EngineRunner, StepInbox
 from bus.generate_messages import StreamError
 from bus.prefill_messages import KVMetaReply, KVMetaRequest, PrefillAccepted, PrefillDone, PrefillJob
 from bus.publish import publish, publish_kept, request
@@ -51,11 +52,10 @@ class PrefillActor(WorkerActor):
         # came while both places were taken: they wait here, so the cap holds for them too
         self.backlog: collections.deque[PrefillJob] = collections.deque()
         self.peer_incarnations: dict[str, str] = {}  # decode workers whose pool metadata this transfer holds
-        self.streams = JobStreams()
+        self.streams: JobStreams | None = None  # the engine's KV connector, once the model thread runs
 
     async def start(self) -> None:
-        self.streams.runner = self.runner
-        self.engine.connector = self.streams  # set before any job: the engine's steps run on another thread
+        self.streams = self.engine.connector = JobStreams(self.runner)  # before any job: the steps run on another thread
         await self.take_work("prefill", self.subjects.prefill_worker(self.worker_id))
 
     async def ensure_peer(self, worker_id: str, incarnation: str, endpoint: str | None = None,
@@ -293,10 +293,9 @@ class JobStreams(KVConnector):
 
     saves_layers = True
 
-    def __init__(self) -> None:
+    def __init__(self, runner: EngineRunner) -> None:
         self.streams: dict[str, LayerStream] = {}  # by job key, the job's id in the engine
-        self.runner = None  # the actor's EngineRunner, once it runs
-        self._released: collections.deque[str] = collections.deque()
+        self._released = StepInbox(runner)  # jobs whose transfer is over
 
     def save_layer(self, layer: int, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -307,13 +306,12 @@ class JobStreams(KVConnector):
         return seq.request_id in self.streams
 
     def finished(self) -> tuple[list[RemoteResult], list[str]]:
-        return [], [self._released.popleft() for _ in range(len(self._released))]
+        return [], self._released.take()
 
     def release(self, key: str) -> None:
         """Job ``key`` ships nothing more: the engine may free its blocks at its next step, for which it is woken."""
         if self.streams.pop(key, None) is not None:
-            self._released.append(key)
-            self.runner.wake()
+            self._released.post(key)
 
 
 def job_key(job: PrefillJob) -> str:

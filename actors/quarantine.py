@@ -10,11 +10,10 @@ engine holds the blocks, so a tag is never freed before it is held.
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import Callable, Coroutine
 
-from actors.runner import EngineRunner
+from actors.runner import EngineRunner, StepInbox
 from actors.seen import SeenIds
 from kv.transfer.base import TransferEngine
 from kv.transfer.grants import GRANT_CHECKED
@@ -27,12 +26,12 @@ class Quarantine:
 
     def __init__(self, transfer: TransferEngine, runner: EngineRunner,
                  spawn: Callable[[Coroutine], asyncio.Task]) -> None:
-        self.transfer, self.runner, self.spawn = transfer, runner, spawn
+        self.transfer, self.loop, self.spawn = transfer, runner.loop, spawn
         self.held: set[str] = set()  # tags whose blocks the engine holds: they may still be written
         self.attempts_over = SeenIds()  # attempts whose writer said it writes no more
         # placements that end without their K/V: request -> (tag, deadline, mechanism) of the blocks to hold
         self._ending: dict[str, tuple[str, float, str]] = {}
-        self._released: collections.deque[str] = collections.deque()  # tags the engine may free
+        self._released = StepInbox(runner)  # tags the engine may free
 
     def when_ended(self, rid: str, tag: str, deadline: float, mechanism: str) -> None:
         """When request ``rid``'s placement ends (a result, an abort), the engine holds its fresh blocks under
@@ -44,12 +43,12 @@ class Quarantine:
         """On the model thread: the tag request ``rid``'s fresh blocks are held under now ('' none)."""
         tag, deadline, mechanism = self._ending.pop(rid, ("", 0.0, ""))
         if tag:  # its release may start only now that the engine holds the blocks under the tag
-            self.runner.loop.call_soon_threadsafe(self.hold, tag, deadline, mechanism)
+            self.loop.call_soon_threadsafe(self.hold, tag, deadline, mechanism)
         return tag
 
     def released(self) -> list[str]:
         """On the model thread: the tags the engine may free now."""
-        return [self._released.popleft() for _ in range(len(self._released))]
+        return self._released.take()
 
     def hold(self, tag: str, deadline: float, mechanism: str = "") -> None:
         """The engine holds attempt ``tag``'s blocks: let them go once it answers (it has stopped writing) or its
@@ -79,5 +78,4 @@ class Quarantine:
         """The engine may free attempt ``tag``'s blocks: at its next step, for which it is woken."""
         if tag in self.held:
             self.held.discard(tag)
-            self._released.append(tag)
-            self.runner.wake()
+            self._released.post(tag)

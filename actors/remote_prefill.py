@@ -18,7 +18,6 @@ still touch (`actors.quarantine`).
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -34,7 +33,7 @@ from actors.landings import Landings
 from actors.prefill_choice import count_decision
 from actors.prefill_workers import PrefillWorkers
 from actors.quarantine import Quarantine
-from actors.runner import EngineRunner
+from actors.runner import EngineRunner, StepInbox
 from bus.control_messages import Replay
 from bus.generate_messages import GenerateRequest
 from bus.prefill_messages import KVDestination, PrefillAccepted, PrefillDone, PrefillJob
@@ -44,7 +43,6 @@ from bus.streams import claim, claim_key, taken_already
 from bus.subjects import Subjects
 from bus.wire import ErrorCode, MessageError, decode
 from engine.kv_connector import DROP, LANDED, LOCAL, RETRY, KVConnector, RemoteResult
-from engine.params import SamplingParams
 from engine.sampling import TokenLogprob
 from engine.sequence import Sequence
 from kv.layout import KVLayout
@@ -95,7 +93,7 @@ class RemotePrefills(KVConnector):
         self.attempts: dict[str, RemotePrefill] = {}  # by "<request>:<attempt>": attempts waiting for a reply
         self.by_request: dict[str, RemotePrefill] = {}  # remote prefills not yet settled
         self.quarantine = Quarantine(transfer, runner, spawn)
-        self._results: collections.deque[RemoteResult] = collections.deque()  # for the engine's next step
+        self._results = StepInbox(runner)  # RemoteResults for the engine's next step
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.prefill_done_of_worker(self.worker_id), cb=self.on_reply)
@@ -103,9 +101,8 @@ class RemotePrefills(KVConnector):
         await self.workers.discover(self.nc)
         self.spawn(self.landings.watch())
 
-    def prefill(self, req: GenerateRequest, prompt_ids: list[int], params: SamplingParams,
-                target: str | None) -> RemotePrefill:
-        rp = self.by_request[req.request_id] = RemotePrefill(self, req, prompt_ids, params, target)
+    def prefill(self, req: GenerateRequest, prompt_ids: list[int], target: str | None) -> RemotePrefill:
+        rp = self.by_request[req.request_id] = RemotePrefill(self, req, prompt_ids, target)
         return rp
 
     # ---------------------------------------------------------------- the engine's KV connector
@@ -117,7 +114,7 @@ class RemotePrefills(KVConnector):
         return self.quarantine.placement_ended(seq.request_id)
 
     def finished(self) -> tuple[list[RemoteResult], list[str]]:
-        return [self._results.popleft() for _ in range(len(self._results))], self.quarantine.released()
+        return self._results.take(), self.quarantine.released()
 
     # ---------------------------------------------------------------- the same, on the event loop
 
@@ -134,8 +131,7 @@ class RemotePrefills(KVConnector):
         self.quarantine.when_ended(rid, hold, deadline, mechanism)
         if outcome != RETRY:
             self.by_request.pop(rid, None)
-        self._results.append(RemoteResult(rid, outcome, first_token, info))
-        self.runner.wake()
+        self._results.post(RemoteResult(rid, outcome, first_token, info))
 
     def settle(self, rp: RemotePrefill, outcome: Outcome, fallback: bool = True) -> None:
         """Apply a finished `RemotePrefill.run()` in the engine: join the batch, prefill here (``fallback``), or
@@ -230,9 +226,8 @@ class RemotePrefills(KVConnector):
 class RemotePrefill:
     """One request's remote prefill: up to two attempts, then an `Outcome`."""
 
-    def __init__(self, hub: RemotePrefills, req: GenerateRequest, prompt_ids: list[int], params: SamplingParams,
-                 target: str | None) -> None:
-        self.hub, self.req, self.prompt_ids, self.params, self.target = hub, req, prompt_ids, params, target
+    def __init__(self, hub: RemotePrefills, req: GenerateRequest, prompt_ids: list[int], target: str | None) -> None:
+        self.hub, self.req, self.prompt_ids, self.target = hub, req, prompt_ids, target
         self.rid = req.request_id
         self.attempt = 0
         self.job_sent = False  # this attempt's PrefillJob went out: a writer may know its blocks

@@ -10,6 +10,7 @@ second thread after the main thread has used them ran ~1.6x slower here (decode 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import time
@@ -20,6 +21,23 @@ from engine.engine import LLMEngine, StepOutput
 
 log = logging.getLogger(__name__)
 _WAKE = ("wake",)  # a queued item that only makes the model loop look again
+
+
+class StepInbox:
+    """What the event loop hands the engine's next step (a KV connector's news): posting an item wakes the model
+    thread, which takes them all at the step's start."""
+
+    def __init__(self, runner: EngineRunner) -> None:
+        self.runner = runner
+        self._items: collections.deque = collections.deque()
+
+    def post(self, item: Any) -> None:
+        self._items.append(item)
+        self.runner.wake()
+
+    def take(self) -> list:
+        """On the model thread: everything posted so far, in order."""
+        return [self._items.popleft() for _ in range(len(self._items))]
 
 
 class EngineRunner:

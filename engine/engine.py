@@ -237,7 +237,6 @@ class LLMEngine:
         for seq in self.scheduler.placed_remote:
             self.connector.after_allocation(seq, [b for group in self.scheduler.prompt_blocks(
                 seq, seq.num_cached // self.cfg.block_size) for b in group])
-        self.scheduler.placed_remote = []
 
     def _unplace(self, seq: Sequence) -> None:
         """End `seq`'s placement without its K/V: its fresh blocks quarantined under the connector's key (a late

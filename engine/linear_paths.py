@@ -100,7 +100,7 @@ class CodedWeight:
     def kernel(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if native.available() and native.packs_i8():
             return native.i8_matmul(x, self.i8_panels(), KERNEL_DIGITS, out)
-        return _into(self.native_kernel(x) if native.available() else self.torch_kernel(x), out)
+        return into(self.native_kernel(x) if native.available() else self.torch_kernel(x), out)
 
 
 class QuantizedWeight(Protocol):
@@ -133,7 +133,7 @@ def split_call(weight: QuantizedWeight, x: torch.Tensor, dequant_rows: int) -> t
     return out.to(x.dtype)
 
 
-def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """`result`, copied into `out` where one is given."""
     return result if out is None else out.copy_(result)
 
@@ -146,12 +146,12 @@ def _long_rows(weight: QuantizedWeight) -> LongRows:
     panels of its codes where the path has them and the weight gives them, else dequantize + MKL."""
     codes, precision = weight.panel_codes(), native.PANEL_PRECISION.get(native.kernel_path())
     if codes is None or precision is None:
-        return lambda x, out: _into(_dequant_matmul(weight, x), out)
+        return lambda x, out: into(_dequant_matmul(weight, x), out)
     if precision == "int8":
         panels = weight.i8_panels()
         return lambda x, out: native.i8_matmul(x, panels, 1, out)
     kind, w, scales = codes
-    return lambda x, out: _into(native.bf16_matmul(kind, x, w, scales), out)
+    return lambda x, out: into(native.bf16_matmul(kind, x, w, scales), out)
 
 
 def _dequant_matmul(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine import native
-from engine.linear_paths import CodedWeight, Workspace, dense_matmul, split_call
+from engine.linear_paths import CodedWeight, Workspace, dense_matmul, into, split_call
 
 GROUP = 32  # weights per int4 scale/offset group (GGUF's block size)
 KERNEL_DTYPE = torch.bfloat16  # activation dtype of torch's int4/int8 CPU kernels (fp16/fp32 run unvectorized)
@@ -175,8 +175,7 @@ class Int8Weight:
         return None
 
     def kernel(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.scales)
-        return y if out is None else out.copy_(y)
+        return into(torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.q, self.scales), out)
 
     def __call__(self, x: torch.Tensor, dequant_rows: int = 0) -> torch.Tensor:
         return split_call(self, x, dequant_rows)

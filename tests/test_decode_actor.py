@@ -229,7 +229,7 @@ def test_a_remote_prefill_lands_on_its_reply_and_its_landing_event():
     engine hears of it once the actor settles it."""
     async def go():
         hub = remote_hub()
-        rp = hub.prefill(request(), [1, 2, 3], None, "p1")
+        rp = hub.prefill(request(), [1, 2, 3], "p1")
         running = asyncio.get_running_loop().create_task(rp.run())
         await place(hub, [10, 11])
         job = await job_sent(hub)
@@ -258,12 +258,12 @@ def test_a_failed_attempt_that_wrote_holds_its_blocks_and_the_prompt_is_placed_a
     async def go():
         hub = remote_hub()
         hub.workers.heard(WorkerStats(role="prefill_only", worker_id="p2"))
-        rp = hub.prefill(request(), [1, 2, 3], None, "p1")
+        rp = hub.prefill(request(), [1, 2, 3], "p1")
         running = asyncio.get_running_loop().create_task(rp.run())
         await place(hub, [10, 11])
         await job_sent(hub)
         await hub.on_reply(done_msg(wrote=True))  # failed after writing: a late byte may still come
-        await until(lambda: hub._results, 30, "the retry's result")
+        await until(lambda: hub.runner.wakes, 30, "the retry's result (the model thread woken for it)")
         [retry], _ = hub.finished()
         hold = placement_ended(hub)
         await place(hub, [12, 13])
@@ -288,7 +288,7 @@ def test_abandon_wakes_a_waiting_remote_prefill_and_quarantines_its_blocks():
     """A cancel ends the wait at once (not at the 10-minute deadline) and holds the blocks the job named."""
     async def go():
         hub = remote_hub(prefill_timeout=600.0)
-        rp = hub.prefill(request(), [1, 2, 3], None, "p1")
+        rp = hub.prefill(request(), [1, 2, 3], "p1")
         running = asyncio.get_running_loop().create_task(rp.run())
         await place(hub, [10, 11])
         await job_sent(hub)
@@ -309,7 +309,7 @@ def test_abandon_wakes_a_waiting_remote_prefill_and_quarantines_its_blocks():
 def test_abandon_before_the_prompt_is_placed_ends_the_remote_prefill():
     async def go():
         hub = remote_hub()
-        rp = hub.prefill(request(), [1, 2, 3], None, "p1")
+        rp = hub.prefill(request(), [1, 2, 3], "p1")
         running = asyncio.get_running_loop().create_task(rp.run())
         await asyncio.sleep(0)
         rp.abandon()
@@ -329,7 +329,7 @@ def test_abandoning_a_tcp_attempt_frees_its_blocks_at_once(accepted: str, pool: 
     async def go():
         hub = remote_hub(prefill_timeout=600.0)
         hub.transfer.name = pool
-        rp = hub.prefill(request(), [1, 2, 3], None, "p1")
+        rp = hub.prefill(request(), [1, 2, 3], "p1")
         running = asyncio.get_running_loop().create_task(rp.run())
         await place(hub, [10, 11])
         await job_sent(hub)
@@ -352,7 +352,7 @@ def test_abandoning_a_tcp_attempt_frees_its_blocks_at_once(accepted: str, pool: 
 def test_abandon_while_waiting_for_the_landing_wakes_that_wait_too():
     async def go():
         hub = remote_hub(prefill_timeout=600.0)
-        rp = hub.prefill(request(), [1, 2, 3], None, "p1")
+        rp = hub.prefill(request(), [1, 2, 3], "p1")
         running = asyncio.get_running_loop().create_task(rp.run())
         await place(hub, [10, 11])
         await job_sent(hub)
