@@ -10,20 +10,15 @@ Here each is one call, the int4/Q8_0 weights are multiplied as the GGUF stores t
 ``avx512_vnni``, ``avx2``, ``neon_dotprod``, ``portable``); `engine.native.dispatch` loads the best one the CPU runs and picks the kernel path.
 Without one the engine runs torch's operations, which are not the same computation: int4 weights through
 torch's bfloat16 kernel, Q8_0 re-quantized to int8 per channel (the start-up warning says so; `kernel_path` is
-then ``torch``). Each call here checks the tensors it hands over (dtype, device, layout, shapes): ctypes passes
-bare addresses.
+then ``torch``). Each call checks the tensors it hands over (`engine.native.tensors`: dtype, device, layout;
+shapes here): ctypes passes bare addresses.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
-from torch.autograd import profiler
 
 from engine.native.dispatch import (
     BF16_MARGIN,
@@ -44,112 +39,60 @@ from engine.native.dispatch import (
     variant,
     variant_file,
 )
+from engine.native.tensors import (
+    POOL_DTYPES,
+    I8Panels,
+    address,
+    pool_addresses,
+    pool_view,
+    profiled,
+    thread_count,
+    weight_addresses,
+)
 
 __all__ = ["BF16_MARGIN", "DOTPROD", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES", "VNNI",
-           "I8Panels", "Layer", "LayerStep", "Linear", "argmax", "available", "bf16_attention_paths", "chunk_attention", "bf16_matmul", "has_chunk_attention",
-           "i8_linear", "i8_matmul", "i8_pack", "int4_dequantize", "kernel_path", "kernel_paths", "layer", "library", "linear", "packs_i8", "paged_attention",
-           "panel_min_rows", "q4_matmul", "q8_matmul",
-           "rms_norm", "rope_store", "row_invariant", "silu_mul", "use_kernel_path", "variant", "variant_file"]
+           "I8Panels", "Layer", "LayerStep", "Linear", "argmax", "available", "bf16_attention_paths", "bf16_matmul",
+           "chunk_attention", "has_chunk_attention", "i8_linear", "i8_matmul", "i8_pack", "int4_dequantize",
+           "kernel_path", "kernel_paths", "layer", "library", "linear", "packs_i8", "paged_attention",
+           "panel_min_rows", "q4_matmul", "q8_matmul", "rms_norm", "rope_store", "row_invariant", "silu_mul",
+           "use_kernel_path", "variant", "variant_file"]
 
 
-F = TypeVar("F", bound=Callable)
-
-
-def _profiled(name: str) -> Callable[[F], F]:
-    """Show each call as ``tandem::<name>`` in torch's profiler while one records (a
-    ``record_function`` range), and cost nothing more than a flag read otherwise. Not a
-    ``torch.library`` custom op: that dispatch costs ~11 µs a call here (docs/architecture.md)."""
-
-    def wrap(fn: F) -> F:
-        label = f"tandem::{name}"
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            if profiler._is_profiler_enabled:
-                with torch.profiler.record_function(label):
-                    return fn(*args, **kwargs)
-            return fn(*args, **kwargs)
-
-        return call  # type: ignore[return-value]
-
-    return wrap
-
-
-def _threads() -> int:
-    return torch.get_num_threads()
-
-
-def _ptr(t: torch.Tensor, dtypes: torch.dtype | tuple[torch.dtype, ...], what: str, rows_apart: bool = False) -> int:
-    """`t`'s address for the C, once `t` is what the C reads there: CPU memory of one of `dtypes`, dense (with
-    `rows_apart`: each row dense, the rows at t.stride(0), which the caller passes along). A mismatch is a
-    ValueError here, not a read of the wrong bytes."""
-    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
-    if t.device.type != "cpu" or t.dtype not in dtypes:
-        names = " or ".join(str(dt).removeprefix("torch.") for dt in dtypes)
-        raise ValueError(f"engine.native: {what} must be a CPU tensor of {names}, got {t.dtype} on {t.device}")
-    dense = 1
-    for size, stride in zip(reversed(t.shape[1:] if rows_apart else t.shape),
-                            reversed(t.stride()[1:] if rows_apart else t.stride())):
-        if size > 1 and stride != dense:
-            raise ValueError(f"engine.native: {what} must be {'dense in each row' if rows_apart else 'contiguous'}, "
-                             f"got shape {tuple(t.shape)} strides {t.stride()}")
-        dense *= size
-    return t.data_ptr()
-
-
-@_profiled("rms_norm")
+@profiled("rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of the rows of a contiguous float32 [m, n] tensor (a new tensor); with `residual`, x += residual
     first, in place."""
     m, n = x.shape
-    res = None if residual is None else _ptr(residual, torch.float32, "rms_norm's residual")
+    res = None if residual is None else address(residual, torch.float32, "rms_norm's residual")
     if residual is not None and residual.shape != x.shape or weight.shape != (n,):
         raise ValueError(f"rms_norm of {tuple(x.shape)} rows: residual {None if residual is None else tuple(residual.shape)}, "
                          f"weight {tuple(weight.shape)}")
     out = torch.empty_like(x)
-    library().tq_rms_norm(_ptr(x, torch.float32, "rms_norm's rows"), res, _ptr(weight, torch.float32, "rms_norm's weight"),
-                          m, n, eps, out.data_ptr(), _threads())
+    library().tq_rms_norm(address(x, torch.float32, "rms_norm's rows"), res, address(weight, torch.float32, "rms_norm's weight"),
+                          m, n, eps, out.data_ptr(), thread_count())
     return out
 
 
-@_profiled("silu_mul")
+@profiled("silu_mul")
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for the rows of a contiguous float32 [m, 2 f] tensor [gate | up]: [m, f]."""
     m, f2 = gate_up.shape
     out = torch.empty(m, f2 // 2, dtype=torch.float32)
-    library().tq_silu_mul(_ptr(gate_up, torch.float32, "silu_mul's rows"), m, f2 // 2, out.data_ptr(), _threads())
+    library().tq_silu_mul(address(gate_up, torch.float32, "silu_mul's rows"), m, f2 // 2, out.data_ptr(), thread_count())
     return out
 
 
-@_profiled("argmax")
+@profiled("argmax")
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value, as torch.argmax(x, dim=-1) (first of equals, NaN first), for
     float32 [rows, n]; on the library's threads."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.long)
-    library().tq_argmax(_ptr(x, torch.float32, "argmax's rows"), x.shape[0], x.shape[1], out.data_ptr(), _threads())
+    library().tq_argmax(address(x, torch.float32, "argmax's rows"), x.shape[0], x.shape[1], out.data_ptr(), thread_count())
     return out
 
 
-POOL_DTYPES = (torch.float32, torch.float16)  # the KV pool dtypes the C attention reads
-
-
-def _pool_view(view: torch.Tensor, what: str) -> tuple[int, int]:
-    """A view of the pool [blocks, block_size, kv_heads, d] (one block every view.stride(0)) for the C: its
-    address, and 1 where it holds float16, 0 for float32 (what the C's K/V readers and writers take)."""
-    return _ptr(view, POOL_DTYPES, what, rows_apart=True), int(view.dtype == torch.float16)
-
-
-def _pool_ptrs(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int, int]:
-    """The pool's key and value views for the C, laid out alike: their addresses and their float16 flag."""
-    if values.shape != keys.shape or values.stride() != keys.stride() or values.dtype != keys.dtype:
-        raise ValueError(f"engine.native: the pool's keys {tuple(keys.shape)} {keys.stride()} and values "
-                         f"{tuple(values.shape)} {values.stride()} must be laid out alike")
-    (k_ptr, half), (v_ptr, _) = _pool_view(keys, "the pool's keys"), _pool_view(values, "the pool's values")
-    return k_ptr, v_ptr, half
-
-
-@_profiled("rope_store")
+@profiled("rope_store")
 def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                kv_heads: int, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor,
                offsets: torch.Tensor) -> None:
@@ -160,15 +103,15 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
     d = cos.shape[-1]
     if positions.shape != (m,) or blocks.shape != (m,) or offsets.shape != (m,) or keys.shape[-1] != d:
         raise ValueError(f"rope_store of {m} rows: positions, blocks and offsets need one each, the pool head size {d}")
-    k_ptr, v_ptr, half = _pool_ptrs(keys, values)
-    library().tq_rope_store(_ptr(qkv, torch.float32, "rope_store's qkv"), m, width,
-                            _ptr(positions, torch.long, "positions"), _ptr(cos, torch.float32, "the cos table"),
-                            _ptr(sin, torch.float32, "the sin table"), heads, kv_heads, d, k_ptr, v_ptr,
-                            keys.stride(0), _ptr(blocks, torch.long, "slot blocks"),
-                            _ptr(offsets, torch.long, "slot offsets"), half, _threads())
+    k_ptr, v_ptr, half = pool_addresses(keys, values)
+    library().tq_rope_store(address(qkv, torch.float32, "rope_store's qkv"), m, width,
+                            address(positions, torch.long, "positions"), address(cos, torch.float32, "the cos table"),
+                            address(sin, torch.float32, "the sin table"), heads, kv_heads, d, k_ptr, v_ptr,
+                            keys.stride(0), address(blocks, torch.long, "slot blocks"),
+                            address(offsets, torch.long, "slot offsets"), half, thread_count())
 
 
-@_profiled("paged_attention")
+@profiled("paged_attention")
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
                     row_table: torch.Tensor, lens: torch.Tensor, heads: int, scale: float,
                     window: int = 0) -> torch.Tensor:
@@ -180,24 +123,24 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, t
     _, block_size, kv_heads, d = keys.shape
     if row_table.shape != (rows,) or lens.shape != (rows,):
         raise ValueError(f"paged_attention of {rows} rows: row_table {tuple(row_table.shape)}, lens {tuple(lens.shape)}")
-    k_ptr, v_ptr, half = _pool_ptrs(keys, values)
+    k_ptr, v_ptr, half = pool_addresses(keys, values)
     out = torch.empty(rows, heads * d, dtype=torch.float32)
-    library().tq_paged_attention(_ptr(q, torch.float32, "paged_attention's q", rows_apart=True), q.stride(0), k_ptr,
-                                 v_ptr, keys.stride(0), _ptr(tables, torch.long, "block tables", rows_apart=True),
-                                 tables.stride(0), _ptr(row_table, torch.long, "row_table"),
-                                 _ptr(lens, torch.long, "lens"), rows, heads, kv_heads, d, block_size, scale, window,
-                                 out.data_ptr(), half, _threads())
+    library().tq_paged_attention(address(q, torch.float32, "paged_attention's q", rows_apart=True), q.stride(0), k_ptr,
+                                 v_ptr, keys.stride(0), address(tables, torch.long, "block tables", rows_apart=True),
+                                 tables.stride(0), address(row_table, torch.long, "row_table"),
+                                 address(lens, torch.long, "lens"), rows, heads, kv_heads, d, block_size, scale, window,
+                                 out.data_ptr(), half, thread_count())
     return out
 
 
-@_profiled("q8_matmul")
+@profiled("q8_matmul")
 def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] for GGUF Q8_0 weights (`engine.quant.Q8Weight`: int8 codes `q`
     [n, k], float16 scales, as int16 bits, [n, k / 32])."""
     return _quantized_matmul("tq_q8_matmul", "q8_0", x, q, scales)
 
 
-@_profiled("q4_matmul")
+@profiled("q4_matmul")
 def q4_matmul(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] for int4 weights (`engine.quant.Int4Weight`: paired-group codes `qs`
     [n, k / 2], float16 (d, m), as int16 bits, [n, 2, k / 32]); below `panel_min_rows` rows x is quantized to
@@ -214,74 +157,46 @@ def panel_min_rows(kind: str) -> int:
     return int(library().tq_panel_min_rows(KINDS[kind]))
 
 
-_CODES = {"int4": torch.uint8, "q8_0": torch.int8}  # each weight kind's code bytes
-
-
-def _weight_ptrs(kind: str, w: torch.Tensor, scales: torch.Tensor, k: int | None = None) -> tuple[int, int, int, int]:
-    """(codes, scales, n, k) of a `kind` weight for the C: int4 codes [n, k / 2] with float16 (d, m) [n, 2, k / 32],
-    or Q8_0 codes [n, k] with float16 scales [n, k / 32] (scales as int16 bits); `k` the activations' width."""
-    n, cols = w.shape
-    width = cols * 2 if kind == "int4" else cols
-    groups = scales.shape[0] == n and scales.numel() == n * width // 32 * (2 if kind == "int4" else 1)
-    if (k is not None and width != k) or width % (64 if kind == "int4" else 32) or not groups:
-        raise ValueError(f"engine.native: a {kind} weight of codes {tuple(w.shape)} and scales {tuple(scales.shape)} "
-                         f"does not take rows of {k if k is not None else width}")
-    return (_ptr(w, _CODES[kind], f"{kind} codes"), _ptr(scales, (torch.int16, torch.float16), f"{kind} scales"), n,
-            width)
-
-
 def _quantized_matmul(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     x = x.float().contiguous()
     m, k = x.shape
-    w_ptr, s_ptr, n, _ = _weight_ptrs(kind, w, scales, k)
+    w_ptr, s_ptr, n, _ = weight_addresses(kind, w, scales, k)
     out = torch.empty(m, n, dtype=torch.float32)
-    if getattr(library(), name)(w_ptr, s_ptr, n, k, _ptr(x, torch.float32, "activations"), m, out.data_ptr(),
-                                _threads()):
+    if getattr(library(), name)(w_ptr, s_ptr, n, k, address(x, torch.float32, "activations"), m, out.data_ptr(),
+                                thread_count()):
         raise MemoryError(f"{kind} matmul of {m}x{k} by {n}x{k}: out of memory")
     return out
 
 
-@_profiled("bf16_matmul")
+@profiled("bf16_matmul")
 def bf16_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] on bfloat16 panels, for the weights of `q4_matmul` / `q8_matmul`
     (`kind` "int4" or "q8_0"): operands rounded to bfloat16, sums in float32 (kernel path avx512_bf16)."""
     x = x.float().contiguous()
     m, k = x.shape
-    w_ptr, s_ptr, n, _ = _weight_ptrs(kind, w, scales, k)
+    w_ptr, s_ptr, n, _ = weight_addresses(kind, w, scales, k)
     out = torch.empty(m, n, dtype=torch.float32)
-    rc = library().tq_bf16_matmul(KINDS[kind], w_ptr, s_ptr, n, k, _ptr(x, torch.float32, "activations"), m,
-                                  out.data_ptr(), _threads())
+    rc = library().tq_bf16_matmul(KINDS[kind], w_ptr, s_ptr, n, k, address(x, torch.float32, "activations"), m,
+                                  out.data_ptr(), thread_count())
     if rc:
         raise MemoryError(f"{kind} bfloat16 matmul of {m}x{k} by {n}x{k}: out of memory") if rc == -1 else \
             RuntimeError("this build has no AVX-512 BF16")
     return out
 
 
-@dataclass(frozen=True)
-class I8Panels:
-    """An int4 or Q8_0 weight [n, k] packed for `i8_matmul` (csrc/i8_panels.c `tq_i8_pack`: the same bytes, in panels of 32
-    rows)."""
-
-    kind: str
-    n: int
-    k: int
-    data: torch.Tensor
 
 
-I8_PANELS = 16  # csrc/layer.c's KIND_I8: a `Linear` of packed panels
-
-
-@_profiled("i8_pack")
+@profiled("i8_pack")
 def i8_pack(kind: str, w: torch.Tensor, scales: torch.Tensor) -> I8Panels:
     """The weights of `q4_matmul` / `q8_matmul` (`kind` "int4" or "q8_0") packed for `i8_matmul`."""
-    w_ptr, s_ptr, n, k = _weight_ptrs(kind, w, scales)
+    w_ptr, s_ptr, n, k = weight_addresses(kind, w, scales)
     lib = library()
     data = torch.empty(lib.tq_i8_packed_bytes(KINDS[kind], n, k), dtype=torch.uint8)
-    lib.tq_i8_pack(KINDS[kind], w_ptr, s_ptr, n, k, data.data_ptr(), _threads())
+    lib.tq_i8_pack(KINDS[kind], w_ptr, s_ptr, n, k, data.data_ptr(), thread_count())
     return I8Panels(kind, n, k, data)
 
 
-@_profiled("i8_matmul")
+@profiled("i8_matmul")
 def i8_matmul(x: torch.Tensor, w: I8Panels, digits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] on int8 dot products (kernel paths avx512_vnni and neon_dotprod, the same
     bits): x rounded per group of 32 to `digits` int8 digits (2: 15 bits, decode rows and short chunks; 1: 8 bits,
@@ -297,8 +212,8 @@ def i8_matmul(x: torch.Tensor, w: I8Panels, digits: int, out: torch.Tensor | Non
     elif out.shape != (m, w.n) or out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu":
         raise ValueError(f"engine.native: i8_matmul's out must be a contiguous float32 [{m}, {w.n}] CPU tensor, "
                          f"not {out.dtype} {list(out.shape)}")
-    rc = library().tq_i8_matmul(KINDS[w.kind], _ptr(w.data, torch.uint8, "i8 panels"), w.n, k,
-                                _ptr(x, torch.float32, "activations"), m, out.data_ptr(), digits, _threads())
+    rc = library().tq_i8_matmul(KINDS[w.kind], address(w.data, torch.uint8, "i8 panels"), w.n, k,
+                                address(x, torch.float32, "activations"), m, out.data_ptr(), digits, thread_count())
     if rc:
         raise MemoryError(f"{w.kind} int8 matmul of {m}x{k} by {w.n}x{k}: out of memory") if rc == -1 else \
             RuntimeError("this build has no int8 dot product (AVX-512 VNNI or ARMv8.2 dotprod)")
@@ -311,7 +226,7 @@ def has_chunk_attention() -> bool:
     return lib is not None and bool(lib.tq_has_chunk_attention())
 
 
-@_profiled("chunk_attention")
+@profiled("chunk_attention")
 def chunk_attention(qkv: torch.Tensor, start: int, length: int, context: int, blocks: torch.Tensor,
                     keys: torch.Tensor, values: torch.Tensor, heads: int, scale: float, window: int,
                     out: torch.Tensor, bf16: bool) -> None:
@@ -325,31 +240,32 @@ def chunk_attention(qkv: torch.Tensor, start: int, length: int, context: int, bl
     if start + length > min(qkv.shape[0], out.shape[0]) or blocks.numel() * block_size < context:
         raise ValueError(f"chunk_attention of rows [{start}, {start + length}) over {context} tokens: qkv has "
                          f"{qkv.shape[0]} rows, out {out.shape[0]}, {blocks.numel()} blocks")
-    k_ptr, v_ptr, half = _pool_ptrs(keys, values)
-    rc = library().tq_chunk_attention(_ptr(qkv[start:], torch.float32, "chunk_attention's qkv", rows_apart=True),
+    k_ptr, v_ptr, half = pool_addresses(keys, values)
+    rc = library().tq_chunk_attention(address(qkv[start:], torch.float32, "chunk_attention's qkv", rows_apart=True),
                                       qkv.stride(0), k_ptr, v_ptr, keys.stride(0),
-                                      _ptr(blocks.contiguous(), torch.long, "blocks"), length, context, heads,
+                                      address(blocks.contiguous(), torch.long, "blocks"), length, context, heads,
                                       kv_heads, d, block_size, scale, window,
-                                      _ptr(out[start:], torch.float32, "chunk_attention's out", rows_apart=True),
-                                      out.stride(0), half, int(bf16), _threads())
+                                      address(out[start:], torch.float32, "chunk_attention's out", rows_apart=True),
+                                      out.stride(0), half, int(bf16), thread_count())
     if rc:
         raise {-1: MemoryError(f"attention of {length} rows over {context} tokens: out of memory"),
                -2: RuntimeError(f"this build has no AVX-512{' BF16' if bf16 else ''}")}.get(
                    rc, ValueError(f"head size {d}: not a multiple of 64 up to 256"))
 
 
-@_profiled("int4_dequantize")
+@profiled("int4_dequantize")
 def int4_dequantize(qs: torch.Tensor, dm: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
     """Rows [start, stop) of an int4 weight (`engine.quant.Int4Weight`) as float32 into `out` [stop - start, k],
     in one pass."""
-    w_ptr, s_ptr, n, k = _weight_ptrs("int4", qs, dm, out.shape[1])
+    w_ptr, s_ptr, n, k = weight_addresses("int4", qs, dm, out.shape[1])
     if not 0 <= start <= stop <= n or out.shape[0] < stop - start:
         raise ValueError(f"int4_dequantize of rows [{start}, {stop}) of {n} into {tuple(out.shape)}")
-    library().tq_int4_dequant(w_ptr, s_ptr, k, start, stop, _ptr(out, torch.float32, "int4_dequantize's out"),
-                              _threads())
+    library().tq_int4_dequant(w_ptr, s_ptr, k, start, stop, address(out, torch.float32, "int4_dequantize's out"),
+                              thread_count())
     return out
 
 
+I8_PANELS = 16  # csrc/layer.c's KIND_I8: a `Linear` of packed panels
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
@@ -374,13 +290,13 @@ class _LayerStep(ctypes.Structure):
 
 
 def linear(kind: str, w: torch.Tensor, scales: torch.Tensor) -> Linear:
-    w_ptr, s_ptr, n, k = _weight_ptrs(kind, w, scales)
+    w_ptr, s_ptr, n, k = weight_addresses(kind, w, scales)
     return Linear(KINDS[kind], w_ptr, s_ptr, n, k)
 
 
 def i8_linear(w: I8Panels) -> Linear:
     """A layer's weight as `tq_decoder_layer` multiplies it on the int8 panels' paths (`i8_matmul`, two digits)."""
-    return Linear(KINDS[w.kind] | I8_PANELS, _ptr(w.data, torch.uint8, "i8 panels"), None, w.n, w.k)
+    return Linear(KINDS[w.kind] | I8_PANELS, address(w.data, torch.uint8, "i8 panels"), None, w.n, w.k)
 
 
 def layer(attn_norm: torch.Tensor, ffn_norm: torch.Tensor, wqkv: Linear, wo: Linear, gate_up: Linear,
@@ -390,7 +306,7 @@ def layer(attn_norm: torch.Tensor, ffn_norm: torch.Tensor, wqkv: Linear, wo: Lin
             or down.k * 2 != gate_up.n:
         raise ValueError(f"engine.native: a decoder layer of hidden size {hidden} with linear layers (n, k) "
                          f"{[(li.n, li.k) for li in (wqkv, wo, gate_up, down)]}")
-    return Layer(_ptr(attn_norm, torch.float32, "attn_norm"), _ptr(ffn_norm, torch.float32, "ffn_norm"), wqkv, wo,
+    return Layer(address(attn_norm, torch.float32, "attn_norm"), address(ffn_norm, torch.float32, "ffn_norm"), wqkv, wo,
                  gate_up, down)
 
 
@@ -413,18 +329,18 @@ class LayerStep:
         if first.wqkv.k != hidden or any(t.shape != (m,) for t in (positions, blocks, offsets, row_table, lens)):
             raise ValueError(f"a decoder layer step of {m} rows of {hidden}: one position, slot, table row and length "
                              f"each, and layers of that hidden size")
-        _, half = _pool_view(keys, "the pool's keys")
-        self.s = _LayerStep(m, hidden, heads * d, width, ffn, _ptr(h, torch.float32, "the residual stream"),
-                            *(b[k].data_ptr() for k in b), _ptr(positions, torch.long, "positions"),
-                            _ptr(blocks, torch.long, "slot blocks"), _ptr(offsets, torch.long, "slot offsets"),
-                            _ptr(cos, torch.float32, "the cos table"), _ptr(sin, torch.float32, "the sin table"),
+        _, half = pool_view(keys, "the pool's keys")
+        self.s = _LayerStep(m, hidden, heads * d, width, ffn, address(h, torch.float32, "the residual stream"),
+                            *(b[k].data_ptr() for k in b), address(positions, torch.long, "positions"),
+                            address(blocks, torch.long, "slot blocks"), address(offsets, torch.long, "slot offsets"),
+                            address(cos, torch.float32, "the cos table"), address(sin, torch.float32, "the sin table"),
                             heads, kv_heads, d, block_size, keys.stride(0),
-                            _ptr(tables, torch.long, "block tables", rows_apart=True),
-                            _ptr(row_table, torch.long, "row_table"), _ptr(lens, torch.long, "lens"), tables.stride(0),
-                            eps, scale, 0, _threads(), half)
+                            address(tables, torch.long, "block tables", rows_apart=True),
+                            address(row_table, torch.long, "row_table"), address(lens, torch.long, "lens"), tables.stride(0),
+                            eps, scale, 0, thread_count(), half)
         self.pool = (keys.stride(), keys.dtype)
 
-    @_profiled("decoder_layer")
+    @profiled("decoder_layer")
     def run(self, layer: Layer, keys: torch.Tensor, values: torch.Tensor) -> None:
         """One layer; its `keys`/`values` views of the pool are laid out as the first layer's were."""
         if (keys.stride(), keys.dtype) != self.pool or (values.stride(), values.dtype) != self.pool:

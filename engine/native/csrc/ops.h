@@ -10,6 +10,7 @@
  *   threads.c          the library's source hash; how a matmul's threads share its work (Share)
  *   elementwise.c      RMSNorm, RoPE with the K/V store, SiLU gate, argmax
  *   paged_attention.c  decode rows' and short chunks' attention over the paged KV pool
+ *   paged_segments.c   its AVX-512 path: a row's context in segments of 128 tokens, on every thread
  *   int16_kernels.c    int4/Q8_0 weights against int16 activations (few rows), and which rows go where
  *   panels.c           many rows on panels of dequantized weights: float32, or bfloat16 for long prompt chunks
  *                      (AVX-512 BF16); int4 to float32 for a GEMM
@@ -47,6 +48,24 @@ static inline float kv_at(const void *p, int64_t i, const int half) {
 static inline const char *kv_address(const void *p, int64_t i, const int half) {
     return (const char *)p + i * (half ? 2 : 4);
 }
+
+#ifdef __AVX2__
+/* the sums of 8 vectors, as one: [sum y[0], ..., sum y[7]] (hadd, not 8 hsums) */
+static inline __attribute__((always_inline)) __m256 sum8x8(const __m256 y[8]) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(y[4], y[5]), _mm256_hadd_ps(y[6], y[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+/* tq_paged_attention's AVX-512 path (paged_segments.c). */
+INTERNAL int paged_attention_segments(const float *q, int64_t q_stride, const void *keys, const void *values,
+                                      int64_t block_stride, const int64_t *tables, int64_t table_stride,
+                                      const int64_t *row_table, const int64_t *lens, int64_t rows, int heads,
+                                      int kv_heads, int d, int block_size, float scale, int64_t window, float *out,
+                                      int half, int threads);
+#endif
 
 #ifdef __AVX512F__
 /* 16 of the pool's K/V elements from offset i of `p`, as float32 (float16 widened exactly). */
