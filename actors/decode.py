@@ -99,6 +99,7 @@ class DecodeActor(WorkerActor):
         st.running = len(self.requests)
         st.deferred_prefills = sum(1 for r in self.requests.values()
                                    if r.first_token_at is None and r.prefill_reason in DEFERRED_REASONS)
+        st.prefill_workers = len(self.alive_prefill_workers())
         return st
 
     def has_capacity(self) -> bool:

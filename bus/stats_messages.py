@@ -26,6 +26,8 @@ class WorkerStats(Msg, tag="worker_stats", kw_only=True):
     draining: bool = False  # stopping: route nothing new here
     #: decode_only: prompts it prefills locally only for want of a free prefill worker (bus/demand.py)
     deferred_prefills: NonNegInt = 0
+    #: decode_only: the prefill workers it counts alive to send prompts to (their reports reached it)
+    prefill_workers: NonNegInt = 0
     #: it keeps served prompts' blocks for later requests: only then does a router send it the same prefix again
     prefix_cache: bool = True
     #: the path that multiplies many rows of its weights (engine.native.kernel_path: avx512_bf16, avx2, ...)

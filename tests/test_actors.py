@@ -17,7 +17,7 @@ from bus.stats_messages import WorkerStats
 from bus.subjects import Subjects
 from bus.wire import encode
 from tests.harness.chat import chat_ids
-from tests.harness.cluster import hear_prefill_reports, worker_cluster
+from tests.harness.cluster import know_prefill_workers, worker_cluster
 from tests.harness.wait import read_until, until, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -60,8 +60,8 @@ def cluster(tmp_path_factory):
         ("decode_only", "wd1", "--namespace", "wd", "--num-blocks", "128", "--local-prefill-max-tokens", "0",
          "--prefill-stall-budget-ms", "0", "--prefill-timeout", "90"),
     ]) as (srv, by_id):
-        asyncio.run(hear_prefill_reports(srv.url, ("tandem", "p1"), ("tandem", "p2"), ("mm", "mp1"),
-                                        ("cd", "cp1")))  # decode workers know the prefill workers are alive
+        asyncio.run(know_prefill_workers(srv.url, ("tandem", "d1", 2), ("tandem", "d2", 2), ("mm", "md1", 1),
+                                         ("cd", "cd1", 1)))
         yield srv.url, by_id
 
 
@@ -421,7 +421,8 @@ def test_a_prefill_job_withdrawn_from_the_pool_frees_its_blocks_at_once(cluster,
     async def withdrawn():
         async with Client(url, "wd") as c:
             reporting = asyncio.create_task(ghost(c))
-            await asyncio.sleep(1.5)  # wd1 heard it (its reports are read apart from its requests: no order)
+            # wd1 heard it (its reports are read apart from its requests: no order)
+            await know_prefill_workers(url, ("wd", "wd1", 1), timeout=30)
             r = rid()
             s = await c.start(r, prompt, worker="wd1", max_tokens=4)
             await until(lambda: pool_holds(c), 30, "the prefill job in the pool")

@@ -18,7 +18,7 @@ import httpx
 from bench.cluster import Client, TandemUp, Worker, start_workers, tandem_cmd
 from bus.server import EmbeddedNats
 from runtime.processes import ChildProcess
-from tests.harness.wait import wait_until
+from tests.harness.wait import until, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,17 +40,18 @@ def worker_cluster(logs: Path, specs: list[tuple]) -> Iterator[tuple[EmbeddedNat
         srv.stop()
 
 
-async def hear_prefill_reports(url: str, *workers: tuple[str, str]) -> None:
-    """Until two load reports of each prefill worker (``(namespace, worker id)``) went by: the decode workers
-    subscribed to them before they said "ready", so they heard them too (the second leaves them time to have
-    handled the first) and know those workers are alive."""
+async def know_prefill_workers(url: str, *decode_workers: tuple[str, str, int], timeout: float = 60.0) -> None:
+    """Until each decode worker (``(namespace, worker id, how many)``) reports in its load reports that it counts
+    that many prefill workers alive (`WorkerStats.prefill_workers`)."""
 
-    async def twice(namespace: str, worker_id: str) -> None:
+    async def knows(namespace: str, worker_id: str, count: int) -> None:
         async with Client(url, namespace) as c:
-            for _ in range(2):
-                await c.stats("prefill_only", worker_id, timeout=30)
+            async def counted() -> bool:
+                return (await c.stats("decode_only", worker_id, timeout=timeout))["prefill_workers"] >= count
 
-    await asyncio.gather(*(twice(namespace, worker_id) for namespace, worker_id in workers))
+            await until(counted, timeout, f"{namespace}/{worker_id} counting {count} prefill workers alive")
+
+    await asyncio.gather(*(knows(*w) for w in decode_workers))
 
 
 @contextlib.contextmanager
