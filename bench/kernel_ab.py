@@ -176,7 +176,7 @@ def decodes(libs: dict[str, ctypes.CDLL], batches: list[int], turns_each: int, c
     blocks = max(batches) * ((context + steps + 8) // BLOCK + 2) + 64
     engine = LLMEngine(load_model(DEFAULT_MODEL, "float32", "auto"),
                        EngineConfig(num_blocks=max(1024, blocks), enable_prefix_cache=False, speculative="off",
-                                    max_step_tokens=decode_step_budget(batches, [], context)))
+                                    max_batch=max(batches), max_step_tokens=decode_step_budget(batches, [], context)))
     lines = []
     for b in batches:
         run = DecodeRun(engine, b, seed=b, steps=steps, prompt=context)
