@@ -31,6 +31,7 @@ import torch
 
 from engine import native
 from engine.engine import EngineConfig, LLMEngine
+from engine.linear_paths import split_call
 from engine.loader import load_model
 from engine.model_files import DEFAULT_MODEL, model_name, resolve_model_path
 from engine.native import peaks
@@ -171,12 +172,33 @@ def _interleaved_decode(starts: dict[str, Callable[[int], DecodeRun]], whole: di
             **{name: statistics.median(v) for name, v in got.items()}}
 
 
+CHUNK_ROWS = 256
+CHUNK_RATE = f"a {CHUNK_ROWS}-row chunk's matmuls (G op/s, of the peak)"
+
+
 def linear_flops(engine: LLMEngine) -> int:
     """Floating-point operations of a prompt token's matmuls (2 per weight; the LM head left out: a prompt
     takes its logits at one token)."""
     m = engine.model
     layer_weights = (w for layer in m.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
     return sum(2 * w.out_features * w.in_features for w in layer_weights)
+
+
+def chunk_matmul_rate(engine: LLMEngine, rows: int = CHUNK_ROWS, repeats: int = 10) -> float:
+    """Operations per second of a prompt chunk's matmuls on the engine's long-chunk path: layer 0's four linear
+    layers on `rows` rows, each the median of `repeats` calls after one to warm up."""
+    layer = engine.model.layers[0]
+    ops = took = 0.0
+    for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
+        x = torch.randn(rows, w.in_features)
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            split_call(w, x, rows)
+            times.append(time.perf_counter() - t)
+        took += statistics.median(times[1:])
+        ops += 2 * rows * w.in_features * w.out_features
+    return ops / took
 
 
 def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: list[int], rounds: int,
@@ -241,6 +263,8 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
             old.stop()
     for e in engines.values():
         e.blocks.check_idle()
+    rates = {column: on_path(paths[column], lambda _, e=e: chunk_matmul_rate(e))(0)
+             for column, e in engines.items() if on_kernels[column]}  # measured beside the peaks
     if kernel_paths:
         native.use_kernel_path(kernel_paths[0])
     threads = torch.get_num_threads()
@@ -251,6 +275,8 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         precision = native.PANEL_PRECISION.get(path, "float32") if on_kernels[column] else "float32"
         flops = {"int8": peak.int8_ops, "bfloat16": peak.bf16_flops, "float32": peak.fp32_flops}[precision]
         facts[column]["roofline: prefill at the matmul peak (tok/s)"] = f"{flops / linear_flops(e):,.0f} ({precision})"
+        if column in rates and flops:
+            facts[column][CHUNK_RATE] = f"{rates[column] / 1e9:,.0f} ({rates[column] / flops:.0%})"
         facts[column]["roofline: decode batch 1 at read bandwidth (tok/s)"] = f"{peak.read_bytes / weight_bytes(e):,.1f}"
     own = "" if model == DEFAULT_MODEL else f" --model {model}"
     lines = [
@@ -273,7 +299,8 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
     ]
     for label, values in rows:
         lines.append(f"| {label} | " + " | ".join(f"{values[c]:,.1f}" for c in columns) + " |")
-    for key in ("roofline: prefill at the matmul peak (tok/s)", "roofline: decode batch 1 at read bandwidth (tok/s)", "weights (MB)",
+    for key in ("roofline: prefill at the matmul peak (tok/s)", CHUNK_RATE,
+                "roofline: decode batch 1 at read bandwidth (tok/s)", "weights (MB)",
                 "load cold / warm (s)", "RSS (MB)"):
         if any(key in facts.get(c, {}) for c in columns):
             lines.append(f"| {key} | " + " | ".join(facts.get(c, {}).get(key, "") for c in columns) + " |")

@@ -490,6 +490,15 @@ def test_engine_bench_sets_torch_operations_beside_the_native_ones(monkeypatch) 
     assert peak.count(f"({precision})") == 2
     [read] = [line for line in report.splitlines() if line.startswith("| roofline: decode batch 1")]
     assert all(float(c.replace(",", "")) > 0 for c in read.strip("|").split("|")[1:])
+    # a prompt chunk's matmuls measured beside those peaks, as a share of the matmul peak
+    chunk = [line for line in report.splitlines() if line.startswith(f"| {engine_bench.CHUNK_RATE}")]
+    if native.available():
+        [row] = chunk
+        cells = [c.strip() for c in row.strip("|").split("|")[1:]]
+        shares = [float(c.split("(")[1].rstrip("%)")) for c in cells]
+        assert len(shares) == 2 and all(0 < share < 200 for share in shares), row
+    else:
+        assert not chunk
 
 
 def test_baseline_engine_answers_bench_engines_measures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
