@@ -251,11 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def hear_prefill_worker(url: str) -> None:
-    """Until the prefill worker's second load report: the decode worker has heard one by then."""
+async def hear_prefill_worker(url: str, timeout: float = 60.0) -> None:
+    """Until d1's load report counts the prefill worker alive."""
     async with Client(url) as c:
-        for _ in range(2):
-            await c.stats("prefill_only", "p1", timeout=30)
+        deadline = time.monotonic() + timeout
+        while (await c.stats("decode_only", "d1", timeout=timeout))["prefill_workers"] < 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"d1 did not count a prefill worker alive within {timeout:g} s")
 
 
 if __name__ == "__main__":

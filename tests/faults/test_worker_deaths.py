@@ -15,7 +15,7 @@ import pytest
 
 from bench.cluster import Client
 from tests.harness.chat import chat_ids
-from tests.harness.cluster import hear_prefill_reports, worker_cluster
+from tests.harness.cluster import know_prefill_workers, worker_cluster
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -38,7 +38,7 @@ def test_sigkill_prefill_mid_job_still_completes(tmp_path: Path, smollm):
              ("decode_only", "d2", *REMOTE)]
     with worker_cluster(tmp_path, specs) as (srv, workers):
         async def go():
-            await hear_prefill_reports(srv.url, ("tandem", "p1"), ("tandem", "p2"))
+            await know_prefill_workers(srv.url, ("tandem", "d1", 2), ("tandem", "d2", 2))
             async with Client(srv.url) as c:
                 reference = await c.generate(rid(), prompt, worker="d1", target_endpoint="p1", max_tokens=6)
                 jobs = await c.nc.subscribe(c.subjects.prefill_worker("p2"))
@@ -66,7 +66,7 @@ def test_sigkill_prefill_mid_pool_job_is_noticed_early(tmp_path: Path, smollm):
              ("prefill_and_decode", "a1", "--namespace", "agg")]
     with worker_cluster(tmp_path, specs) as (srv, workers):
         async def go():
-            await hear_prefill_reports(srv.url, ("tandem", "p1"))
+            await know_prefill_workers(srv.url, ("tandem", "d1", 1))
             async with Client(srv.url, "agg") as agg:
                 reference = await agg.generate(rid(), prompt, max_tokens=6)
             async with Client(srv.url) as c:
@@ -94,7 +94,7 @@ def test_sigterm_hands_back_a_request_before_its_first_token(tmp_path: Path, smo
     prompt = chat_ids(smollm, " ".join(f"Box {i} weighs {5 * i} grams." for i in range(150)) + " Box 9?")
     with worker_cluster(tmp_path, [("prefill_only", "p1"), ("decode_only", "d2", *REMOTE)]) as (srv, workers):
         async def go():
-            await hear_prefill_reports(srv.url, ("tandem", "p1"))
+            await know_prefill_workers(srv.url, ("tandem", "d2", 1))
             async with Client(srv.url) as c:
                 s = await c.start(rid(), prompt, worker="d2", max_tokens=6)
                 admitted = json.loads((await s.next_msg(timeout=30)).data)
