@@ -54,6 +54,7 @@ class WorkerStatus:
     prefix_hit_rate: float | None = None
     uptime: float | None = None
     draining: bool | None = None
+    prefill_workers: int | None = None  # decode_only: the prefill workers it counts alive
     stats_subject: str = ""
     stats_error: str | None = None
     recent_subject: str = ""
@@ -198,6 +199,8 @@ async def _fill_stats(nc: Any, w: WorkerStatus, timeout: float) -> None:
     w.running, w.queued, w.max_batch = st.running, st.queued, st.max_batch
     w.free_blocks, w.total_blocks = st.free_blocks, st.total_blocks
     w.prefix_hit_rate, w.uptime, w.draining = st.prefix_hit_rate, st.uptime, st.draining
+    if st.role == "decode_only":
+        w.prefill_workers = st.prefill_workers
     if not w.incarnation:
         w.incarnation = st.incarnation
 

@@ -38,7 +38,8 @@ def _load(w: WorkerStatus) -> str:
     if w.running is None:
         return "-"
     cap = f"/{w.max_batch}" if w.max_batch else ""
-    return f"{w.running}{cap} +{w.queued or 0}"
+    sees = f" ({w.prefill_workers} prefill)" if w.prefill_workers is not None else ""
+    return f"{w.running}{cap} +{w.queued or 0}{sees}"
 
 
 def _blocks(w: WorkerStatus) -> str:

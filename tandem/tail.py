@@ -107,8 +107,9 @@ class Printer:
             return f"{msg.worker_id} engine {msg.engine or '?'} incarnation {msg.incarnation}"
         if k == "worker_stats":
             hit = f"{100.0 * msg.prefix_hit_rate:.0f}%"
+            sees = f" sees {msg.prefill_workers} prefill" if msg.role == "decode_only" else ""
             return (f"{msg.worker_id} ({msg.role}) running {msg.running}/{msg.max_batch} queued {msg.queued} "
-                    f"blocks free {msg.free_blocks}/{msg.total_blocks} hit {hit} up {msg.uptime:.0f}s")
+                    f"blocks free {msg.free_blocks}/{msg.total_blocks} hit {hit} up {msg.uptime:.0f}s{sees}")
         return repr(msg)
 
 

@@ -79,6 +79,7 @@ def test_status_json_lists_the_worker(cluster: tuple[str, int]) -> None:
     assert w["total_blocks"] == BLOCKS and 0 <= w["free_blocks"] <= BLOCKS
     assert w["used_blocks"] == BLOCKS - w["free_blocks"]
     assert w["running"] == 0 and w["queued"] == 0 and w["max_batch"] > 0
+    assert w["prefill_workers"] is None  # only a decode_only worker counts the prefill workers it sends to
     assert 0.0 <= w["prefix_hit_rate"] <= 1.0 and w["uptime"] > 0
     assert w["metrics_url"].endswith(f":{metrics_port}/metrics")
     assert w["stats_error"] is None and w["incarnation"] and w["restarts"] == 0
@@ -205,7 +206,8 @@ def test_tail_summaries_of_every_kind() -> None:
         (KVMetaRequest(worker_id="p1"), ["from p1"]),
         (KVMetaReply(worker_id="d1", incarnation="i9", engine="shm"), ["d1 engine shm incarnation i9"]),
         (WorkerStats(role="decode_only", worker_id="d1", running=2, max_batch=8, free_blocks=3, total_blocks=9,
-                     prefix_hit_rate=0.25), ["d1 (decode_only) running 2/8", "free 3/9", "hit 25%"]),
+                     prefix_hit_rate=0.25, prefill_workers=2),
+         ["d1 (decode_only) running 2/8", "free 3/9", "hit 25%", "sees 2 prefill"]),
     ]
     for msg, needles in cases:
         kind, summary, rid = describe("tandem.x", encode(msg), None, p)
@@ -238,12 +240,14 @@ def test_status_formatting() -> None:
                       running=1, queued=2, max_batch=4, free_blocks=6, total_blocks=8, prefix_hit_rate=0.5, uptime=61,
                       device="cuda:1", cpus="0-3", threads=4, host="host-a", kernels="avx2")
     w.stats_error = "TimeoutError"
+    w.running, w.queued, w.max_batch, w.prefill_workers = 3, 0, 32, 0
     text = format_table(Status("nats://x", "tandem", [w, w2], [
         PoolStatus(MODEL, "generate", "S", "C", pending=3, in_flight=1), PoolStatus(MODEL, "prefill", "S2", "C2",
                                                                                     error="no stream")],
         paths=[{"from": "p1", "to": "d1", "engine": "tcp"}]))
     assert re.search(r" p1 +host-a +1/4 \+2 ", text) and "KV path p1 -> d1: tcp" in text
     assert "2 workers" in text and "(stats: TimeoutError)" in text and " cuda:1 cores 0-3 ×4 avx2 " in text
+    assert "3/32 +0 (0 prefill)" in text and "1/4 +2 " in text  # a decode worker that hears no prefill worker
     assert "1/4 +2" in text and "2/8 (25%)" in text and "50%" in text and "1m01s" in text
     assert "RESTARTS" in text.splitlines()[1] and re.search(r"1m01s +0 ", text)
     assert "generate: 3 pending, 1 in flight" in text and "prefill: unavailable (no stream)" in text
