@@ -202,6 +202,14 @@ class Client:
         finally:
             await sub.unsubscribe()
 
+    async def wait_prefill_workers(self, worker_id: str, count: int, timeout: float = 60.0) -> None:
+        """Until decode worker ``worker_id``'s load report counts ``count`` prefill workers alive
+        (`WorkerStats.prefill_workers`): before that it prefills the prompts it could send them."""
+        deadline = time.monotonic() + timeout
+        while (seen := (await self.stats("decode_only", worker_id, timeout=timeout))["prefill_workers"]) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{worker_id} counts {seen} prefill workers alive after {timeout:g} s, not {count}")
+
     async def wait_all_free(self, workers: list[Worker], timeout: float = 30.0, stats_timeout: float = 15.0) -> None:
         """Until every worker reports all KV blocks free and nothing running.
 

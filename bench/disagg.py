@@ -251,13 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def hear_prefill_worker(url: str, timeout: float = 60.0) -> None:
-    """Until d1's load report counts the prefill worker alive."""
+async def hear_prefill_worker(url: str) -> None:
+    """Until d1 counts the prefill worker alive."""
     async with Client(url) as c:
-        deadline = time.monotonic() + timeout
-        while (await c.stats("decode_only", "d1", timeout=timeout))["prefill_workers"] < 1:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"d1 did not count a prefill worker alive within {timeout:g} s")
+        await c.wait_prefill_workers("d1", 1)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import httpx
 from bench.cluster import Client, TandemUp, Worker, start_workers, tandem_cmd
 from bus.server import EmbeddedNats
 from runtime.processes import ChildProcess
-from tests.harness.wait import until, wait_until
+from tests.harness.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,15 +41,12 @@ def worker_cluster(logs: Path, specs: list[tuple]) -> Iterator[tuple[EmbeddedNat
 
 
 async def know_prefill_workers(url: str, *decode_workers: tuple[str, str, int], timeout: float = 60.0) -> None:
-    """Until each decode worker (``(namespace, worker id, how many)``) reports in its load reports that it counts
-    that many prefill workers alive (`WorkerStats.prefill_workers`)."""
+    """Until each decode worker (``(namespace, worker id, how many)``) counts that many prefill workers alive
+    (`bench.cluster.Client.wait_prefill_workers`)."""
 
     async def knows(namespace: str, worker_id: str, count: int) -> None:
         async with Client(url, namespace) as c:
-            async def counted() -> bool:
-                return (await c.stats("decode_only", worker_id, timeout=timeout))["prefill_workers"] >= count
-
-            await until(counted, timeout, f"{namespace}/{worker_id} counting {count} prefill workers alive")
+            await c.wait_prefill_workers(worker_id, count, timeout)
 
     await asyncio.gather(*(knows(*w) for w in decode_workers))
 
