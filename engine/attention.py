@@ -45,6 +45,17 @@ def span_attention(q, k, v, kc, vc, span: PrefillSpan, out: torch.Tensor, scale:
     out[sl] = o.squeeze(0).transpose(0, 1)
 
 
+_ROWS: dict[int, torch.Tensor] = {}
+
+
+def row_numbers(n: int) -> torch.Tensor:
+    """0..n-1 as int64, made once per n (a decode step's row table without a torch call). Read-only."""
+    rows = _ROWS.get(n)
+    if rows is None:
+        rows = _ROWS[n] = torch.arange(n)
+    return rows
+
+
 class PagedAttention:
     """Attention in one C call per layer (`engine.native`) for the decode rows and the rows of prompt chunks
     of up to `KERNELS.kernel_max_chunk` tokens: row r reads the first lens[r] tokens of its sequence straight
@@ -65,7 +76,7 @@ class PagedAttention:
         self.rows: torch.Tensor | None = None  # rows of the flat batch this call computes; None: all of them
         if not short:
             self.tables, self.lens = batch.decode_tables, batch.decode_lens
-            self.row_table = torch.arange(decode_rows)
+            self.row_table = row_numbers(decode_rows)
         else:
             width = max([len(s.blocks) for s in short] + ([batch.decode_tables.shape[1]] if decode_rows else []))
             self.tables = torch.zeros(len(short) + decode_rows, width, dtype=torch.long)

@@ -94,8 +94,11 @@ class DecoderModel:
         self.native = self.device.type == "cpu" and dtype == torch.float32 and native.available()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self._fused: dict[str, list[native.Layer] | None] = {}  # per kernel path: the int8 panels' are packed
+        self._fused: dict[str, native.LayerStack | None] = {}  # per kernel path: the int8 panels' are packed
+        self.layer_scratch = native.Scratch()
         self.fused_layers()
+        if native.available() and native.packs_i8() and isinstance(self.lm_head, Int4Weight | Q8Weight):
+            self.lm_head.i8_panels()  # at load, like the layers' panels, not in the first request's step
         # long prompt chunks may attend in bfloat16 (as their matmuls run on bfloat16 panels); float weights keep
         # float32 throughout, the reference the quality bench measures against
         self.quantized = any(isinstance(w, Int4Weight | Q8Weight) for layer in self.layers
@@ -138,15 +141,18 @@ class DecoderModel:
         ship that layer while the next one computes (layer-wise KV streaming).
         """
         cfg = self.cfg
-        h = self.embed.rows(batch.tokens).to(self.dtype)
+        h = self.embed.rows(batch.tokens)
+        if h.dtype != self.dtype:  # a no-op `to` is still a torch call, each ~5-50 µs on a step's cold caches
+            h = h.to(self.dtype)
         if cfg.embed_scale != 1.0:
             h.mul_(cfg.embed_scale)
         by_group = [batch.group(g) for g in range(pool.layout.num_groups)]
+        pending = None  # the last layer's output, not yet added to h
         if self.native and pool.tensor.dtype in native.POOL_DTYPES:
             paged = [PagedAttention(b, cfg.num_heads, cfg.softmax_scale, self.quantized) for b in by_group]
             fused = self.fused_layers()
             if fused is not None and len(paged) == 1 and batch.dequant_rows == 0 and not paged[0].long_spans:
-                self._fused_forward(fused, h, batch, paged[0], pool, layer_done)
+                pending = self._fused_forward(fused, h, batch, paged[0], pool, layer_done)
             else:
                 self._layer_ops(h, batch, pool, layer_done, paged=paged)
         else:
@@ -157,9 +163,15 @@ class DecoderModel:
             self._layer_ops(h, batch, pool, layer_done, torch_attn=(decode, angles))
         if batch.logit_rows.numel() == 0:
             return h.new_empty((0, self.lm_head.out_features), dtype=torch.float32)
-        h = self._norm(h.index_select(0, batch.logit_rows), self.norm)
+        if batch.logit_rows.numel() == h.shape[0]:  # every row, in order (a step of decode rows): the add in the norm
+            h = self._norm(h, self.norm, pending)
+        else:
+            if pending is not None:
+                h.add_(pending)
+            h = self._norm(h.index_select(0, batch.logit_rows), self.norm)
         rows = h.shape[0]  # one per sampled sequence: the kernel, always, so a token's logits never depend on its step
-        return self.lm_head(h, rows if rows > KERNELS.lm_head_rows() else 0).float()
+        logits = self.lm_head(h, rows if rows > KERNELS.lm_head_rows() else 0)
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def _layer_ops(self, h: torch.Tensor, batch: ForwardBatch, pool: KVPool,
                    layer_done: Callable[[int], None] | None, paged: list[PagedAttention] | None = None,
@@ -219,28 +231,33 @@ class DecoderModel:
         qkv[:, q_size:q_size + self.kv_size] = self._norm(k, layer.k_norm).view(n, self.kv_size)
         return qkv
 
-    def _fused_forward(self, fused: list[native.Layer], h: torch.Tensor, batch: ForwardBatch, paged: PagedAttention,
-                       pool: KVPool, layer_done: Callable[[int], None] | None) -> None:
-        """Each layer as one `engine.native` call (all linear layers int4/Q8_0, every row on the kernels)."""
+    def _fused_forward(self, fused: native.LayerStack, h: torch.Tensor, batch: ForwardBatch, paged: PagedAttention,
+                       pool: KVPool, layer_done: Callable[[int], None] | None) -> torch.Tensor:
+        """The layers in one `engine.native` call (all linear layers int4/Q8_0, every row on the kernels), or
+        one call a layer where `layer_done` ships each layer's K/V as it lands. Returns the last layer's output,
+        which the caller adds to h."""
         cfg = self.cfg
-        step = native.LayerStep(h, fused[0], batch.positions, batch.slot_blocks, batch.slot_offsets, self.cos,
-                                self.sin, cfg.num_heads, cfg.num_kv_heads, pool.keys(0), paged.tables,
-                                paged.row_table, paged.lens, cfg.rms_eps, cfg.softmax_scale)
-        for li, layer in enumerate(fused):
-            step.run(layer, pool.keys(li), pool.values(li))
-            if layer_done is not None:
+        keys, values = pool.layer_views()
+        step = native.LayerStep(h, fused.layers[0], batch.positions, batch.slot_blocks, batch.slot_offsets, self.cos,
+                                self.sin, cfg.num_heads, cfg.num_kv_heads, keys[0], paged.tables,
+                                paged.row_table, paged.lens, cfg.rms_eps, cfg.softmax_scale, self.layer_scratch)
+        if layer_done is None:
+            step.run(fused, keys, values)
+        else:
+            for li in range(len(fused.layers)):
+                step.run(fused, keys, values, li, li + 1)
                 layer_done(li)
-        h.add_(step.pending)
+        return step.pending
 
-    def fused_layers(self) -> list[native.Layer] | None:
-        """The layers for `engine.native`'s one-call-per-layer path on this process's kernel path, where every linear
+    def fused_layers(self) -> native.LayerStack | None:
+        """The layers for `engine.native`'s one-call path on this process's kernel path, where every linear
         layer is a kind it multiplies; None elsewhere. Built once per path (the int8 panels' pack the weights)."""
         path = native.kernel_path()
         if path not in self._fused:
             self._fused[path] = self._fused_layers(native.packs_i8(path))
         return self._fused[path]
 
-    def _fused_layers(self, packed: bool) -> list[native.Layer] | None:
+    def _fused_layers(self, packed: bool) -> native.LayerStack | None:
         if not self.native or not self.cfg.plain_llama:
             return None
 
@@ -255,7 +272,7 @@ class DecoderModel:
             if any(lin is None for lin in linears):
                 return None
             layers.append(native.layer(layer.attn_norm, layer.ffn_norm, *linears))
-        return layers
+        return native.LayerStack(layers)
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm of the rows of `h`, after adding a sublayer's output `residual` to it (in place)."""

@@ -30,6 +30,7 @@ class DecodeRows:
         self.device = device
         self.group = group
         self.table = torch.zeros(0, width, dtype=torch.long, device=device)
+        self._views: dict[int, torch.Tensor] = {}  # n -> self.table[:n]
         self.row_of: dict[int, int] = {}  # id(sequence) -> row
         self.seqs: list[Sequence] = []  # row -> sequence
         # row -> (the block list written, entries written); the list itself, not its id, which a new list may reuse
@@ -46,12 +47,19 @@ class DecodeRows:
             self._sync(self.row_of[id(seq)], seq)
         return list(self.seqs)
 
+    def rows(self, n: int) -> torch.Tensor:
+        """The first n rows of the table (a view made once per n and table)."""
+        view = self._views.get(n)
+        if view is None:
+            view = self._views[n] = self.table[:n]
+        return view
+
     def _add(self, seq: Sequence) -> None:
         row = len(self.seqs)
         if row == self.table.shape[0]:
             grown = torch.zeros(max(8, 2 * row), self.table.shape[1], dtype=torch.long, device=self.device)
             grown[:row] = self.table
-            self.table = grown
+            self.table, self._views = grown, {}
         self.row_of[id(seq)] = row
         self.seqs.append(seq)
         self.synced.append((None, 0))
@@ -78,27 +86,34 @@ class DecodeRows:
                 wider = torch.zeros(self.table.shape[0], max(len(blocks), 2 * self.table.shape[1]),
                                     dtype=torch.long, device=self.device)
                 wider[:, : self.table.shape[1]] = self.table
-                self.table = wider
+                self.table, self._views = wider, {}
             self.table[row, written:len(blocks)] = torch.tensor(blocks[written:], dtype=torch.long)
         self.synced[row] = (blocks, len(blocks))
 
 
 class StepBuffers:
-    """Grow-only host staging for one step's per-token and per-row integers."""
+    """Grow-only staging for one step's per-token and per-row integers: a tensor per name, written through a
+    numpy view of it, handed out as a view of its first n values made once per n. A step runs on caches the
+    weights have just streamed through, where each torch operation costs ~5-50 µs: the steady state runs none.
+    What `put` returns holds its values until the next `put` of that name (the next step's)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.host: dict[str, np.ndarray] = {}
+        self.host: dict[str, tuple[torch.Tensor, np.ndarray, dict[int, torch.Tensor]]] = {}
 
     def put(self, name: str, values: list[int]) -> torch.Tensor:
-        buf = self.host.get(name)
-        if buf is None:
-            buf = self.host[name] = np.zeros(256, dtype=np.int64)
-        if len(values) > len(buf):
-            buf = self.host[name] = np.zeros(max(len(values), 2 * len(buf)), dtype=np.int64)
-        buf[: len(values)] = values
-        t = torch.from_numpy(buf[: len(values)])
-        return t.to(self.device) if self.device.type != "cpu" else t.clone()
+        entry = self.host.get(name)
+        if entry is None or len(values) > len(entry[1]):
+            size = max(256, len(values), 2 * len(entry[1]) if entry else 0)
+            tensor = torch.zeros(size, dtype=torch.long)
+            entry = self.host[name] = (tensor, tensor.numpy(), {})
+        tensor, host, views = entry
+        n = len(values)
+        host[:n] = values
+        view = views.get(n)
+        if view is None:
+            view = views[n] = tensor[:n]
+        return view.to(self.device) if self.device.type != "cpu" else view
 
 
 class ModelRunner:
@@ -187,18 +202,16 @@ class ModelRunner:
             lens.append(p + 1)
             logit_rows.append(len(tokens) - 1)
             sampled.append(seq)
-        pos = self.buffers.put("positions", positions)
         batch = ForwardBatch(
             tokens=self.buffers.put("tokens", tokens),
-            positions=pos,
+            positions=self.buffers.put("positions", positions),
             slot_blocks=self.buffers.put("slot_blocks0", slot_blocks[0]),
-            slot_offsets=pos % bs,
+            slot_offsets=self.buffers.put("slot_offsets", [p % bs for p in positions]),
             prefills=spans[0],
             decode_start=decode_start,
-            decode_tables=self.rows[0].table[: len(decoding)] if decoding else None,
+            decode_tables=self.rows[0].rows(len(decoding)) if decoding else None,
             decode_lens=self.buffers.put("decode_lens", lens) if decoding else None,
-            logit_rows=torch.arange(len(tokens), device=dev) if every_row else
-            torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            logit_rows=torch.arange(len(tokens), device=dev) if every_row else self.buffers.put("logit_rows", logit_rows),
             decode_max_len=max(lens, default=0),
             dequant_rows=sum(n for _, n in chunks if n > long_chunk),
             decode_groups=length_groups(lens, bs),
@@ -207,7 +220,7 @@ class ModelRunner:
             batch.groups = [batch] + [
                 dataclasses.replace(batch, slot_blocks=self.buffers.put(f"slot_blocks{g}", slot_blocks[g]),
                                     prefills=spans[g],
-                                    decode_tables=self.rows[g].table[: len(decoding)] if decoding else None)
+                                    decode_tables=self.rows[g].rows(len(decoding)) if decoding else None)
                 for g in groups if g]
         return batch, sampled
 

@@ -259,6 +259,8 @@ class Q8Weight(CodedWeight):
         return self.dequantize_rows(0, self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if native.available() and ids.device.type == "cpu" and self.q.device.type == "cpu":
+            return native.q8_rows(self.q, self.scales, ids)  # one call, not eight torch operations
         scale = self.scales.index_select(0, ids).view(torch.float16).float().unsqueeze(-1)
         return (self.q.index_select(0, ids).view(len(ids), -1, GROUP) * scale).view(len(ids), self.in_features)
 

@@ -70,6 +70,10 @@ class KVPool:
     def values(self, layer: int) -> torch.Tensor:
         return self._values[layer]
 
+    def layer_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's K and V views, as `keys` and `values` give them (the same two lists each call)."""
+        return self._keys, self._values
+
 
 def coalesce(blocks: list[int]) -> list[tuple[int, int]]:
     """Adjacent block ids as (first, count) runs: [3,4,5,9] -> [(3,3),(9,1)]."""

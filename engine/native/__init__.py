@@ -20,6 +20,7 @@ import ctypes
 
 import torch
 
+from engine.native import huge_pages
 from engine.native.dispatch import (
     BF16_MARGIN,
     DOTPROD,
@@ -51,8 +52,8 @@ from engine.native.tensors import (
 )
 
 __all__ = ["BF16_MARGIN", "DOTPROD", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES", "VNNI",
-           "I8Panels", "Layer", "LayerStep", "Linear", "argmax", "available", "bf16_attention_paths", "bf16_matmul",
-           "chunk_attention", "has_chunk_attention", "i8_linear", "i8_matmul", "i8_pack", "int4_dequantize",
+           "I8Panels", "Layer", "LayerStack", "LayerStep", "Linear", "Scratch", "argmax", "available", "bf16_attention_paths", "bf16_matmul",
+           "chunk_attention", "has_chunk_attention", "i8_linear", "i8_matmul", "i8_pack", "q8_rows", "int4_dequantize",
            "kernel_path", "kernel_paths", "layer", "library", "linear", "packs_i8", "paged_attention",
            "panel_min_rows", "q4_matmul", "q8_matmul", "rms_norm", "rope_store", "row_invariant", "silu_mul",
            "use_kernel_path", "variant", "variant_file"]
@@ -89,6 +90,17 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.long)
     library().tq_argmax(address(x, torch.float32, "argmax's rows"), x.shape[0], x.shape[1], out.data_ptr(), thread_count())
+    return out
+
+
+@profiled("q8_rows")
+def q8_rows(q: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a Q8_0 weight (codes [n, k], float16 scales [n, k / 32]) as float32 [len(ids), k]: torch's
+    q[ids] * scale, bit for bit, in one call (an embedding lookup)."""
+    q_ptr, s_ptr, n, k = weight_addresses("q8_0", q, scales)
+    out = torch.empty(ids.shape[0], k)
+    if library().tq_q8_rows(q_ptr, s_ptr, n, k, address(ids, torch.long, "row ids"), ids.shape[0], out.data_ptr()):
+        raise IndexError(f"row ids {ids.tolist()} of a weight of {n} rows")
     return out
 
 
@@ -191,7 +203,7 @@ def i8_pack(kind: str, w: torch.Tensor, scales: torch.Tensor) -> I8Panels:
     """The weights of `q4_matmul` / `q8_matmul` (`kind` "int4" or "q8_0") packed for `i8_matmul`."""
     w_ptr, s_ptr, n, k = weight_addresses(kind, w, scales)
     lib = library()
-    data = torch.empty(lib.tq_i8_packed_bytes(KINDS[kind], n, k), dtype=torch.uint8)
+    data = huge_pages.WEIGHTS.empty(lib.tq_i8_packed_bytes(KINDS[kind], n, k))
     lib.tq_i8_pack(KINDS[kind], w_ptr, s_ptr, n, k, data.data_ptr(), thread_count())
     return I8Panels(kind, n, k, data)
 
@@ -313,25 +325,28 @@ def layer(attn_norm: torch.Tensor, ffn_norm: torch.Tensor, wqkv: Linear, wo: Lin
 class LayerStep:
     """The buffers and row metadata of one forward pass that runs each layer as one `tq_decoder_layer` call:
     `h` [m, hidden] (the residual stream, updated in place) and `pending` (the last layer's MLP output, which
-    the caller adds to h)."""
+    the caller adds to h). The buffers are carved from `scratch`, a grow-only float32 buffer the caller keeps
+    between steps: a decode step's Python runs on caches the weights have just streamed through, where each torch
+    allocation costs ~50 µs."""
 
     def __init__(self, h: torch.Tensor, first: Layer, positions: torch.Tensor, blocks: torch.Tensor,
                  offsets: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                  keys: torch.Tensor, tables: torch.Tensor, row_table: torch.Tensor, lens: torch.Tensor, eps: float,
-                 scale: float):
+                 scale: float, scratch: Scratch):
         m, hidden = h.shape
         _, block_size, _, d = keys.shape
         width, ffn = first.wqkv.n, first.gate_up.n // 2
-        self.buffers = {name: torch.empty(m, cols, dtype=torch.float32) for name, cols in (
-            ("res", hidden), ("x", hidden), ("qkv", width), ("attn", heads * d), ("gu", 2 * ffn), ("act", ffn))}
-        self._keep = (h, positions, blocks, offsets, cos, sin, tables, row_table, lens)
-        b = self.buffers
+        columns = (hidden, hidden, width, heads * d, 2 * ffn, ffn)  # res, x, qkv, attn, gu, act: each [m, cols]
+        flat = scratch.reserve(m * sum(columns))
+        starts = [flat.data_ptr() + 4 * m * sum(columns[:i]) for i in range(len(columns))]
+        self._res = (flat, m, hidden)
+        self._keep = (h, positions, blocks, offsets, cos, sin, tables, row_table, lens, flat)
         if first.wqkv.k != hidden or any(t.shape != (m,) for t in (positions, blocks, offsets, row_table, lens)):
             raise ValueError(f"a decoder layer step of {m} rows of {hidden}: one position, slot, table row and length "
                              f"each, and layers of that hidden size")
         _, half = pool_view(keys, "the pool's keys")
         self.s = _LayerStep(m, hidden, heads * d, width, ffn, address(h, torch.float32, "the residual stream"),
-                            *(b[k].data_ptr() for k in b), address(positions, torch.long, "positions"),
+                            *starts, address(positions, torch.long, "positions"),
                             address(blocks, torch.long, "slot blocks"), address(offsets, torch.long, "slot offsets"),
                             address(cos, torch.float32, "the cos table"), address(sin, torch.float32, "the sin table"),
                             heads, kv_heads, d, block_size, keys.stride(0),
@@ -340,14 +355,56 @@ class LayerStep:
                             eps, scale, 0, thread_count(), half)
         self.pool = (keys.stride(), keys.dtype)
 
-    @profiled("decoder_layer")
-    def run(self, layer: Layer, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """One layer; its `keys`/`values` views of the pool are laid out as the first layer's were."""
-        if (keys.stride(), keys.dtype) != self.pool or (values.stride(), values.dtype) != self.pool:
-            raise ValueError(f"layer K/V views {keys.stride()} {keys.dtype} unlike the step's {self.pool}")
-        if library().tq_decoder_layer(ctypes.byref(layer), ctypes.byref(self.s), keys.data_ptr(), values.data_ptr()):
-            raise MemoryError(f"decoder layer of {self.s.m} rows: out of memory")
+    @profiled("decoder_layers")
+    def run(self, stack: LayerStack, keys: list[torch.Tensor], values: list[torch.Tensor], first: int = 0,
+            last: int | None = None) -> None:
+        """Layers [first, last) of `stack` in one call (default: all), layer l on `keys[l]`/`values[l]`, the
+        views of one pool (laid out as the first layer's were)."""
+        keys_at, values_at = stack.pool_addresses(keys, values, self.pool)
+        last = len(stack.layers) if last is None else last
+        if library().tq_decoder_layers(stack.array, first, last, ctypes.byref(self.s), keys_at, values_at):
+            raise MemoryError(f"decoder layers {first}-{last - 1} of {self.s.m} rows: out of memory")
 
     @property
     def pending(self) -> torch.Tensor:
-        return self.buffers["res"]
+        flat, m, hidden = self._res
+        return flat[: m * hidden].view(m, hidden)
+
+
+class LayerStack:
+    """A model's layers as one array for `tq_decoder_layers`, with the addresses of the K/V views of the pool
+    they last ran on (checked once per pool, not once per layer and step)."""
+
+    def __init__(self, layers: list[Layer]):
+        self.layers = layers
+        self.array = (Layer * len(layers))(*layers)
+        self._views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._addresses: tuple[ctypes.Array, ctypes.Array] | None = None
+
+    def pool_addresses(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+                       layout: tuple[tuple[int, ...], torch.dtype]) -> tuple[ctypes.Array, ctypes.Array]:
+        """Arrays of each layer's key and value view addresses; every view laid out as `layout` (strides, dtype)."""
+        if self._views is None or self._views[0] is not keys or self._views[1] is not values:
+            if len(keys) != len(self.layers) or len(values) != len(self.layers):
+                raise ValueError(f"{len(keys)} key and {len(values)} value views for {len(self.layers)} layers")
+            for view in (*keys, *values):
+                if (view.stride(), view.dtype) != layout:
+                    raise ValueError(f"layer K/V views {view.stride()} {view.dtype} unlike the step's {layout}")
+            self._addresses = ((_PTR * len(keys))(*(k.data_ptr() for k in keys)),
+                               (_PTR * len(values))(*(v.data_ptr() for v in values)))
+            self._views = (keys, values)
+        assert self._addresses is not None
+        return self._addresses
+
+
+class Scratch:
+    """A grow-only float32 buffer a model keeps for its LayerSteps (one forward pass at a time)."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.float32)
+
+    def reserve(self, n: int) -> torch.Tensor:
+        """The buffer, of at least `n` floats."""
+        if self.buf.numel() < n:
+            self.buf = torch.empty(max(n, 2 * self.buf.numel()), dtype=torch.float32)
+        return self.buf

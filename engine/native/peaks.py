@@ -49,17 +49,37 @@ def _best_rate(run: Callable[[], float], repeats: int = 5) -> float:
     return best
 
 
+class ReadProbe:
+    """One sum over a buffer far larger than the caches (its pages touched once first): the bytes it read, per
+    call. `bench.engine` also calls one between decode steps, for the bandwidth at the moments the steps ran."""
+
+    def __init__(self, threads: int, nbytes: int = READ_BYTES):
+        self.threads = threads
+        self.buf = torch.ones(nbytes // 4, dtype=torch.float32)
+        self()
+
+    def __call__(self) -> float:
+        lib = native.library()
+        if lib is None:
+            return self.buf.sum().item() and self.buf.numel() * 4
+        return lib.tq_probe_read(self.buf.data_ptr(), self.buf.numel(), self.threads) and self.buf.numel() * 4
+
+    def rate(self) -> float:
+        """Bytes per second of one call."""
+        t = time.perf_counter()
+        done = self()
+        return done / (time.perf_counter() - t)
+
+
 def measure(threads: int | None = None, iters: int = 2_000_000) -> Peaks:
     """This CPU's peaks on `threads` threads (default: torch's); about a second."""
     threads = threads or torch.get_num_threads()
     lib = native.library()
-    buf = torch.ones(READ_BYTES // 4, dtype=torch.float32)
+    read = _best_rate(ReadProbe(threads))
     if lib is None:
-        return Peaks(threads, 0.0, 0.0, 0.0, _best_rate(lambda: buf.sum().item() and buf.numel() * 4))
+        return Peaks(threads, 0.0, 0.0, 0.0, read)
     rates = [_best_rate(lambda probe=probe: probe(iters, threads))
              for probe in (lib.tq_probe_fma, lib.tq_probe_bf16, lib.tq_probe_vnni)]
-    lib.tq_probe_read(buf.data_ptr(), buf.numel(), threads)  # pages touched before timing
-    read = _best_rate(lambda: lib.tq_probe_read(buf.data_ptr(), buf.numel(), threads) and buf.numel() * 4)
     return Peaks(threads, *rates, read)
 
 

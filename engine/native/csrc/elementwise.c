@@ -157,3 +157,22 @@ void tq_silu_mul(const float *gu, int64_t m, int64_t f, float *out, int threads)
         for (; j < f; j++) o[j] = g[j] / (1.f + expf(-g[j])) * u[j];
     }
 }
+
+/* Rows `ids` of a Q8_0 weight (codes [n, k], float16 scales [n, k / 32]) as float32, out [m, k]: each code times
+ * its group's scale (torch's q * scale, the same bits). -1, writing nothing, where an id is not a row. */
+int tq_q8_rows(const int8_t *q, const uint16_t *scales, int64_t n, int64_t k, const int64_t *ids, int64_t m,
+               float *out) {
+    for (int64_t i = 0; i < m; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -1;
+    for (int64_t i = 0; i < m; i++) {
+        const int8_t *row = q + ids[i] * k;
+        const uint16_t *sc = scales + ids[i] * (k / Q8_GROUP);
+        float *o = out + i * k;
+        for (int64_t g = 0; g < k / Q8_GROUP; g++) {
+            float d = half_to_float(sc[g]);
+            #pragma omp simd
+            for (int j = 0; j < Q8_GROUP; j++) o[g * Q8_GROUP + j] = (float)row[g * Q8_GROUP + j] * d;
+        }
+    }
+    return 0;
+}

@@ -38,7 +38,7 @@ static int linear(const Linear *l, const float *x, int64_t m, float *out, int th
 }
 
 /* h += res (pending), then the layer; leaves its MLP output in res (pending). Nonzero without memory. */
-int tq_decoder_layer(const Layer *l, LayerStep *s, void *keys, void *values) {
+static int tq_decoder_layer(const Layer *l, LayerStep *s, void *keys, void *values) {
     int t = (int)s->threads;
     int64_t m = s->m;
     tq_rms_norm(s->h, s->has_res ? s->res : NULL, l->attn_norm, m, s->hidden, s->eps, s->x, t);
@@ -54,5 +54,13 @@ int tq_decoder_layer(const Layer *l, LayerStep *s, void *keys, void *values) {
     tq_silu_mul(s->gu, m, s->ffn, s->act, t);
     if (linear(&l->down, s->act, m, s->res, t)) return -1;
     s->has_res = 1;
+    return 0;
+}
+
+/* Layers [first, last) of `layers`, each with its own K/V views of the pool: a step's layers in one call. */
+int tq_decoder_layers(const Layer *layers, int64_t first, int64_t last, LayerStep *s, void *const *keys,
+                      void *const *values) {
+    for (int64_t l = first; l < last; l++)
+        if (tq_decoder_layer(layers + l, s, keys[l], values[l])) return -1;
     return 0;
 }
