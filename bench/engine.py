@@ -1,11 +1,12 @@
 """Engine micro-benchmark: weight formats side by side, and llama.cpp's server on the same GGUF.
 
     python -m bench.engine [--quantization none,auto] [--batches 1,8,32,64] [--prefill 128,512,2048]
-                           [--threads N] [--rounds 3] [--kernels avx512_bf16,avx2] [--torch-ops]
+                           [--threads N] [--rounds 3] [--kernels avx512_bf16,avx2] [--torch-ops] [--plain-pages]
                            [--baseline REV] [--write]
 
 For each measure, every engine (one per `--quantization`; with `--torch-ops` a second one per format that runs
-torch's operations in place of `engine.native`'s) and `llama-server` (when it can be started,
+torch's operations in place of `engine.native`'s; with `--plain-pages` one whose packed weights are on 4 KiB pages,
+not the 2 MiB ones of `engine.native.huge_pages`) and `llama-server` (when it can be started,
 see bench/llama_server.py) and, with `--baseline REV`, the engine of an earlier commit (its float32 weights,
 see bench/baseline.py) run in turn, `--rounds` times, after a warm-up; the table gives medians,
 so drift on a shared machine hits every column alike. Prefill tok/s is a whole prompt to its first token,
@@ -15,12 +16,15 @@ seconds falls on all of them. llama-server reports its own `timings` (decode: th
 requests added up) and takes its turn once a round. Beside the figures: this CPU's peaks, measured in the
 same run (`engine.native.peaks`), and what each engine would do at them: a prompt token's matmul FLOPs at
 the peak of the precision its kernel path multiplies in, and a batch-1 step reading every weight once at the
-measured read bandwidth.
+measured read bandwidth: the peaks' (the best of five reads), and the median of reads that take their turn
+between the batch-1 steps (the bandwidth this machine's neighbours left at the moments the steps ran: the two
+differ by up to 1.7x here, from one minute to the next).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -34,11 +38,15 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.linear_paths import split_call
 from engine.loader import load_model
 from engine.model_files import DEFAULT_MODEL, model_name, resolve_model_path
-from engine.native import peaks
+from engine.native import huge_pages, peaks
 from engine.params import SamplingParams
+from engine.quant import Int4Weight, Q8Weight
 
 DECODE_PROMPT = 64
 DECODE_STEPS = 16
+HUGE_ROW = "packed weights in 2 MiB pages (MB)"
+READ_ROOF = "roofline: decode batch 1 at read bandwidth (tok/s)"  # the peaks' read: the best of five
+BETWEEN_ROOF = "roofline: decode batch 1 at the read bandwidth between its steps (tok/s)"  # the median
 
 
 def _prompt(n: int, offset: int) -> list[int]:
@@ -113,6 +121,17 @@ def weight_bytes(engine: LLMEngine) -> int:
     return sum(seen.values()) + sum(t.numel() * t.element_size() for t in norms)
 
 
+def panels_in_huge_pages(engine: LLMEngine) -> int:
+    """Bytes in 2 MiB pages of the mappings holding the engine's packed int8 panels (0 off the panels' path)."""
+    m = engine.model
+    coded = [w for w in [m.lm_head] + [w for layer in m.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up,
+                                                                         layer.w_down)]
+             if isinstance(w, Int4Weight | Q8Weight)]
+    if not (native.available() and native.packs_i8()):
+        return 0
+    return huge_pages.huge_page_bytes(w.i8_panels().data for w in coded)
+
+
 def start_times(model: str, dtype: str, quantization: str) -> tuple[float, float]:
     """Seconds to load the model with an empty weight cache (parse + repack) and with a warm one."""
     import tempfile
@@ -147,10 +166,12 @@ def _interleaved(runners: dict[str, Callable[[int], float]], rounds: int) -> dic
 
 
 def _interleaved_decode(starts: dict[str, Callable[[int], DecodeRun]], whole: dict[str, Callable[[int], float]],
-                        batch: int, rounds: int) -> dict[str, float]:
+                        batch: int, rounds: int, probe: peaks.ReadProbe | None = None,
+                        bandwidth: list[float] | None = None) -> dict[str, float]:
     """Output tok/s of each engine over `rounds` x DECODE_STEPS steps, the engines taking turns step by step
     (each holding its own batch), so that a minute of a slower machine slows every engine alike; `whole`
-    runners (llama-server: one call decodes every step) take their turn after each round. A warm-up round first."""
+    runners (llama-server: one call decodes every step) take their turn after each round. A warm-up round first.
+    With `probe`, a read of memory takes its turn after each step of every engine, its rate added to `bandwidth`."""
     times: dict[str, list[float]] = {name: [] for name in starts}
     got: dict[str, list[float]] = {name: [] for name in whole}
     for r in [-1, *range(rounds)]:
@@ -161,6 +182,10 @@ def _interleaved_decode(starts: dict[str, Callable[[int], DecodeRun]], whole: di
                     t = run.step()
                     if r >= 0:
                         times[name].append(t)
+                if probe is not None and bandwidth is not None:
+                    rate = probe.rate()
+                    if r >= 0:
+                        bandwidth.append(rate)
         finally:
             for run in runs.values():
                 run.close()
@@ -201,9 +226,14 @@ def chunk_matmul_rate(engine: LLMEngine, rows: int = CHUNK_ROWS, repeats: int = 
     return ops / took
 
 
+def variants(torch_ops: bool, plain_pages: bool) -> list[tuple[bool, bool]]:
+    """(engine.native's operations, weights on 4 KiB pages) of each engine a weight format gets."""
+    return [(True, False)] + ([(False, False)] if torch_ops else []) + ([(True, True)] if plain_pages else [])
+
+
 def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: list[int], rounds: int,
         peer: bool, plot: bool = False, torch_ops: bool = False, baseline: str | None = None,
-        kernel_paths: list[str] | None = None) -> str:
+        kernel_paths: list[str] | None = None, plain_pages: bool = False) -> str:
     engines: dict[str, LLMEngine] = {}
     paths: dict[str, str | None] = {}  # column -> the kernel path its engine runs on (None: the process's)
     on_kernels: dict[str, bool] = {}  # column -> its matmuls run on engine.native's int4/Q8_0 kernels
@@ -214,15 +244,18 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         loaded = load_model(model, dtype, mode)
         name = f"{mode} ({loaded.quantization})" if loaded.quantization != mode else mode
         for path in (kernel_paths or [None]) if loaded.quantized else [None]:
-            for native_ops in (True, False) if torch_ops else (True,):
-                e = LLMEngine(loaded, EngineConfig(dtype=dtype, num_blocks=64 * 8 + 160, max_batch=max(batches),
-                                                   max_step_tokens=budget, enable_prefix_cache=False,
-                                                   speculative="off"))  # a plain step (bench.speculation: drafts)
+            for native_ops, plain in variants(torch_ops, plain_pages and loaded.quantized):
+                with huge_pages.plain_pages() if plain else contextlib.nullcontext():  # packed at construction
+                    e = LLMEngine(loaded, EngineConfig(dtype=dtype, num_blocks=64 * 8 + 160, max_batch=max(batches),
+                                                       max_step_tokens=budget, enable_prefix_cache=False,
+                                                       speculative="off"))  # a plain step (bench.speculation: drafts)
                 e.model.native = e.model.native and native_ops
-                column = name + (f" {path}" if path else "") + ("" if native_ops else ", torch ops")
+                column = name + (f" {path}" if path else "") + ("" if native_ops else ", torch ops") \
+                    + (", 4 KiB pages" if plain else "")
                 engines[column], paths[column] = e, path
                 on_kernels[column] = loaded.quantized and native.available()  # torch ops: the same matmul kernels
                 facts[column] = {"weights (MB)": f"{weight_bytes(e) / 1e6:,.1f}",
+                                 HUGE_ROW: f"{on_path(path, lambda _, e=e: panels_in_huge_pages(e))(0) / 1e6:,.1f}",
                                  "load cold / warm (s)": f"{cold:.1f} / {warm:.2f}"}
     old = None
     if baseline:
@@ -232,6 +265,7 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
     old_column = f"float32 at {baseline}"
     llama = None
     rows: list[tuple[str, dict[str, float]]] = []
+    between: list[float] = []  # read bandwidth, measured between batch-1 decode steps
     try:
         llama = _start_llama(model, peer)
         columns = list(engines) + ([old_column] if old else []) + (["llama-server"] if llama else [])
@@ -252,7 +286,10 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
             if llama:
                 whole["llama-server"] = lambda r, b=b: llama.decode_tok_s(
                     [_prompt(DECODE_PROMPT, (20 + r) * 1000 + i) for i in range(b)], DECODE_STEPS + 8)
-            rows.append((f"decode batch {b} (output tok/s)", _interleaved_decode(starts, whole, b, rounds)))
+            probe = peaks.ReadProbe(torch.get_num_threads()) if b == 1 else None  # the bandwidth beside the steps
+            rows.append((f"decode batch {b} (output tok/s)",
+                         _interleaved_decode(starts, whole, b, rounds, probe, between)))
+            del probe
         if llama:
             facts["llama-server"] = {"weights (MB)": f"{resolve_model_path(model).stat().st_size / 1e6:,.1f} (file)",
                                      "load cold / warm (s)": "", "RSS (MB)": f"{llama.rss_bytes() / 1e6:,.0f}"}
@@ -277,7 +314,9 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         facts[column]["roofline: prefill at the matmul peak (tok/s)"] = f"{flops / linear_flops(e):,.0f} ({precision})"
         if column in rates and flops:
             facts[column][CHUNK_RATE] = f"{rates[column] / 1e9:,.0f} ({rates[column] / flops:.0%})"
-        facts[column]["roofline: decode batch 1 at read bandwidth (tok/s)"] = f"{peak.read_bytes / weight_bytes(e):,.1f}"
+        facts[column][READ_ROOF] = f"{peak.read_bytes / weight_bytes(e):,.1f}"
+        if between:
+            facts[column][BETWEEN_ROOF] = f"{statistics.median(between) / weight_bytes(e):,.1f}"
     own = "" if model == DEFAULT_MODEL else f" --model {model}"
     lines = [
         "## Engine: weight formats" + (f" ({model})" if own else ""),
@@ -289,7 +328,9 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
         f"{', '.join(kernel_paths) if kernel_paths else native.kernel_path()}. This CPU's peaks (`engine.native.peaks`) "
         f"this run, {peak.describe()}" + (f"; {peak_one.describe()}" if threads > 1 else "") + ". "
         f"Medians of {rounds} rounds after a warm-up, engines taking turns: "
-        f"prefill a prompt each, decode a step each (of {rounds} x {DECODE_STEPS} steps; llama-server a round each)."
+        f"prefill a prompt each, decode a step each (of {rounds} x {DECODE_STEPS} steps; llama-server a round each)"
+        + (f"; between batch-1 steps, reads at a median {statistics.median(between) / 1e9:.1f} GB/s"
+           if between else "") + "."
         + (" `, torch ops`: the same weights and matmul kernels with torch's operations in place of "
            "`engine.native`'s RMSNorm, RoPE + K/V write, attention and SiLU gate (and of its one call per layer)."
            if torch_ops else ""),
@@ -300,7 +341,7 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
     for label, values in rows:
         lines.append(f"| {label} | " + " | ".join(f"{values[c]:,.1f}" for c in columns) + " |")
     for key in ("roofline: prefill at the matmul peak (tok/s)", CHUNK_RATE,
-                "roofline: decode batch 1 at read bandwidth (tok/s)", "weights (MB)",
+                READ_ROOF, BETWEEN_ROOF, "weights (MB)", HUGE_ROW,
                 "load cold / warm (s)", "RSS (MB)"):
         if any(key in facts.get(c, {}) for c in columns):
             lines.append(f"| {key} | " + " | ".join(facts.get(c, {}).get(key, "") for c in columns) + " |")
@@ -345,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default="",
                    help="kernel paths to compare for quantized weights, e.g. avx512_bf16,avx2 (default: the best here)")
     p.add_argument("--baseline", metavar="REV", help="also run the engine of commit REV (float32), side by side")
+    p.add_argument("--plain-pages", action="store_true",
+                   help="also run each quantized format with its packed weights on 4 KiB pages, not 2 MiB ones")
     p.add_argument("--write", action="store_true", help="update the section in docs/benchmarks.md")
     args = p.parse_args(argv)
     if args.threads:
@@ -352,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args.model, args.dtype, args.quantization.split(","), [int(b) for b in args.batches.split(",")],
                  [int(n) for n in args.prefill.split(",")], args.rounds, args.peer, plot=args.write,
                  torch_ops=args.torch_ops, baseline=args.baseline,
-                 kernel_paths=[k for k in args.kernels.split(",") if k])
+                 kernel_paths=[k for k in args.kernels.split(",") if k], plain_pages=args.plain_pages)
     print(report)
     if args.write:
         from bench.report import write_section

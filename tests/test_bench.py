@@ -462,10 +462,12 @@ def test_engine_bench_decodes_in_turns_a_step_each() -> None:
     assert log.index(("whole", 0)) > log.index(("close", "b", 0)) and log.index(("whole", 0)) < log.index(("start", "a", 1))
 
 
-def test_engine_bench_sets_torch_operations_beside_the_native_ones(monkeypatch) -> None:
-    """`bench.engine --torch-ops` measures each format twice, the second engine without engine.native."""
+def test_engine_bench_sets_torch_operations_and_plain_pages_beside_the_native_ones(monkeypatch) -> None:
+    """`bench.engine --torch-ops --plain-pages` measures each format three times: the second engine without
+    engine.native, the third with its packed weights on 4 KiB pages."""
     from bench import engine as engine_bench
     from engine import native
+    from engine.native import huge_pages
 
     monkeypatch.setattr(engine_bench, "start_times", lambda *a: (0.0, 0.0))  # cold loads: not what this checks
     built = []
@@ -477,28 +479,40 @@ def test_engine_bench_sets_torch_operations_beside_the_native_ones(monkeypatch) 
 
     monkeypatch.setattr(engine_bench, "LLMEngine", recording)
     report = engine_bench.run("smollm2-135m-instruct", "float32", ["auto"], [1], [16], 1, peer=False,
-                              torch_ops=True)
+                              torch_ops=True, plain_pages=True)
     header = next(line for line in report.splitlines() if line.startswith("| measure"))
-    assert header.split(" | ")[1:] == ["auto (auto:int4+q8_0)", "auto (auto:int4+q8_0), torch ops |"]
-    assert [e.model.native for e in built] == [native.available(), False]
+    assert header.split(" | ")[1:] == ["auto (auto:int4+q8_0)", "auto (auto:int4+q8_0), torch ops",
+                                       "auto (auto:int4+q8_0), 4 KiB pages |"]
+    assert [e.model.native for e in built] == [native.available(), False, native.available()]
     rows = [line for line in report.splitlines() if line.startswith(("| prefill", "| decode"))]
     assert len(rows) == 2 and all(float(c.replace(",", "")) > 0 for r in rows for c in r.strip("|").split("|")[1:])
-    # the CPU's peaks this run, and each engine's roofline at them (the same matmul kernels in both columns)
+    # the CPU's peaks this run, and each engine's roofline at them (the same matmul kernels in every column)
     assert "This CPU's peaks" in report and "float32 FMA" in report and "GB/s" in report
     [peak] = [line for line in report.splitlines() if line.startswith("| roofline: prefill")]
     precision = native.PANEL_PRECISION.get(native.kernel_path(), "float32")
-    assert peak.count(f"({precision})") == 2
-    [read] = [line for line in report.splitlines() if line.startswith("| roofline: decode batch 1")]
-    assert all(float(c.replace(",", "")) > 0 for c in read.strip("|").split("|")[1:])
+    assert peak.count(f"({precision})") == 3
+    # the read roofline twice: at the peaks' read, and at the median of reads taking turns with the batch-1 steps
+    for label in (engine_bench.READ_ROOF, engine_bench.BETWEEN_ROOF):
+        [read] = [line for line in report.splitlines() if line.startswith(f"| {label} |")]
+        assert all(float(c.replace(",", "")) > 0 for c in read.strip("|").split("|")[1:]), read
+    assert "between batch-1 steps, reads at a median" in report
     # a prompt chunk's matmuls measured beside those peaks, as a share of the matmul peak
     chunk = [line for line in report.splitlines() if line.startswith(f"| {engine_bench.CHUNK_RATE}")]
     if native.available():
         [row] = chunk
         cells = [c.strip() for c in row.strip("|").split("|")[1:]]
         shares = [float(c.split("(")[1].rstrip("%)")) for c in cells]
-        assert len(shares) == 2 and all(0 < share < 200 for share in shares), row
+        assert len(shares) == 3 and all(0 < share < 200 for share in shares), row
     else:
         assert not chunk
+    # the packed weights in 2 MiB pages where the kernel grants them, and not in the 4 KiB pages' column
+    [pages] = [line for line in report.splitlines() if line.startswith(f"| {engine_bench.HUGE_ROW}")]
+    huge, torch_ops, plain = (float(c.replace(",", "")) for c in pages.strip("|").split("|")[1:])
+    assert plain == 0
+    if native.available() and native.packs_i8() and huge_pages.transparent_huge_pages() != "never":
+        assert huge > 90 and torch_ops > 90, pages  # ~97 MB of panels, in 2 MiB pages (a mapping's tail may not be)
+    else:
+        assert huge == torch_ops == 0
 
 
 def test_baseline_engine_answers_bench_engines_measures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
