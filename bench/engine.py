@@ -44,6 +44,7 @@ from engine.quant import Int4Weight, Q8Weight
 
 DECODE_PROMPT = 64
 DECODE_STEPS = 16
+PROBE_EVERY = 8  # decode steps between two reads of memory (bench.engine's second read roofline)
 HUGE_ROW = "packed weights in 2 MiB pages (MB)"
 READ_ROOF = "roofline: decode batch 1 at read bandwidth (tok/s)"  # the peaks' read: the best of five
 BETWEEN_ROOF = "roofline: decode batch 1 at the read bandwidth between its steps (tok/s)"  # the median
@@ -171,18 +172,20 @@ def _interleaved_decode(starts: dict[str, Callable[[int], DecodeRun]], whole: di
     """Output tok/s of each engine over `rounds` x DECODE_STEPS steps, the engines taking turns step by step
     (each holding its own batch), so that a minute of a slower machine slows every engine alike; `whole`
     runners (llama-server: one call decodes every step) take their turn after each round. A warm-up round first.
-    With `probe`, a read of memory takes its turn after each step of every engine, its rate added to `bandwidth`."""
+    With `probe`, a read of memory takes its turn after every PROBE_EVERY steps of every engine, its rate added
+    to `bandwidth` (after every step, it made the steps after it ~1.1x slower: it leaves the caches and the TLB
+    colder than a step leaves them for the next)."""
     times: dict[str, list[float]] = {name: [] for name in starts}
     got: dict[str, list[float]] = {name: [] for name in whole}
     for r in [-1, *range(rounds)]:
         runs = {name: fn(r) for name, fn in starts.items()}
         try:
-            for _ in range(DECODE_STEPS):
+            for i in range(DECODE_STEPS):
                 for name, run in runs.items():
                     t = run.step()
                     if r >= 0:
                         times[name].append(t)
-                if probe is not None and bandwidth is not None:
+                if probe is not None and bandwidth is not None and i % PROBE_EVERY == PROBE_EVERY - 1:
                     rate = probe.rate()
                     if r >= 0:
                         bandwidth.append(rate)
