@@ -83,6 +83,34 @@ def test_the_c_calls_refuse_tensors_they_would_misread():
                        native.paged_attention(wide[:, :HEADS * D].clone(), kc, vc, tables, row_table, lens, HEADS, 0.3))
 
 
+def test_a_layer_stack_checks_its_pools_views_once_and_refuses_what_it_would_misread(smollm, monkeypatch):
+    """`tq_decoder_layers` takes arrays of addresses: a stack checks the pool's K/V views (one per layer, laid out
+    alike) when it first meets them, keeps the arrays while the views are the same, and a step refuses layers
+    outside the stack."""
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.params import SamplingParams
+
+    engine = LLMEngine(smollm, EngineConfig(num_blocks=16, enable_prefix_cache=False))
+    stack = engine.model.fused_layers()
+    assert stack is not None
+    keys, values = engine.pool.layer_views()
+    layout = (keys[0].stride(), keys[0].dtype)
+    first = stack.pool_addresses(keys, values, layout)
+    assert stack.pool_addresses(keys, values, layout) is first  # the same views: the same arrays
+    assert [first[0][i] for i in range(len(keys))] == [k.data_ptr() for k in keys]
+    with pytest.raises(ValueError, match="value views for 30 layers"):
+        stack.pool_addresses(list(keys), list(values[:-1]), layout)
+    with pytest.raises(ValueError, match="unlike the step's"):
+        stack.pool_addresses(list(keys), [v.contiguous() for v in values], layout)
+    steps = []
+    real = native.LayerStep
+    monkeypatch.setattr(native, "LayerStep", lambda *a: steps.append(real(*a)) or steps[-1])
+    engine.generate([chat_ids(smollm, "Hi")], SamplingParams(max_tokens=2, temperature=0.0))
+    for first_layer, last_layer in ((0, 31), (-1, 3), (5, 5)):
+        with pytest.raises(ValueError, match="of a stack of 30"):
+            steps[-1].run(stack, keys, values, first_layer, last_layer)
+
+
 def test_rope_store_rotates_q_and_k_and_writes_k_and_v_to_their_slots():
     kc, vc = _pool()
     n, width = 5, (HEADS + 2 * KV_HEADS) * D

@@ -323,7 +323,7 @@ def layer(attn_norm: torch.Tensor, ffn_norm: torch.Tensor, wqkv: Linear, wo: Lin
 
 
 class LayerStep:
-    """The buffers and row metadata of one forward pass that runs each layer as one `tq_decoder_layer` call:
+    """The buffers and row metadata of one forward pass that runs its layers in `tq_decoder_layers` calls:
     `h` [m, hidden] (the residual stream, updated in place) and `pending` (the last layer's MLP output, which
     the caller adds to h). The buffers are carved from `scratch`, a grow-only float32 buffer the caller keeps
     between steps: a decode step's Python runs on caches the weights have just streamed through, where each torch
@@ -362,6 +362,8 @@ class LayerStep:
         views of one pool (laid out as the first layer's were)."""
         keys_at, values_at = stack.pool_addresses(keys, values, self.pool)
         last = len(stack.layers) if last is None else last
+        if not 0 <= first < last <= len(stack.layers):
+            raise ValueError(f"layers {first}-{last - 1} of a stack of {len(stack.layers)}")
         if library().tq_decoder_layers(stack.array, first, last, ctypes.byref(self.s), keys_at, values_at):
             raise MemoryError(f"decoder layers {first}-{last - 1} of {self.s.m} rows: out of memory")
 
