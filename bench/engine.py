@@ -33,83 +33,28 @@ from collections.abc import Callable
 
 import torch
 
+from bench.engine_turns import (
+    DECODE_PROMPT,
+    DECODE_STEPS,
+    DecodeRun,
+    decode_step_budget,
+    engine_prefill,
+    interleaved,
+    interleaved_decode,
+    on_path,
+    random_prompt,
+)
 from engine import native
 from engine.engine import EngineConfig, LLMEngine
 from engine.linear_paths import split_call
 from engine.loader import load_model
 from engine.model_files import DEFAULT_MODEL, model_name, resolve_model_path
 from engine.native import huge_pages, peaks
-from engine.params import SamplingParams
 from engine.quant import Int4Weight, Q8Weight
 
-DECODE_PROMPT = 64
-DECODE_STEPS = 16
-PROBE_EVERY = 8  # decode steps between two reads of memory (bench.engine's second read roofline)
 HUGE_ROW = "packed weights in 2 MiB pages (MB)"
 READ_ROOF = "roofline: decode batch 1 at read bandwidth (tok/s)"  # the peaks' read: the best of five
 BETWEEN_ROOF = "roofline: decode batch 1 at the read bandwidth between its steps (tok/s)"  # the median
-
-
-def _prompt(n: int, offset: int) -> list[int]:
-    g = torch.Generator().manual_seed(offset)
-    return torch.randint(100, 40000, (n,), generator=g).tolist()
-
-
-def engine_prefill(engine: LLMEngine, n: int, seed: int) -> float:
-    """Prompt tokens per second of a whole-prompt prefill (time to the first token)."""
-    t = time.perf_counter()
-    engine.generate([_prompt(n, seed)], SamplingParams(max_tokens=1, temperature=0.0))
-    return n / (time.perf_counter() - t)
-
-
-def on_path(path: str | None, fn: Callable[[int], float]) -> Callable[[int], float]:
-    """`fn` run on kernel path `path` (engine.native.use_kernel_path; None: as it is)."""
-    def run(r: int) -> float:
-        if path:
-            native.use_kernel_path(path)
-        return fn(r)
-    return run
-
-
-class DecodeRun:
-    """`batch` prompts of `prompt` tokens (64) prefilled on `engine` (its matmuls on kernel path `path`, when
-    given), then decoded one timed step at a time."""
-
-    def __init__(self, engine: LLMEngine, batch: int, seed: int, path: str | None = None, steps: int = DECODE_STEPS,
-                 prompt: int = DECODE_PROMPT):
-        self.engine, self.path = engine, path
-        if path:
-            native.use_kernel_path(path)
-        params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-        self.seqs = [engine.add_request(f"d{batch}-{seed}-{i}", _prompt(prompt, seed * 1000 + i), params)
-                     for i in range(batch)]
-        while any(s.num_computed < len(s.prompt_ids) for s in self.seqs):  # one step, with decode_step_budget
-            engine.step()
-            if not engine.last_plan_size:
-                raise RuntimeError(f"a batch of {batch} does not fit the engine's KV blocks or max_batch")
-        engine.step()
-
-    def step(self) -> float:
-        """Seconds of one decode step of the whole batch."""
-        if self.path:
-            native.use_kernel_path(self.path)
-        t = time.perf_counter()
-        out = self.engine.step()
-        elapsed = time.perf_counter() - t
-        if len(out) != len(self.seqs) or any(o.finish_reason for o in out):
-            raise RuntimeError(f"a decode step of {len(out)} rows, not the batch's {len(self.seqs)}")
-        return elapsed
-
-    def close(self) -> None:
-        for s in self.seqs:
-            self.engine.abort(s.request_id)
-
-
-def decode_step_budget(batches: list[int], prefills: list[int], prompt: int = DECODE_PROMPT) -> int:
-    """max_step_tokens for the bench's engines: the longest prompt measured, or every decode batch's prompts
-    (of `prompt` tokens) in one step. (Prefilled in chunks, the first rows would decode while the last were still
-    prefilling, and finish before the timed steps ended: the "batch 32" steps were of fewer rows.)"""
-    return max([*prefills, *(b * prompt for b in batches)])
 
 
 def weight_bytes(engine: LLMEngine) -> int:
@@ -153,51 +98,6 @@ def start_times(model: str, dtype: str, quantization: str) -> tuple[float, float
             else:
                 os.environ["TANDEM_CACHE_DIR"] = old
     return cold, warm
-
-
-def _interleaved(runners: dict[str, Callable[[int], float]], rounds: int) -> dict[str, float]:
-    """Median of `rounds` runs of each runner, the runners taking turns (one warm-up each first)."""
-    for fn in runners.values():
-        fn(-1)
-    got: dict[str, list[float]] = {name: [] for name in runners}
-    for r in range(rounds):
-        for name, fn in runners.items():
-            got[name].append(fn(r))
-    return {name: statistics.median(v) for name, v in got.items()}
-
-
-def _interleaved_decode(starts: dict[str, Callable[[int], DecodeRun]], whole: dict[str, Callable[[int], float]],
-                        batch: int, rounds: int, probe: peaks.ReadProbe | None = None,
-                        bandwidth: list[float] | None = None) -> dict[str, float]:
-    """Output tok/s of each engine over `rounds` x DECODE_STEPS steps, the engines taking turns step by step
-    (each holding its own batch), so that a minute of a slower machine slows every engine alike; `whole`
-    runners (llama-server: one call decodes every step) take their turn after each round. A warm-up round first.
-    With `probe`, a read of memory takes its turn after every PROBE_EVERY steps of every engine, its rate added
-    to `bandwidth` (after every step, it made the steps after it ~1.1x slower: it leaves the caches and the TLB
-    colder than a step leaves them for the next)."""
-    times: dict[str, list[float]] = {name: [] for name in starts}
-    got: dict[str, list[float]] = {name: [] for name in whole}
-    for r in [-1, *range(rounds)]:
-        runs = {name: fn(r) for name, fn in starts.items()}
-        try:
-            for i in range(DECODE_STEPS):
-                for name, run in runs.items():
-                    t = run.step()
-                    if r >= 0:
-                        times[name].append(t)
-                if probe is not None and bandwidth is not None and i % PROBE_EVERY == PROBE_EVERY - 1:
-                    rate = probe.rate()
-                    if r >= 0:
-                        bandwidth.append(rate)
-        finally:
-            for run in runs.values():
-                run.close()
-        for name, fn in whole.items():
-            value = fn(r)
-            if r >= 0:
-                got[name].append(value)
-    return {**{name: batch / statistics.median(t) for name, t in times.items()},
-            **{name: statistics.median(v) for name, v in got.items()}}
 
 
 CHUNK_ROWS = 256
@@ -278,8 +178,8 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
             if old:
                 runners[old_column] = lambda r, n=n: old.prefill(n, 10 + r)
             if llama:
-                runners["llama-server"] = lambda r, n=n: llama.prefill_tok_s(_prompt(n, 10 + r))
-            rows.append((f"prefill {n} tokens (prompt tok/s)", _interleaved(runners, rounds)))
+                runners["llama-server"] = lambda r, n=n: llama.prefill_tok_s(random_prompt(n, 10 + r))
+            rows.append((f"prefill {n} tokens (prompt tok/s)", interleaved(runners, rounds)))
         for b in batches:
             starts: dict[str, Callable[[int], DecodeRun]] = {
                 name: (lambda r, e=e, b=b, p=paths[name]: DecodeRun(e, b, 20 + r, p)) for name, e in engines.items()}
@@ -288,10 +188,10 @@ def run(model: str, dtype: str, modes: list[str], batches: list[int], prefills: 
             whole = {}
             if llama:
                 whole["llama-server"] = lambda r, b=b: llama.decode_tok_s(
-                    [_prompt(DECODE_PROMPT, (20 + r) * 1000 + i) for i in range(b)], DECODE_STEPS + 8)
+                    [random_prompt(DECODE_PROMPT, (20 + r) * 1000 + i) for i in range(b)], DECODE_STEPS + 8)
             probe = peaks.ReadProbe(torch.get_num_threads()) if b == 1 else None  # the bandwidth beside the steps
             rows.append((f"decode batch {b} (output tok/s)",
-                         _interleaved_decode(starts, whole, b, rounds, probe, between)))
+                         interleaved_decode(starts, whole, b, rounds, probe, between)))
             del probe
         if llama:
             facts["llama-server"] = {"weights (MB)": f"{resolve_model_path(model).stat().st_size / 1e6:,.1f} (file)",

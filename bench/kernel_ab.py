@@ -35,7 +35,7 @@ import torch
 
 import engine.native as native
 from bench.baseline import source_tree
-from bench.engine import DECODE_PROMPT, DecodeRun, decode_step_budget, engine_prefill
+from bench.engine_turns import DECODE_PROMPT, DecodeRun, decode_step_budget, engine_prefill
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.model_files import DEFAULT_MODEL

@@ -46,7 +46,7 @@ def engine_step(model: str, cores: list[int], threads: int, prompt_len: int, out
     os.sched_setaffinity(0, cores)
     import torch
 
-    from bench.engine import _prompt
+    from bench.engine_turns import random_prompt
     from engine.engine import EngineConfig, LLMEngine
     from engine.loader import load_model
     from engine.params import SamplingParams
@@ -57,7 +57,7 @@ def engine_step(model: str, cores: list[int], threads: int, prompt_len: int, out
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     steps: list[float] = []
     for i in range(prompts + 1):  # the first warms up
-        seq = engine.add_request(f"s{i}", _prompt(prompt_len, 7000 + i), params)
+        seq = engine.add_request(f"s{i}", random_prompt(prompt_len, 7000 + i), params)
         while seq.num_computed < len(seq.prompt_ids):
             engine.step()
         times = []

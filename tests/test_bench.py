@@ -434,8 +434,9 @@ def test_pd_report_checks_the_targets_and_names_where_prompts_were_prefilled() -
 
 def test_engine_bench_decodes_in_turns_a_step_each() -> None:
     """bench.engine's decode: every engine holds its own batch and they take turns a step at a time; a whole
-    runner (llama-server) takes its turn after each round; a warm-up round of each comes first."""
-    from bench import engine as engine_bench
+    runner (llama-server) takes its turn after each round; a warm-up round of each comes first; a read of memory
+    takes its turn every PROBE_EVERY steps, its rates kept from the timed rounds only."""
+    from bench import engine_turns
 
     log: list[tuple] = []
 
@@ -451,13 +452,25 @@ def test_engine_bench_decodes_in_turns_a_step_each() -> None:
         def close(self) -> None:
             log.append(("close", self.name, self.r))
 
+    class Probe:
+        def rate(self) -> float:
+            log.append(("probe", len(log)))
+            return 30e9 + len(log)
+
     starts = {"a": lambda r: Run("a", r), "b": lambda r: Run("b", r)}
-    got = engine_bench._interleaved_decode(starts, {"w": lambda r: log.append(("whole", r)) or 7.0}, 4, 2)
+    bandwidth: list[float] = []
+    got = engine_turns.interleaved_decode(starts, {"w": lambda r: log.append(("whole", r)) or 7.0}, 4, 2, Probe(),
+                                          bandwidth)
     assert got == {"a": 8.0, "b": 16.0, "w": 7.0}
+    probes = [e for e in log if e[0] == "probe"]
+    steps_per_round = engine_turns.DECODE_STEPS
+    assert len(probes) == 3 * steps_per_round // engine_turns.PROBE_EVERY  # the warm-up round's too
+    assert len(bandwidth) == 2 * steps_per_round // engine_turns.PROBE_EVERY  # kept: the timed rounds'
+    log[:] = [e for e in log if e[0] != "probe"]
     for r in (-1, 0, 1):
         turns = [e for e in log if e[-1] == r and e[0] != "whole"]
         assert turns[:2] == [("start", "a", r), ("start", "b", r)] and turns[-2:] == [("close", "a", r), ("close", "b", r)]
-        assert [e[1] for e in turns[2:-2]] == ["a", "b"] * engine_bench.DECODE_STEPS
+        assert [e[1] for e in turns[2:-2]] == ["a", "b"] * steps_per_round
     assert [e for e in log if e[0] == "whole"] == [("whole", -1), ("whole", 0), ("whole", 1)]
     assert log.index(("whole", 0)) > log.index(("close", "b", 0)) and log.index(("whole", 0)) < log.index(("start", "a", 1))
 
