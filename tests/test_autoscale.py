@@ -151,7 +151,7 @@ def test_a_burst_scales_up_and_the_scaler_drains_back_to_the_minimum_without_fai
 
         async def burst() -> list[dict[str, Any]]:
             async with httpx.AsyncClient(timeout=300) as client:
-                tasks = [asyncio.create_task(stream_chat(client, up.url, long_prompt(i, 8), max_tokens=64,
+                tasks = [asyncio.create_task(stream_chat(client, up.url, long_prompt(i, 20), max_tokens=64,
                                                          ignore_eos=True)) for i in range(6)]
                 while not all(t.done() for t in tasks):
                     seen.append(workers_of(up))

@@ -68,11 +68,11 @@ def test_a_model_packs_every_panel_at_load_and_computes_the_same_on_either_pages
         layers = len(engine.model.layers)
         assert len(packed) == 4 * layers + 1  # every linear layer, then the LM head
         assert engine.model.lm_head.i8_panels() is packed[-1]
-        in_huge = huge_pages.huge_page_bytes(p.data for p in packed)
-        if plain:
-            assert in_huge == 0
+        in_huge, total = huge_pages.huge_page_bytes(p.data for p in packed), sum(p.data.numel() for p in packed)
+        if plain:  # plain allocations share mappings with the process's other memory, which another library may
+            assert in_huge < 0.5 * total  # have asked huge pages for (10 of 97 MB once, after the suite's NIXL tests)
         elif huge_pages.transparent_huge_pages() != "never":
-            assert in_huge > 0.9 * sum(p.data.numel() for p in packed)
+            assert in_huge > 0.9 * total
         [seq] = engine.generate(prompt, params)
         outputs.append((seq.output_ids, [lp.logprob for lp in seq.logprobs]))
         assert len(packed) == 4 * layers + 1  # nothing packed by the request
