@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from engine import native
+from engine.native import Workspace
 
 _DEQUANT_ROWS = 4096  # output rows expanded at once on the dequantize path (bounds the workspace)
 
@@ -47,23 +48,6 @@ class KernelChoice:
 
 
 KERNELS = KernelChoice()
-
-
-class Workspace:
-    """A grow-only float32 buffer shared by every layer of one model: dequantized weights land here.
-
-    Reused rather than allocated per call: fresh pages cost 20-40x a warm copy on first touch.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.buf = torch.empty(0, dtype=torch.float32, device=device)
-
-    def take(self, rows: int, cols: int) -> torch.Tensor:
-        n = rows * cols
-        if self.buf.numel() < n:
-            self.buf = torch.empty(n, dtype=torch.float32, device=self.device)
-        return self.buf[:n].view(rows, cols)
 
 
 def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -97,8 +81,18 @@ class CodedWeight:
             self._i8 = native.i8_pack(*self.panel_codes())
         return self._i8
 
+    @staticmethod
+    def on_panels() -> bool:
+        """This process's kernel rows multiply on int8 panels."""
+        return native.available() and native.packs_i8()
+
+    def pack(self) -> None:
+        """Pack the panels now where the kernel rows use them (at load, not in the first request's step)."""
+        if self.on_panels():
+            self.i8_panels()
+
     def kernel(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if native.available() and native.packs_i8():
+        if self.on_panels():
             return native.i8_matmul(x, self.i8_panels(), KERNEL_DIGITS, out)
         return into(self.native_kernel(x) if native.available() else self.torch_kernel(x), out)
 

@@ -27,7 +27,7 @@ from engine import native
 from engine.attention import DecodeAttention, PagedAttention, span_attention
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.linear_paths import KERNELS, Workspace
+from engine.linear_paths import KERNELS, CodedWeight
 from engine.quant import DenseWeight, Int4Weight, Q8Weight, Weight, weight_from_tensors
 from engine.rope import apply_rope, rope_frequencies
 from kv.pool import KVPool
@@ -59,7 +59,7 @@ class DecoderModel:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
-        self.workspace = Workspace(self.device)
+        self.workspace = native.Workspace(self.device)
 
         def weight(name: str) -> Weight:
             w = weight_from_tensors(weights, name, self.workspace)
@@ -95,10 +95,10 @@ class DecoderModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self._fused: dict[str, native.LayerStack | None] = {}  # per kernel path: the int8 panels' are packed
-        self.layer_scratch = native.Scratch()
+        self.layer_scratch = native.Workspace()
         self.fused_layers()
-        if native.available() and native.packs_i8() and isinstance(self.lm_head, Int4Weight | Q8Weight):
-            self.lm_head.i8_panels()  # at load, like the layers' panels, not in the first request's step
+        if isinstance(self.lm_head, CodedWeight):
+            self.lm_head.pack()  # like the layers' panels
         # long prompt chunks may attend in bfloat16 (as their matmuls run on bfloat16 panels); float weights keep
         # float32 throughout, the reference the quality bench measures against
         self.quantized = any(isinstance(w, Int4Weight | Q8Weight) for layer in self.layers

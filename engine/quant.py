@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from engine import native
-from engine.linear_paths import CodedWeight, Workspace, dense_matmul, into, split_call
+from engine.linear_paths import CodedWeight, dense_matmul, into, split_call
+from engine.native import Workspace
 
 GROUP = 32  # weights per int4 scale/offset group (GGUF's block size)
 KERNEL_DTYPE = torch.bfloat16  # activation dtype of torch's int4/int8 CPU kernels (fp16/fp32 run unvectorized)

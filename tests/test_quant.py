@@ -13,8 +13,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from engine.linear_paths import KERNELS, Workspace
+from engine.linear_paths import KERNELS
 from engine.loader import GGUFWeights
+from engine.native import Workspace
 from engine.quant import (
     FP16Weight,
     Int4Weight,

@@ -38,10 +38,11 @@ from engine.native.dispatch import (
     variant,
     variant_file,
 )
-from engine.native.layers import Layer, LayerStack, LayerStep, Linear, Scratch, i8_linear, layer, linear
+from engine.native.layers import Layer, LayerStack, LayerStep, Linear, i8_linear, layer, linear
 from engine.native.tensors import (
     POOL_DTYPES,
     I8Panels,
+    Workspace,
     address,
     pool_addresses,
     profiled,
@@ -50,7 +51,7 @@ from engine.native.tensors import (
 )
 
 __all__ = ["BF16_MARGIN", "DOTPROD", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES", "VNNI",
-           "I8Panels", "Layer", "LayerStack", "LayerStep", "Linear", "Scratch", "argmax", "available", "bf16_attention_paths", "bf16_matmul",
+           "I8Panels", "Layer", "LayerStack", "LayerStep", "Linear", "Workspace", "argmax", "available", "bf16_attention_paths", "bf16_matmul",
            "chunk_attention", "has_chunk_attention", "i8_linear", "i8_matmul", "i8_pack", "q8_rows", "int4_dequantize",
            "kernel_path", "kernel_paths", "layer", "library", "linear", "packs_i8", "paged_attention",
            "panel_min_rows", "q4_matmul", "q8_matmul", "rms_norm", "rope_store", "row_invariant", "silu_mul",

@@ -10,7 +10,15 @@ import ctypes
 import torch
 
 from engine.native.dispatch import KINDS, library
-from engine.native.tensors import I8Panels, address, pool_view, profiled, thread_count, weight_addresses
+from engine.native.tensors import (
+    I8Panels,
+    Workspace,
+    address,
+    pool_view,
+    profiled,
+    thread_count,
+    weight_addresses,
+)
 
 I8_PANELS = 16  # csrc/layer.c's KIND_I8: a `Linear` of packed panels
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -67,7 +75,7 @@ class LayerStep:
     def __init__(self, h: torch.Tensor, first: Layer, positions: torch.Tensor, blocks: torch.Tensor,
                  offsets: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                  keys: torch.Tensor, tables: torch.Tensor, row_table: torch.Tensor, lens: torch.Tensor, eps: float,
-                 scale: float, scratch: Scratch):
+                 scale: float, scratch: Workspace):
         m, hidden = h.shape
         _, block_size, _, d = keys.shape
         width, ffn = first.wqkv.n, first.gate_up.n // 2
@@ -134,14 +142,3 @@ class LayerStack:
         return self._addresses
 
 
-class Scratch:
-    """A grow-only float32 buffer a model keeps for its LayerSteps (one forward pass at a time)."""
-
-    def __init__(self) -> None:
-        self.buf = torch.empty(0, dtype=torch.float32)
-
-    def reserve(self, n: int) -> torch.Tensor:
-        """The buffer, of at least `n` floats."""
-        if self.buf.numel() < n:
-            self.buf = torch.empty(max(n, 2 * self.buf.numel()), dtype=torch.float32)
-        return self.buf

@@ -16,6 +16,26 @@ from torch.autograd import profiler
 F = TypeVar("F", bound=Callable)
 
 
+class Workspace:
+    """A grow-only float32 buffer a model keeps and reuses, one forward pass at a time (a LayerStep's buffers, a
+    dequantized weight): fresh pages cost 20-40x a warm copy on first touch, and a slice or view per call is a
+    torch call the hot path does without (`reserve`)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.buf = torch.empty(0, dtype=torch.float32, device=self.device)
+
+    def reserve(self, n: int) -> torch.Tensor:
+        """The whole buffer, of at least `n` floats."""
+        if self.buf.numel() < n:
+            self.buf = torch.empty(max(n, 2 * self.buf.numel()), dtype=torch.float32, device=self.device)
+        return self.buf
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        """Its first ``rows * cols`` floats as a (rows, cols) matrix."""
+        return self.reserve(rows * cols)[:rows * cols].view(rows, cols)
+
+
 def profiled(name: str) -> Callable[[F], F]:
     """Show each call as ``tandem::<name>`` in torch's profiler while one records (a
     ``record_function`` range), and cost nothing more than a flag read otherwise. Not a
