@@ -595,3 +595,23 @@ def test_kernel_ab_takes_turns_between_two_builds_of_ops_c(capsys):
     assert all(r.endswith("| yes |") for r in rows[:-2])
     with pytest.raises(SystemExit):
         kernel_ab.main([])  # --old or --baseline is required
+
+
+def test_long_beside_streams_table_and_flags() -> None:
+    from bench import long_beside_streams as lbs
+
+    assert lbs.words(3, 10) == lbs.words(3, 10) and lbs.words(3, 10) != lbs.words(4, 10)
+    assert len(lbs.words(1, 690).split()) == 690
+    assert lbs.quantile([5.0, 1.0, 3.0, 2.0, 4.0], 0.5) == 3.0 and lbs.quantile([1.0, 9.0], 0.99) == 9.0
+    row = {"prompt_tokens": 2001, "gap_p50_ms": 20.0, "gap_p99_ms": 60.0, "gap_max_ms": 90.0, "gaps": 10}
+    text = lbs.table({"disaggregated": {**row, "ttft_ms": 3000.0}, "aggregated-512": {**row, "ttft_ms": 1500.0}})
+    assert "| disaggregated | 2001 | 3,000 ms | 2.00x | 20.0 ms | 60 ms | 90 ms |" in text
+    assert "| aggregated-512 | 2001 | 1,500 ms | 1.00x |" in text
+    alone = lbs.table({"disaggregated": {**row, "ttft_ms": 1600.0, "gaps": 0}})
+    assert alone.endswith("| disaggregated | 2001 | 1,600 ms | 1.00x | - | - | - |")
+    with pytest.raises(SystemExit) as bad:
+        lbs.main(["--layouts", "nonesuch"])
+    assert bad.value.code == 2
+    with pytest.raises(SystemExit) as bad:
+        lbs.main(["--env", "NOEQUALS"])
+    assert bad.value.code == 2
