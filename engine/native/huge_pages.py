@@ -23,12 +23,14 @@ CHUNK = 32 << 20  # one mapping per CHUNK of small weights; larger ones get thei
 ALIGN = 64
 
 
-def _mapping(nbytes: int) -> torch.Tensor:
-    """`nbytes` (a multiple of HUGE_PAGE) of fresh anonymous memory from a 2 MiB boundary, asked for in huge pages."""
+def _mapping(nbytes: int, huge: bool) -> torch.Tensor:
+    """`nbytes` (a multiple of HUGE_PAGE) of fresh anonymous memory from a 2 MiB boundary, asked for in huge pages,
+    or (`huge` False) asked never to be: a mapping of its own either way, so no other memory's pages are counted
+    with it or merged into it (a plain `torch.empty` may land in a mapping another library asked huge pages for)."""
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: shmem, no THP
     whole = torch.frombuffer(mm, dtype=torch.uint8)  # holds mm open as long as any view of it lives
     start = -whole.data_ptr() % HUGE_PAGE
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
     if advice is not None and transparent_huge_pages() != "never":
         mm.madvise(advice, start, nbytes)
     return whole[start:start + nbytes]
@@ -65,24 +67,25 @@ def huge_page_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 class HugePageArena:
     """Hands out byte tensors (64-byte aligned) carved from 2 MiB-aligned mappings. A carved tensor keeps its
-    whole mapping alive; weights live as long as their model, so nothing is freed piecemeal. `huge=False`: plain
-    torch tensors (4 KiB pages), for the comparison."""
+    whole mapping alive; weights live as long as their model, so nothing is freed piecemeal. `huge=False`: the
+    same mappings on 4 KiB pages (even where the kernel gives every mapping huge pages), for the comparison."""
 
     def __init__(self, chunk: int = CHUNK, huge: bool = True) -> None:
-        self.chunk, self.huge = chunk, huge and hasattr(mmap, "MAP_PRIVATE")  # POSIX only
+        self.chunk, self.huge = chunk, huge
+        self._mapped = hasattr(mmap, "MAP_PRIVATE")  # POSIX only; elsewhere plain torch tensors
         self._lock = threading.Lock()
         self._free = torch.empty(0, dtype=torch.uint8)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """An uninitialised uint8 tensor of `nbytes`."""
-        if not self.huge:
+        if not self._mapped:
             return torch.empty(nbytes, dtype=torch.uint8)
         padded = -(-nbytes // ALIGN) * ALIGN
         if padded > self.chunk // 2:
-            return _mapping(-(-padded // HUGE_PAGE) * HUGE_PAGE)[:nbytes]
+            return _mapping(-(-padded // HUGE_PAGE) * HUGE_PAGE, self.huge)[:nbytes]
         with self._lock:
             if self._free.numel() < padded:
-                self._free = _mapping(self.chunk)
+                self._free = _mapping(self.chunk, self.huge)
             out, self._free = self._free[:nbytes], self._free[padded:]
         return out
 

@@ -74,6 +74,24 @@ class Site:
                                   password=values["TANDEM_NATS_PASSWORD_ADMIN"], connect_timeout=5,
                                   max_reconnect_attempts=3)
 
+    def streams_settled(self, timeout: float = 60.0) -> None:
+        """Until every JetStream stream (the work queues, the claims) has a leader and every replica is current:
+        after a member's restart an election may still be due, and a worker that cannot claim a job refuses it."""
+        unsettled: list[str] = []
+
+        async def look() -> bool:
+            nc = await self.admin()
+            try:
+                streams = await nc.jetstream().streams_info()
+            finally:
+                await nc.close()
+            unsettled[:] = [s.config.name for s in streams if s.cluster is None or not s.cluster.leader
+                            or not all(r.current for r in s.cluster.replicas or [])]
+            return bool(streams) and not unsettled
+
+        wait_until(lambda: asyncio.run(look()), timeout, lambda: f"streams settled; unsettled: {unsettled}",
+                   interval=0.5, ignore=(nats.errors.Error, asyncio.TimeoutError, OSError))
+
     def leader(self, dead: str = "") -> str:
         """The member leading the generate queue (asked of the members but ``dead``)."""
         async def go() -> str:

@@ -156,6 +156,7 @@ def whole(site: Site, uncut: list[str], results: list[dict[str, Any]]) -> None:
 
 
 def back_to_normal(site: Site) -> None:
+    site.streams_settled()
     site.heard({"prefill-a", "decode-b", "decode-c"}, timeout=120)
     site.idle({"prefill-a", "decode-b", "decode-c"})
 
