@@ -57,15 +57,10 @@ READ_ROOF = "roofline: decode batch 1 at read bandwidth (tok/s)"  # the peaks' r
 BETWEEN_ROOF = "roofline: decode batch 1 at the read bandwidth between its steps (tok/s)"  # the median
 
 
-def layer_linears(engine: LLMEngine) -> list:
-    """Every layer's four linear weights (qkv, o, gate-up, down), in order."""
-    return [w for layer in engine.model.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-
-
 def weight_bytes(engine: LLMEngine) -> int:
     """Bytes of weights the engine holds (each tensor once; the tied embedding is the LM head)."""
     m = engine.model
-    seen = {id(w): w.nbytes for w in [m.embed, m.lm_head, *layer_linears(engine)]}
+    seen = {id(w): w.nbytes for w in [m.embed, m.lm_head, *engine.model.linears]}
     norms = [m.norm] + [t for layer in m.layers for t in (layer.attn_norm, layer.ffn_norm)]
     return sum(seen.values()) + sum(t.numel() * t.element_size() for t in norms)
 
@@ -74,7 +69,7 @@ def panels_in_huge_pages(engine: LLMEngine) -> int:
     """Bytes in 2 MiB pages of the mappings holding the engine's packed int8 panels (0 off the panels' path)."""
     if not (native.available() and native.packs_i8()):
         return 0
-    coded = [w for w in [engine.model.lm_head, *layer_linears(engine)] if isinstance(w, Int4Weight | Q8Weight)]
+    coded = [w for w in [engine.model.lm_head, *engine.model.linears] if isinstance(w, Int4Weight | Q8Weight)]
     return huge_pages.huge_page_bytes(w.i8_panels().data for w in coded)
 
 
@@ -107,7 +102,7 @@ CHUNK_RATE = f"a {CHUNK_ROWS}-row chunk's matmuls (G op/s, of the peak)"
 def linear_flops(engine: LLMEngine) -> int:
     """Floating-point operations of a prompt token's matmuls (2 per weight; the LM head left out: a prompt
     takes its logits at one token)."""
-    return sum(2 * w.out_features * w.in_features for w in layer_linears(engine))
+    return sum(2 * w.out_features * w.in_features for w in engine.model.linears)
 
 
 def chunk_matmul_rate(engine: LLMEngine, rows: int = CHUNK_ROWS, repeats: int = 10) -> float:
@@ -115,7 +110,7 @@ def chunk_matmul_rate(engine: LLMEngine, rows: int = CHUNK_ROWS, repeats: int = 
     layers on `rows` rows, each the median of `repeats` calls after one to warm up."""
     layer = engine.model.layers[0]
     ops = took = 0.0
-    for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
+    for w in layer.linears:
         x = torch.randn(rows, w.in_features)
         times = []
         for _ in range(repeats + 1):

@@ -49,6 +49,11 @@ class Layer:
     window: int = 0  # tokens it attends to (0: all)
     rope: int = 0  # its RoPE table: 0 the model's, 1 the local layers'
 
+    @property
+    def linears(self) -> tuple[Weight, Weight, Weight, Weight]:
+        """Its four linear weights in the order a forward pass multiplies them: qkv, o, gate-up, down."""
+        return self.wqkv, self.wo, self.w_gate_up, self.w_down
+
 
 class DecoderModel:
     """Weights: a flat dict of tensors in the loader's naming (fused QKV and gate/up; a quantized weight
@@ -101,11 +106,15 @@ class DecoderModel:
             self.lm_head.pack()  # like the layers' panels
         # long prompt chunks may attend in bfloat16 (as their matmuls run on bfloat16 panels); float weights keep
         # float32 throughout, the reference the quality bench measures against
-        self.quantized = any(isinstance(w, Int4Weight | Q8Weight) for layer in self.layers
-                             for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+        self.quantized = any(isinstance(w, Int4Weight | Q8Weight) for w in self.linears)
         # called before each layer of the per-operation path: a worker moving its threads on or off borrowed
         # cores (runtime/borrowing.py)
         self.before_layer: Callable[[], None] | None = None
+
+    @property
+    def linears(self) -> list[Weight]:
+        """Every layer's four linear weights, layer by layer (`Layer.linears`; the LM head not among them)."""
+        return [w for layer in self.layers for w in layer.linears]
 
     def _rope_table(self, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (with rotate_half's sign folded in) of every position, [max_position, head_dim]."""
@@ -119,18 +128,16 @@ class DecoderModel:
         """What would make a row's result depend on its step on the row-invariant kernel path (none: every row
         takes the int16 kernels and the C attention): torch's operations, or weights MKL or torch multiply."""
         gaps = [] if self.native else [f"{self.device.type} {self.dtype} runs torch's operations"]
-        linears = [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-        kinds = sorted({w.kind for w in [*linears, self.lm_head] if not isinstance(w, Int4Weight | Q8Weight)})
+        kinds = sorted({w.kind for w in [*self.linears, self.lm_head] if not isinstance(w, Int4Weight | Q8Weight)})
         return gaps + ([f"{', '.join(kinds)} weights"] if kinds else [])
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (every linear layer, the LM head, the norms)."""
-        linears = [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
         norms = [t for layer in self.layers for t in (layer.attn_norm, layer.ffn_norm, layer.qkv_bias, layer.q_norm,
                                                        layer.k_norm, layer.post_attn_norm, layer.post_ffn_norm)
                  if t is not None] + [self.norm]
-        return sum(w.nbytes for w in linears) + self.lm_head.nbytes + sum(t.numel() * t.element_size() for t in norms)
+        return sum(w.nbytes for w in self.linears) + self.lm_head.nbytes + sum(t.numel() * t.element_size() for t in norms)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool,
@@ -268,7 +275,7 @@ class DecoderModel:
 
         layers = []
         for layer in self.layers:
-            linears = [linear(w) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+            linears = [linear(w) for w in layer.linears]
             if any(lin is None for lin in linears):
                 return None
             layers.append(native.layer(layer.attn_norm, layer.ffn_norm, *linears))
