@@ -42,9 +42,11 @@ from engine.model_files import model_name
 from kv.transfer.auto import create_engine
 from kv.transfer.base import new_incarnation
 from runtime import metrics
+from runtime.borrowing import LentCores
 from runtime.health import WorkerHealth
 from runtime.logs import Throttled
 from runtime.names import check_subject
+from runtime.placement import parse_cpus
 from runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -105,7 +107,10 @@ class WorkerActor:
         """The model loop on this (main) thread, the bus on an event loop in a second thread (uvloop's: less
         CPU per message, which the model's threads share the cores with)."""
         loop = uvloop.new_event_loop()
-        self.runner = EngineRunner(self.engine, loop, self._outputs_from_thread, self.changed.set)
+        # a pinned decode worker lends its cores to a prefill worker that borrows them (runtime/borrowing.py)
+        lent = LentCores(self.s.namespace, parse_cpus(self.s.cpus)) if self.role == "decode_only" and self.s.cpus else None
+        self.runner = EngineRunner(self.engine, loop, self._outputs_from_thread, self.changed.set, lent,
+                                   self.s.lend_step_ms / 1000)
 
         def bus() -> None:
             asyncio.set_event_loop(loop)

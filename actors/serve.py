@@ -43,6 +43,7 @@ def serve(settings: Settings) -> int:
     actor = actor_cls(settings, loaded, health)
     if cores is not None:
         actor.engine.model.before_layer = cores.before_layer
+        actor.engine.model.after_layers = cores.after_layers
     actor.serve_forever()
     return 0 if actor.error is None and actor.runner.failure is None else 1
 
@@ -68,4 +69,4 @@ def place(settings: Settings) -> BorrowedCores | None:
     log.info("%s %s on cores %s with %d torch threads%s, device %s", settings.role, settings.worker_id,
              format_cpus(available_cpus()), settings.threads, " at idle priority" if settings.idle_priority else "",
              settings.device)
-    return BorrowedCores(own, borrowed) if borrowed else None
+    return BorrowedCores(settings.namespace, own, borrowed) if borrowed else None

@@ -5,13 +5,15 @@
 A prefill engine computes ``--prompts`` prompts of ``--prompt`` tokens (chunks of 256, as a prefill_only
 worker steps) on the machine's first two cores while a stand-in for a decode worker, pinned to the second core at
 normal priority, alternates busy stretches (steps of 7 ms of computing with 0.2 ms between) and idle ones, of
-exponentially distributed lengths. Loads, as mean busy / idle seconds: 0 / always idle, 0.7 / 0.5 (streams
+exponentially distributed lengths; like a decode worker, it takes its core back before each step and lends it
+while it idles (``runtime.borrowing.LentCores``). Loads, as mean busy / idle seconds: 0 / always idle, 0.7 / 0.5 (streams
 coming and going), 2.0 / 0.3 (mostly busy), always busy. Placements, each in a fresh process that goes
 through every load:
 
 - ``own core``: one thread on the first core only (``tandem up --prefill-cpus 0 --decode-cpus 1``);
 - ``idle priority``: two threads on both cores at ``SCHED_IDLE`` (``--idle-priority``), left to the kernel;
-- ``borrowed``: the same, with ``runtime.borrowing.BorrowedCores`` choosing per layer (``tandem up``'s default).
+- ``borrowed``: the same, with ``runtime.borrowing.BorrowedCores`` on the second core only while it is lent, layer
+  by layer (``tandem up``'s default).
 
 The table gives median prompt tok/s and each placement's ratio to ``own core`` measured under the same load.
 """
@@ -35,19 +37,26 @@ LOADS = [(0.0, 1.0), (0.7, 0.5), (2.0, 0.3), (1.0, 0.0)]  # mean busy / idle sec
 PLACEMENTS = ["own core", "idle priority", "borrowed"]
 
 
-def emulated_decode(core: int, busy_s: float, idle_s: float, stop: Any, seed: int) -> None:
-    """Busy stretches of 7 ms steps, idle stretches between, on ``core`` at normal priority."""
+def emulated_decode(core: int, busy_s: float, idle_s: float, stop: Any, seed: int, namespace: str) -> None:
+    """Busy stretches of 7 ms steps, idle stretches between, on ``core`` at normal priority, lending the core
+    while idle."""
+    from runtime.borrowing import LentCores
+
     os.sched_setaffinity(0, {core})
+    lent = LentCores(namespace, [core])
     rnd = random.Random(seed)
     while not stop.is_set():
         end = time.perf_counter() + (rnd.expovariate(1 / busy_s) if busy_s else 0.0)
         while time.perf_counter() < end:
+            lent.take()
             step_end = time.perf_counter() + 0.007
             while time.perf_counter() < step_end:
                 pass
             time.sleep(0.0002)
         if idle_s:
+            lent.lend()
             time.sleep(rnd.expovariate(1 / idle_s))
+    lent.close()
 
 
 def measure(placement: str, prompt: int, prompts: int, loads: list[tuple[float, float]]) -> list[float]:
@@ -69,8 +78,10 @@ def measure(placement: str, prompt: int, prompts: int, loads: list[tuple[float, 
     engine = LLMEngine(load_model(DEFAULT_MODEL, "float32", "auto"),
                        EngineConfig(dtype="float32", num_blocks=prompt // 16 + 64, max_batch=4, max_step_tokens=256,
                                     enable_prefix_cache=False))
+    namespace = f"bench-borrowed-{os.getpid()}"
     if placement == "borrowed":
-        engine.model.before_layer = BorrowedCores([own], [lent]).before_layer
+        cores = BorrowedCores(namespace, [own], [lent])
+        engine.model.before_layer, engine.model.after_layers = cores.before_layer, cores.after_layers
     params = SamplingParams(max_tokens=1, temperature=0.0)
 
     def tokens(seed: int) -> list[int]:
@@ -80,7 +91,7 @@ def measure(placement: str, prompt: int, prompts: int, loads: list[tuple[float, 
     speeds = []
     for n, (busy, idle) in enumerate(loads):
         stop = mp.Event()
-        decode = mp.Process(target=emulated_decode, args=(lent, busy, idle, stop, 7))
+        decode = mp.Process(target=emulated_decode, args=(lent, busy, idle, stop, 7, namespace))
         decode.start()
         time.sleep(0.3)
         runs = []
@@ -91,6 +102,8 @@ def measure(placement: str, prompt: int, prompts: int, loads: list[tuple[float, 
         stop.set()
         decode.join()
         speeds.append(statistics.median(runs))
+    if placement == "borrowed":
+        cores.close()
     return speeds
 
 

@@ -107,9 +107,10 @@ class DecoderModel:
         # long prompt chunks may attend in bfloat16 (as their matmuls run on bfloat16 panels); float weights keep
         # float32 throughout, the reference the quality bench measures against
         self.quantized = any(isinstance(w, Int4Weight | Q8Weight) for w in self.linears)
-        # called before each layer of the per-operation path: a worker moving its threads on or off borrowed
-        # cores (runtime/borrowing.py)
+        # called before each layer and after the last: a worker moving its threads on and off borrowed cores
+        # (runtime/borrowing.py)
         self.before_layer: Callable[[], None] | None = None
+        self.after_layers: Callable[[], None] | None = None
 
     @property
     def linears(self) -> list[Weight]:
@@ -225,6 +226,8 @@ class DecoderModel:
                 out = self._norm(out.to(h.dtype).contiguous(), layer.post_ffn_norm)
             if layer_done is not None:
                 layer_done(li)
+        if self.after_layers is not None:
+            self.after_layers()
         if out is not None:
             h.add_(out)
 
@@ -241,19 +244,24 @@ class DecoderModel:
     def _fused_forward(self, fused: native.LayerStack, h: torch.Tensor, batch: ForwardBatch, paged: PagedAttention,
                        pool: KVPool, layer_done: Callable[[int], None] | None) -> torch.Tensor:
         """The layers in one `engine.native` call (all linear layers int4/Q8_0, every row on the kernels), or
-        one call a layer where `layer_done` ships each layer's K/V as it lands. Returns the last layer's output,
-        which the caller adds to h."""
+        one call a layer where `layer_done` ships each layer's K/V as it lands or a worker borrowing cores decides
+        layer by layer. Returns the last layer's output, which the caller adds to h."""
         cfg = self.cfg
         keys, values = pool.layer_views()
         step = native.LayerStep(h, fused.layers[0], batch.positions, batch.slot_blocks, batch.slot_offsets, self.cos,
                                 self.sin, cfg.num_heads, cfg.num_kv_heads, keys[0], paged.tables,
                                 paged.row_table, paged.lens, cfg.rms_eps, cfg.softmax_scale, self.layer_scratch)
-        if layer_done is None:
+        if layer_done is None and self.before_layer is None:
             step.run(fused, keys, values)
-        else:
-            for li in range(len(fused.layers)):
-                step.run(fused, keys, values, li, li + 1)
+            return step.pending
+        for li in range(len(fused.layers)):
+            if self.before_layer is not None:
+                self.before_layer()
+            step.run(fused, keys, values, li, li + 1)
+            if layer_done is not None:
                 layer_done(li)
+        if self.after_layers is not None:
+            self.after_layers()
         return step.pending
 
     def fused_layers(self) -> native.LayerStack | None:

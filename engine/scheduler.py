@@ -38,6 +38,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.remote)
 
+    def remote_tokens(self) -> int:
+        """Prompt tokens placed here that other workers are computing now."""
+        return sum(s.num_tokens - s.num_cached for s in self.remote)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 

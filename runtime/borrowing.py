@@ -1,118 +1,174 @@
-"""BorrowedCores: a worker computes on another worker's cores only while that worker leaves them idle.
+"""Cores a decode worker lends a prefill worker: the prefill worker computes on them only while decode lends them.
 
-Why: in a split on few cores the decode worker's core idles between its streams while the prefill worker
-has a long prompt on one core (docs/benchmarks.md, experiment 1). Idle priority (``SCHED_IDLE``) gives decode
-its core back at once, but torch and the kernels split each operation evenly between their threads, so a
-prefill thread that decode pushes off its core holds up the whole operation: beside an emulated decode busy
-all the time, prefill on both cores at idle priority ran at 0.78x its speed on its own core alone
-(``python -m bench.borrowed_cores``). So before each layer the worker decides how many threads that layer
-uses: as many as its own cores once a layer's threads waited for a core (their run-queue delay,
-``/proc/self/task/*/schedstat``), own plus borrowed again when the borrowed cores were idle for a few clock
-ticks (``/proc/stat``) or, failing that, after a backoff that doubles while they stay busy. The affinity mask
-keeps every core throughout (``_use``).
+Why: in a split on few cores the decode worker's core idles between its steps while the prefill worker has a
+long prompt on one core (docs/benchmarks.md, experiment 1). The prefill worker runs at idle priority
+(``SCHED_IDLE``), so decode gets a core back at once, but the kernels split each operation between their
+threads, so a prefill thread that decode pushes off its core holds up the whole operation for the whole decode
+step. Guessing from the outside (run-queue delays, ``/proc/stat`` idle ticks) borrowed about half the layers
+decode left room for and still caught decode steps mid-layer.
+
+So the two workers say it to each other, a file per core in ``/dev/shm`` (``CoreLease``): the decode worker
+marks the core lent while it waits for work or for its next paced step, and holds the file's exclusive
+``flock`` through each step; the prefill worker runs a layer on the core too only when it is lent and it
+holds the same lock, and lets go before the next layer once the core is no longer lent. A decode step waits
+for at most the borrowed layer in flight (up to a deadline, past which it runs anyway), and no borrowed layer
+is caught halfway. The locks die with their process, so a crashed worker holds nothing.
+
+A busy decode worker steps back to back and lends nothing; ``--lend-step-ms`` paces its steps while a long
+prompt is prefilled elsewhere for it (actors/runner.py), which is what gives the borrower whole layers.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import time
 
+from runtime.logs import Throttled
 from runtime.metrics import WORKER_LAYERS
 
-#: give them back when this process's threads waited for a core this share of a layer's wall time (with one
-#: borrowed core beside one own, borrowing stops paying at about 0.5: the thread pushed off a core finishes its
-#: even share of each operation late)
-WAIT_TO_RETURN = 0.3
-#: borrow again when the borrowed cores were idle this share of at least MIN_TICKS clock ticks (10 ms each),
-#: counted over the last WINDOW_TICKS at most
-IDLE_TO_BORROW, MIN_TICKS, WINDOW_TICKS = 0.6, 2, 5
-#: the most layers to stay off them before trying again (~2 prefill steps of 256 tokens)
-MAX_BACKOFF = 64
+log = logging.getLogger(__name__)
+late_warnings = Throttled(log)
+
+LENT, KEPT = b"\x01", b"\x00"
 
 
-def cpu_idle_ticks(cpus: list[int], stat: str = "/proc/stat") -> tuple[int, int]:
-    """(idle, total) clock ticks of ``cpus`` since boot (idle counts iowait too)."""
-    idle = total = 0
-    wanted = {f"cpu{c}" for c in cpus}
-    with open(stat) as f:
-        for line in f:
-            name, *values = line.split()
-            if name in wanted:
-                ticks = [int(v) for v in values[:8]]
-                idle += ticks[3] + ticks[4]
-                total += sum(ticks)
-    return idle, total
+class CoreLease:
+    """One core's file ``/dev/shm/tandem-<namespace>-core<N>``: byte 0 says whether its decode worker lends it
+    (lent until a decode worker says otherwise); its exclusive ``flock`` is held by whoever computes on it."""
 
+    def __init__(self, namespace: str, core: int) -> None:
+        self.path = f"/dev/shm/tandem-{namespace}-core{core}"
+        self.held = False
+        self.fd = self._open()
 
-class ThreadWaits:
-    """Nanoseconds this process's threads have spent ready to run but waiting for a core, read before every
-    layer from files kept open: opening each thread's ``schedstat`` every time cost ~0.3 ms a layer with a
-    worker's threads (~9 ms of a 256-token chunk), reading open ones a tenth of that."""
+    def _open(self) -> int:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(fd).st_size < 1:
+            os.pwrite(fd, LENT, 0)
+        return fd
 
-    def __init__(self) -> None:
-        self._fds: dict[str, int] = {}
+    def _ours(self) -> bool:
+        """Whether the path still names the file this lease has open."""
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self.fd).st_ino
+        except FileNotFoundError:
+            return False
 
-    def ns(self) -> int:
-        tids = os.listdir("/proc/self/task")
-        total = 0
-        for tid in tids:
+    def refresh(self) -> None:
+        """Open the path afresh if its decode worker left and took the file with it (not while held)."""
+        if not self.held and not self._ours():
+            os.close(self.fd)
+            self.fd = self._open()
+
+    def lent(self) -> bool:
+        return os.pread(self.fd, 1, 0) != KEPT
+
+    def mark(self, lent: bool) -> None:
+        os.pwrite(self.fd, LENT if lent else KEPT, 0)
+
+    def try_hold(self) -> bool:
+        """Hold the lock unless another process does (never blocks)."""
+        if not self.held:
             try:
-                fd = self._fds.get(tid)
-                if fd is None:
-                    fd = self._fds[tid] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
-                total += int(os.pread(fd, 128, 0).split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):  # a thread that ended meanwhile
-                if (fd := self._fds.pop(tid, None)) is not None:  # a later thread may get its id: open afresh
-                    os.close(fd)
-        for gone in self._fds.keys() - set(tids):
-            os.close(self._fds.pop(gone))
-        return total
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            self.held = True
+        return True
+
+    def let_go(self) -> None:
+        if self.held:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            self.held = False
+
+    def close(self, remove: bool = False) -> None:
+        """Let go; with ``remove``, mark the core lent and take the file away (a decode worker leaving)."""
+        self.let_go()
+        if remove:
+            self.mark(True)
+            if self._ours():
+                os.unlink(self.path)
+        os.close(self.fd)
+
+
+class LentCores:
+    """The decode worker's side: ``lend`` before it waits, ``take`` before each step."""
+
+    def __init__(self, namespace: str, cores: list[int], deadline_s: float = 0.05) -> None:
+        self.leases = [CoreLease(namespace, c) for c in sorted(cores)]
+        self.deadline_s = deadline_s
+        self.lending: bool | None = None  # None: not said yet
+        self.late = 0  # steps that ran while a borrowed layer still held a core (past the deadline)
+
+    def lend(self) -> None:
+        if self.lending is not True:
+            for lease in self.leases:
+                lease.mark(True)
+                lease.let_go()
+            self.lending = True
+
+    def take(self) -> None:
+        """Stop lending, and wait for a borrowed layer in flight to end (``deadline_s`` at most)."""
+        if self.lending is False:
+            return
+        for lease in self.leases:
+            lease.mark(False)
+        deadline = time.monotonic() + self.deadline_s
+        for lease in self.leases:
+            while not lease.try_hold():
+                if time.monotonic() > deadline:
+                    self.late += 1
+                    late_warnings.warning("late", "a step started while a borrower still computed on core lease "
+                                          "%s after %.0f ms (%d such steps)", lease.path, 1000 * self.deadline_s,
+                                          self.late)
+                    break
+                time.sleep(0.0002)
+        self.lending = False
+
+    def close(self) -> None:
+        """Leave: the cores lent for good, the files gone."""
+        for lease in self.leases:
+            lease.close(remove=True)
 
 
 class BorrowedCores:
-    """Own cores always; borrowed ones layer by layer: off them as soon as a layer's threads waited for a core,
-    back on once they were idle for a few clock ticks, or to try again after a backoff that doubles while their
-    owner stays busy."""
+    """The prefill worker's side: own cores always; before each layer the borrowed ones too when their decode
+    worker lends them all and it holds their locks; after the layers, back to its own."""
 
-    def __init__(self, own: list[int], borrowed: list[int]):
+    def __init__(self, namespace: str, own: list[int], borrowed: list[int]) -> None:
         import torch
 
         self._torch = torch
         self.own, self.borrowed = sorted(own), sorted(borrowed)
-        self.borrowing = True  # place() started the process on both
+        self.leases = [CoreLease(namespace, c) for c in self.borrowed]
+        self.borrowing = True
+        self._use(False)
         self._counted = {True: WORKER_LAYERS.labels(cores="borrowed"), False: WORKER_LAYERS.labels(cores="own")}
-        self._backoff = 0  # layers left on the own cores before trying the borrowed ones again
-        self._penalty = 1  # the next backoff
-        self._waits = ThreadWaits()
-        self._mark_wait, self._mark_t = self._waits.ns(), time.perf_counter()
-        self._mark_idle = (0, 0)  # the borrowed cores' (idle, total) ticks, read when it stops borrowing
 
     def _use(self, borrowing: bool) -> None:
         # threads only: the process keeps every core in its mask, so the kernel can move a thread that decode
-        # pushed aside to an idle core (pinning it back to its own cores would pile every thread onto them, and
-        # a core running only idle-priority threads counts as idle to the kernel, so they would stay piled)
-        self._torch.set_num_threads(len(self.own) + (len(self.borrowed) if borrowing else 0))
-        self.borrowing = borrowing
+        # pushed aside to an idle core
+        if borrowing != self.borrowing:
+            self._torch.set_num_threads(len(self.own) + (len(self.borrowed) if borrowing else 0))
+            self.borrowing = borrowing
 
     def before_layer(self) -> None:
-        """Borrow or return the cores for the layer about to run, from how the last one went."""
-        if self.borrowing:
-            wait, now = self._waits.ns(), time.perf_counter()
-            waited = (wait - self._mark_wait) / max(1.0, (now - self._mark_t) * 1e9)
-            self._mark_wait, self._mark_t = wait, now
-            if waited > WAIT_TO_RETURN:  # their owner is back
-                self._use(False)
-                self._backoff, self._penalty = self._penalty, min(2 * self._penalty, MAX_BACKOFF)
-                self._mark_idle = cpu_idle_ticks(self.borrowed)
-            else:
-                self._penalty = 1
+        """Borrow the cores for the layer about to run if they are lent, else give them back."""
+        if all(lease.lent() for lease in self.leases) and all(lease.try_hold() for lease in self.leases):
+            self._use(True)
         else:
-            self._backoff -= 1
-            idle, total = cpu_idle_ticks(self.borrowed)
-            d_idle, d_total = idle - self._mark_idle[0], total - self._mark_idle[1]
-            if self._backoff <= 0 or (d_total >= MIN_TICKS and d_idle >= IDLE_TO_BORROW * d_total):
-                self._use(True)
-                self._mark_wait, self._mark_t = self._waits.ns(), time.perf_counter()
-            elif d_total >= WINDOW_TICKS:  # judge by the last few ticks alone
-                self._mark_idle = (idle, total)
+            self.after_layers()
         self._counted[self.borrowing].inc()
+
+    def close(self) -> None:
+        for lease in self.leases:
+            lease.close()
+
+    def after_layers(self) -> None:
+        """Back to the own cores, letting go of the borrowed ones' locks."""
+        self._use(False)
+        for lease in self.leases:
+            lease.let_go()
+            lease.refresh()

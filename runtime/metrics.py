@@ -91,8 +91,8 @@ SPEC_DRAFT_TOKENS = Counter("tandem_spec_draft_tokens_total", "Draft tokens veri
                             registry=REGISTRY)
 SPEC_ACCEPTED_TOKENS = Counter("tandem_spec_accepted_tokens_total", "Draft tokens kept: output that cost no step of "
                                "its own", registry=REGISTRY)
-WORKER_LAYERS = Counter("tandem_worker_layers_total", "Layers a worker that borrows cores (--borrow-cpus) computed on "
-                        "the per-operation path, by where their threads ran: own cores, or own and borrowed",
+WORKER_LAYERS = Counter("tandem_worker_layers_total", "Layers a worker that borrows cores (--borrow-cpus) computed, "
+                        "by where their threads ran: own cores, or own and borrowed (lent by their decode worker)",
                         ["cores"], registry=REGISTRY)
 PREEMPTIONS = Counter("tandem_decode_preemptions_total", "Sequences preempted for recompute", registry=REGISTRY)
 WORKER_TTFT = Histogram("tandem_worker_time_to_first_token_seconds", "Accepted to first token, on the worker",

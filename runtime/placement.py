@@ -18,6 +18,10 @@ import re
 from dataclasses import dataclass, replace
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+#: a decode worker that lends prefill its cores starts a step at most this often while a long prompt is prefilled
+#: for it: its streams' tokens come that far apart then, and the prefill worker gets the cores in between
+#: (docs/benchmarks.md, "a split that lends its decode core")
+LEND_STEP_MS = 50.0
 
 
 def available_cpus() -> list[int]:
@@ -100,6 +104,7 @@ class WorkerPlacement:
     device: str | None = None
     idle_priority: bool = False
     borrowed: tuple[int, ...] = ()
+    lend_step_ms: float = 0.0  # a decode worker whose cores prefill borrows: its pace during long remote prompts
 
     def serve_args(self) -> list[str]:
         """The ``tandem serve`` flags that put a worker here."""
@@ -114,6 +119,8 @@ class WorkerPlacement:
             args += ["--borrow-cpus", format_cpus(self.borrowed)]
         elif self.idle_priority:
             args += ["--idle-priority"]
+        if self.lend_step_ms:
+            args += ["--lend-step-ms", f"{self.lend_step_ms:g}"]
         return args
 
     def describe(self) -> str:
@@ -122,11 +129,13 @@ class WorkerPlacement:
         if self.device is not None and self.device != "cpu":
             parts.append(self.device)
         cores = f"cores {format_cpus(self.cpus)}" if self.cpus is not None else "any core"
-        parts.append(cores + (f" + {format_cpus(self.borrowed)} while idle" if self.borrowed else ""))
+        parts.append(cores + (f" + {format_cpus(self.borrowed)} while lent" if self.borrowed else ""))
         if self.threads is not None:
             parts.append(f"{self.threads} thread{'s' if self.threads != 1 else ''}")
         if self.idle_priority:
             parts.append("idle priority")
+        if self.lend_step_ms:
+            parts.append(f"lends them: a step every {self.lend_step_ms:g} ms during long prompts")
         return ", ".join(parts)
 
 
@@ -152,6 +161,12 @@ def _borrowing(place: WorkerPlacement, decode_cpus: set[int]) -> WorkerPlacement
         return replace(place, idle_priority=True)
     borrowed = tuple(c for c in place.cpus or () if c in decode_cpus)
     return replace(place, cpus=own, borrowed=borrowed, idle_priority=True)
+
+
+def _lending(decode: list[WorkerPlacement], borrowed: set[int]) -> list[WorkerPlacement]:
+    """Decode placements with a pace for their steps while a long prompt is prefilled for them, where prefill
+    borrows their cores (actors/runner.py)."""
+    return [replace(d, lend_step_ms=LEND_STEP_MS) if set(d.cpus or ()) & borrowed else d for d in decode]
 
 
 def _lend(prefill: list[WorkerPlacement], decode_cpus: list[int]) -> list[WorkerPlacement]:
@@ -205,8 +220,9 @@ def plan_layout(prefill: int, decode: int, *, prefill_cpus: str | None = None, d
         shared = bool(p_list and set(p_list) & set(d_list))
         p_place = _pinned(split_cpus(p_list, prefill), len(p_list) < prefill) if p_list and prefill else []
         d_place = _pinned(split_cpus(d_list, decode), len(d_list) < decode)
-        if shared:  # decode steps wait for nothing; prefill takes the shared cores only while decode idles
+        if shared:  # prefill takes the shared cores only while decode lends them
             p_place = [_borrowing(p, set(d_list)) for p in p_place]
+            d_place = _lending(d_place, {c for p in p_place for c in p.borrowed})
         note = "cores as asked" + (" (prefill and decode share some: prefill at idle priority)" if shared else "")
     elif gpu or p_devs or d_devs or not pin:
         p_place, d_place = [WorkerPlacement()] * prefill, [WorkerPlacement()] * decode
@@ -220,6 +236,7 @@ def plan_layout(prefill: int, decode: int, *, prefill_cpus: str | None = None, d
             note = "each worker on its own cores"
             if prefill:
                 p_place = _lend(p_place, avail[p_cores:])
+                d_place = _lending(d_place, {c for p in p_place for c in p.borrowed})
                 note += "; prefill borrows the decode cores while they idle"
         elif prefill:
             note = "prefill and decode on their own cores; workers of one role share them, 1 thread each"

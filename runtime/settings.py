@@ -46,9 +46,12 @@ class Settings:
     threads: int = 0  # torch threads; 0 = one per core of `cpus`, or torch's default without it
     # run at SCHED_IDLE: cores this worker shares go to other work first (a prefill worker on a decode worker's cores)
     idle_priority: bool = False
-    # cores of another worker this one also computes on, at idle priority, layer by layer while they idle
-    # (runtime/borrowing.py); `threads` then defaults to those and `cpus` together
+    # cores of another worker this one also computes on, at idle priority, layer by layer while that worker lends
+    # them (runtime/borrowing.py); `threads` then defaults to those and `cpus` together
     borrow_cpus: str = ""
+    # decode_only on --cpus a prefill worker borrows: while a long prompt is prefilled elsewhere for it, start a step
+    # at most every this many ms, lending the cores in between (0: back to back; tandem up sets it, actors/runner.py)
+    lend_step_ms: float = 0.0
     dtype: str = "float32"
     quantization: str = "auto"  # weights: none|fp16|int8|int4|auto (auto: a GGUF's own Q4 as int4, other quants int8)
     # how int4/Q8_0 weights are multiplied (engine.native.kernel_path): auto = the fastest this CPU has;
@@ -140,7 +143,7 @@ class Settings:
         for name in ("prefill_timeout", "request_timeout", "stats_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("drain_timeout", "restarts", "prefill_stall_budget_ms"):
+        for name in ("drain_timeout", "restarts", "prefill_stall_budget_ms", "lend_step_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.metrics_port <= 65535:

@@ -169,8 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--cpus", "pin this worker to these cores, e.g. 0 or 2-3; its torch threads default to their count",
         shown="any core")
     opt("--threads", "torch threads", type=int, shown="one per --cpus core, else torch's default")
-    opt("--borrow-cpus", "cores of another worker this one also computes on (at idle priority) while they idle, "
-        "e.g. a prefill worker borrowing a decode worker's core", shown="none")
+    opt("--borrow-cpus", "cores of another worker this one also computes on (at idle priority) while that worker "
+        "lends them, e.g. a prefill worker borrowing a decode worker's core", shown="none")
+    opt("--lend-step-ms", "a decode worker on --cpus that a prefill worker borrows: while a long prompt is "
+        "prefilled elsewhere for it, start a step at most this often, lending the cores in between", type=float,
+        shown="0: back to back")
     sv.add_argument("--idle-priority", action="store_true", default=None,
                     help="run at SCHED_IDLE: cores this worker shares go to other work first, e.g. a prefill "
                          "worker on a decode worker's cores (TANDEM_IDLE_PRIORITY; default off)")
@@ -235,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_SERVE_FIELDS = ("role", "model", "dtype", "quantization", "kernels", "device", "cpus", "threads", "borrow_cpus", "idle_priority",
+_SERVE_FIELDS = ("role", "model", "dtype", "quantization", "kernels", "device", "cpus", "threads", "borrow_cpus", "lend_step_ms",
+                 "idle_priority",
                  "nats_url", "namespace", "worker_id",
                  "metrics_port", "metrics_host", "metrics_port_fallback", "advertise_host", "kv_tcp_host",
                  "max_batch", "num_blocks", "block_size", "max_step_tokens", "kv_transfer", "nixl_backend",

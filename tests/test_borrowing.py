@@ -1,102 +1,162 @@
-"""runtime/borrowing.py: a worker's steps spread over borrowed cores while their owner idles, and keep off
-them while it computes. Checked on real processes: a busy loop pinned to the borrowed core is the owner."""
+"""runtime/borrowing.py: a prefill worker computes on a decode worker's core only while that worker lends it, a
+decode step waits for at most the borrowed layer in flight, and a worker that leaves holds nothing. The two sides
+are separate processes where it matters (the lock is the kernel's, per open file)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import threading
+import time
+import uuid
 from pathlib import Path
 
-import pytest
-
-from runtime.borrowing import ThreadWaits, cpu_idle_ticks
-from runtime.placement import available_cpus
-from tests.harness.wait import wait_until
-
-
-def test_idle_ticks_of_the_named_cores(tmp_path: Path) -> None:
-    stat = tmp_path / "stat"
-    stat.write_text("cpu  10 0 10 100 5 0 0 0 0 0\n"
-                    "cpu0 1 2 3 40 1 0 1 0 0 0\n"
-                    "cpu1 5 0 5 60 4 1 0 0 0 0\n"
-                    "cpu10 100 0 0 1 0 0 0 0 0 0\n"
-                    "intr 12345\n")
-    assert cpu_idle_ticks([1], str(stat)) == (64, 75)  # idle + iowait, and every state
-    assert cpu_idle_ticks([0, 1], str(stat)) == (64 + 41, 75 + 48)
-
-
-def test_thread_waits_read_every_thread_and_let_go_of_ended_ones() -> None:
-    def direct() -> int:
-        return sum(int(Path(f"/proc/self/task/{t}/schedstat").read_text().split()[1]) for t in os.listdir("/proc/self/task"))
-
-    waits = ThreadWaits()
-    before = direct()
-    assert before <= waits.ns() <= direct()  # the same counters, which only grow
-    done = threading.Event()
-    extra = threading.Thread(target=done.wait)
-    extra.start()
-    waits.ns()
-    assert set(waits._fds) == set(os.listdir("/proc/self/task"))  # the new thread's file too
-    done.set()
-    extra.join()  # the thread may outlive join() by a moment
-    wait_until(lambda: waits.ns() >= 0 and str(extra.native_id) not in waits._fds, 10, "its file closed")
-
-
-LAYERS = """
-import json, os, subprocess, sys, time
 import torch
+
+from runtime.borrowing import BorrowedCores, CoreLease, LentCores
+from runtime.metrics import WORKER_LAYERS
+
+
+def namespace() -> str:
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+def test_layers_borrow_a_lent_core_and_never_a_kept_one() -> None:
+    ns, threads = namespace(), torch.get_num_threads()
+    lent = LentCores(ns, [7])
+    cores = BorrowedCores(ns, [0], [7])
+    try:
+        borrowed_before = WORKER_LAYERS.labels(cores="borrowed")._value.get()
+        cores.before_layer()  # no decode worker has said anything: the core is free
+        assert cores.borrowing and torch.get_num_threads() == 2
+        lent.take()  # stops lending; the borrower holds the lock, so the step runs at the deadline
+        assert lent.late == 1
+        cores.before_layer()  # sees the core kept: back to its own before the next layer
+        assert not cores.borrowing and torch.get_num_threads() == 1
+        assert not cores.leases[0].held
+        lent.lend()
+        lent.take()  # nobody holds it now: taken at once, not late
+        assert lent.late == 1 and lent.leases[0].held
+        cores.before_layer()
+        assert not cores.borrowing  # kept through the step
+        lent.lend()
+        cores.before_layer()
+        assert cores.borrowing and cores.leases[0].held
+        cores.after_layers()  # the forward pass is over: own cores, lock let go
+        assert not cores.borrowing and not cores.leases[0].held and torch.get_num_threads() == 1
+        assert WORKER_LAYERS.labels(cores="borrowed")._value.get() - borrowed_before == 2
+    finally:
+        cores.close()
+        lent.close()
+        torch.set_num_threads(threads)
+    assert not Path(lent.leases[0].path).exists()  # the decode worker took its file with it
+
+
+BORROWER = """
+import sys, time
 from runtime.borrowing import BorrowedCores
-from runtime.placement import pin_process, run_at_idle_priority
-
-own, lent = OWN, LENT
-pin_process([own, lent]); run_at_idle_priority(); torch.set_num_threads(2)
-cores = BorrowedCores([own], [lent])
-a = torch.randn(384, 384)
-
-
-def layer():
-    cores.before_layer()
-    where = [int(cores.borrowing), torch.get_num_threads(), sorted(os.sched_getaffinity(0))]
-    t = time.perf_counter()
-    while time.perf_counter() - t < 0.1:
-        a @ a
-    return where
-
-
-runs = {"idle": [layer() for _ in range(3)]}
-owner = subprocess.Popen([sys.executable, "-c", "import os\\nos.sched_setaffinity(0, [LENT])\\nwhile True: pass"])
-time.sleep(0.3)
-runs["owner busy"] = [layer() for _ in range(12)]
-owner.kill(); owner.wait()
-runs["owner gone"] = [layer() for _ in range(12)]
-print(json.dumps(runs))
+cores = BorrowedCores(sys.argv[1], [0], [7])
+for line in sys.stdin:
+    if line.startswith("layer"):
+        cores.before_layer()
+        print("borrowing" if cores.borrowing else "own", flush=True)
+    elif line.startswith("hold"):  # a layer that takes this long, then the layers' end
+        cores.before_layer()
+        print("borrowing" if cores.borrowing else "own", flush=True)
+        time.sleep(float(line.split()[1]))
+        released = time.monotonic()
+        cores.after_layers()
+        print(released, flush=True)
 """
 
 
-def test_layers_borrow_a_core_only_while_its_owner_idles() -> None:
-    cpus = available_cpus()
-    if len(cpus) < 2:
-        pytest.skip("needs two cores")
-    own, lent = cpus[:2]
-    code = LAYERS.replace("OWN", str(own)).replace("LENT", str(lent))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    runs = json.loads(res.stdout)
-    # the mask keeps both cores throughout: only the thread count moves
-    both, alone = [1, 2, [own, lent]], [0, 1, [own, lent]]
-    assert runs["idle"] == [both] * 3
-    # with the owner busy: off its core after the first layer that waited for it, then only a try now and
-    # then, each after a longer backoff (1, 2, 4 layers...), never two layers running
-    busy = runs["owner busy"]
-    assert all(w in (both, alone) for w in busy)
-    tries = [i for i, w in enumerate(busy) if w == both]
-    assert busy[-1] == alone and len(tries) <= 4 and all(b - a > 1 for a, b in zip(tries, tries[1:])), busy
-    # the owner gone: its core idle for a couple of clock ticks (or the backoff over), then borrowed for good
-    gone = runs["owner gone"]
-    assert gone[-3:] == [both] * 3, gone
+def borrower(ns: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", BORROWER, ns], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def ask(proc: subprocess.Popen, line: str) -> str:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+def lent_and_held(ns: str, deadline_s: float, seconds: float) -> tuple[LentCores, subprocess.Popen]:
+    """A decode side that lends core 7, and a borrower process that runs a layer there for ``seconds``."""
+    lent = LentCores(ns, [7], deadline_s=deadline_s)
+    lent.lend()
+    proc = borrower(ns)
+    assert ask(proc, f"hold {seconds}") == "borrowing"
+    return lent, proc
+
+
+def test_a_step_waits_for_the_borrowed_layer_in_flight_then_keeps_the_core() -> None:
+    lent, proc = lent_and_held(namespace(), 30.0, 0.4)
+    try:
+        lent.take()
+        taken = time.monotonic()
+        released = float(proc.stdout.readline())
+        assert taken >= released and lent.late == 0  # it waited for the layer, not past it
+        assert ask(proc, "layer") == "own"  # the core is kept while the step runs
+        lent.lend()
+        assert ask(proc, "layer") == "borrowing"
+    finally:
+        proc.kill()
+        proc.wait()
+        lent.close()
+
+
+def test_a_borrower_that_never_lets_go_costs_a_step_the_deadline_and_dies_holding_nothing() -> None:
+    lent, proc = lent_and_held(namespace(), 0.3, 3600)
+    try:
+        started = time.monotonic()
+        lent.take()
+        assert time.monotonic() - started >= 0.3 and lent.late == 1  # the step ran anyway
+        proc.kill()
+        proc.wait()
+        lent.lend()
+        lent.take()  # the kernel dropped the dead borrower's lock
+        assert lent.late == 1 and lent.leases[0].held
+    finally:
+        proc.kill()
+        proc.wait()
+        lent.close()
+
+
+def test_a_borrower_follows_a_decode_worker_that_restarted() -> None:
+    ns = namespace()
+    cores = BorrowedCores(ns, [0], [7])
+    first = LentCores(ns, [7])
+    first.take()
+    cores.before_layer()
+    assert not cores.borrowing
+    first.close()  # leaves: the file goes, and with it the mark
+    cores.after_layers()  # the borrower opens the path afresh
+    second = LentCores(ns, [7])
+    try:
+        second.take()
+        cores.before_layer()
+        assert not cores.borrowing  # it reads the new worker's mark, not the old file's
+        second.lend()
+        cores.before_layer()
+        assert cores.borrowing
+    finally:
+        cores.close()
+        second.close()
+
+
+def test_a_new_lease_file_says_lent_and_a_second_opener_reads_the_mark() -> None:
+    ns = namespace()
+    lease = CoreLease(ns, 7)
+    try:
+        assert lease.lent() and os.path.getsize(lease.path) == 1
+        lease.mark(False)
+        other = CoreLease(ns, 7)
+        assert not other.lent()  # the file exists: its mark is kept, not reset
+        other.close()
+    finally:
+        lease.close(remove=True)
+    assert not Path(lease.path).exists()
 
 
 def test_bench_table_gives_each_placement_against_its_own_core() -> None:

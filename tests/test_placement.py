@@ -61,11 +61,14 @@ def test_split_among_workers() -> None:
     assert WorkerPlacement().serve_args() == []
 
 
+LENDS = "lends them: a step every 50 ms during long prompts"
+
+
 def test_default_layout_on_two_cores() -> None:
     """Disaggregated: prefill on core 0 and, at idle priority, decode's core 1; aggregated: all cores."""
     two = [0, 1]
-    assert describe(plan_layout(1, 1, available=two)) == (["cores 0 + 1 while idle, 2 threads, idle priority"],
-                                                          ["cores 1, 1 thread"])
+    assert describe(plan_layout(1, 1, available=two)) == (["cores 0 + 1 while lent, 2 threads, idle priority"],
+                                                          [f"cores 1, 1 thread, {LENDS}"])
     assert describe(plan_layout(0, 1, available=two)) == ([], ["cores 0-1, 2 threads"])
     assert describe(plan_layout(0, 2, available=two)) == ([], ["cores 0, 1 thread", "cores 1, 1 thread"])
     # more workers than cores: the roles still get disjoint cores
@@ -81,15 +84,15 @@ def test_layout_with_more_cores_and_explicit_lists() -> None:
     eight = list(range(8))
     # each prefill worker borrows its share of the decode cores
     assert describe(plan_layout(2, 2, available=eight)) == (
-        ["cores 0-1 + 4-5 while idle, 4 threads, idle priority", "cores 2-3 + 6-7 while idle, 4 threads, idle priority"],
-        ["cores 4-5, 2 threads", "cores 6-7, 2 threads"])
+        ["cores 0-1 + 4-5 while lent, 4 threads, idle priority", "cores 2-3 + 6-7 while lent, 4 threads, idle priority"],
+        [f"cores 4-5, 2 threads, {LENDS}", f"cores 6-7, 2 threads, {LENDS}"])
     # prefill's share rounds down
-    assert describe(plan_layout(1, 1, available=[0, 1, 2])) == (["cores 0 + 1-2 while idle, 3 threads, idle priority"],
-                                                                ["cores 1-2, 2 threads"])
+    assert describe(plan_layout(1, 1, available=[0, 1, 2])) == (["cores 0 + 1-2 while lent, 3 threads, idle priority"],
+                                                                [f"cores 1-2, 2 threads, {LENDS}"])
     # fewer decode cores than prefill workers: the first borrows them, the rest keep to their own
     assert describe(plan_layout(3, 1, available=FOUR)) == (
-        ["cores 0 + 3 while idle, 2 threads, idle priority", "cores 1, 1 thread", "cores 2, 1 thread"],
-        ["cores 3, 1 thread"])
+        ["cores 0 + 3 while lent, 2 threads, idle priority", "cores 1, 1 thread", "cores 2, 1 thread"],
+        [f"cores 3, 1 thread, {LENDS}"])
     # a list for one role: the other gets what is left
     assert describe(plan_layout(1, 1, prefill_cpus="3", available=FOUR)) == (
         ["cores 3, 1 thread"], ["cores 0-2, 3 threads"])
@@ -104,14 +107,16 @@ def test_layout_with_more_cores_and_explicit_lists() -> None:
 
 
 def test_prefill_sharing_decode_cores_borrows_them() -> None:
-    """Prefill given the decode worker's core too: it borrows that core (at idle priority); decode untouched."""
+    """Prefill given the decode worker's core too: it borrows that core (at idle priority); decode lends it, pacing
+    its steps while a long prompt is prefilled for it."""
     layout = plan_layout(1, 1, prefill_cpus="0,1", decode_cpus="1", available=[0, 1])
-    assert describe(layout) == (["cores 0 + 1 while idle, 2 threads, idle priority"], ["cores 1, 1 thread"])
+    assert describe(layout) == (["cores 0 + 1 while lent, 2 threads, idle priority"], [f"cores 1, 1 thread, {LENDS}"])
     assert layout.prefill[0].serve_args() == ["--cpus", "0", "--threads", "2", "--borrow-cpus", "1"]
-    assert layout.decode[0].serve_args() == ["--cpus", "1", "--threads", "1"]
+    assert layout.decode[0].serve_args() == ["--cpus", "1", "--threads", "1", "--lend-step-ms", "50"]
     # disjoint lists: nobody yields
     apart = plan_layout(1, 1, prefill_cpus="0", decode_cpus="1", available=[0, 1])
     assert not apart.prefill[0].idle_priority and not apart.decode[0].idle_priority
+    assert apart.decode[0].serve_args() == ["--cpus", "1", "--threads", "1"]  # nobody borrows: steps back to back
 
 
 def test_idle_priority_covers_every_thread_of_the_worker() -> None:

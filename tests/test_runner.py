@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+import uuid
+from pathlib import Path
 from types import SimpleNamespace
 
 from actors.runner import EngineRunner
+from runtime.borrowing import CoreLease, LentCores
 from tests.harness.wait import wait_until
 
 
@@ -115,3 +119,58 @@ def test_work_waiting_for_blocks_is_stepped_again_only_after_a_call() -> None:
         return seen
 
     assert asyncio.run(go()) == [0, 1, 1]
+
+
+class PacedEngine:
+    """Always work; ``remote`` prompt tokens computed elsewhere for it; when each step began, and whether its
+    core was kept then."""
+
+    last_plan_size = 1
+
+    def __init__(self, lease) -> None:
+        self.remote = 600
+        self.starts: list[float] = []
+        self.kept: list[bool] = []
+        self.lease = lease
+        self.scheduler = SimpleNamespace(remote_tokens=lambda: self.remote)
+
+    def has_work(self) -> bool:
+        return True
+
+    def step(self) -> list:
+        self.starts.append(time.monotonic())
+        self.kept.append(not self.lease.lent())
+        return []
+
+
+def test_a_lending_decode_worker_paces_its_steps_only_while_a_long_prompt_is_prefilled_elsewhere() -> None:
+    """While 512+ prompt tokens are prefilled elsewhere for it, a step starts at most every ``lend_step_s``
+    and the core is lent in between (kept during each step); without them, steps run back to back."""
+    ns = f"test-{uuid.uuid4().hex[:8]}"
+    observer = CoreLease(ns, 7)
+    engine = PacedEngine(observer)
+
+    async def go() -> None:
+        runner = EngineRunner(engine, asyncio.get_running_loop(), lambda outs, step_s: None,
+                              lent=LentCores(ns, [7]), lend_step_s=0.1)
+        thread = threading.Thread(target=runner.run, daemon=True)
+        thread.start()
+        await asyncio.to_thread(wait_until, lambda: len(engine.starts) >= 6, 30, "six paced steps", 0.01)
+        await asyncio.to_thread(wait_until, observer.lent, 10, "the core lent between paced steps", 0.005)
+        paced = len(engine.starts)
+        engine.remote = 100  # a short prompt: not worth lending for
+        await asyncio.to_thread(wait_until, lambda: len(engine.starts) >= paced + 50, 30, "steps back to back", 0.01)
+        runner.stop()
+        await asyncio.to_thread(thread.join, 10)
+        engine.paced = paced
+
+    try:
+        asyncio.run(go())
+        gaps = [b - a for a, b in zip(engine.starts, engine.starts[1:])]
+        paced_gaps, free_gaps = gaps[:engine.paced - 2], gaps[engine.paced:]
+        assert min(paced_gaps) >= 0.099, paced_gaps
+        assert sorted(free_gaps)[len(free_gaps) // 2] < 0.05, free_gaps
+        assert all(engine.kept)  # every step ran on a core it had taken back
+        assert not Path(observer.path).exists()  # the runner's end took the file away
+    finally:
+        observer.close()

@@ -104,6 +104,7 @@ class LayerStep:
         """Layers [first, last) of `stack` in one call (default: all), layer l on `keys[l]`/`values[l]`, the
         views of one pool (laid out as the first layer's were)."""
         keys_at, values_at = stack.pool_addresses(keys, values, self.pool)
+        self.s.threads = thread_count()  # a worker borrowing cores moves its thread count between layers
         last = len(stack.layers) if last is None else last
         if not 0 <= first < last <= len(stack.layers):
             raise ValueError(f"layers {first}-{last - 1} of a stack of {len(stack.layers)}")
