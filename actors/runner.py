@@ -110,14 +110,15 @@ class EngineRunner:
                 and self.engine.scheduler.remote_tokens() >= LEND_MIN_TOKENS)
 
     def _until(self, resume_at: float) -> list:
-        """The calls that come before ``resume_at`` (monotonic), or until a stop."""
+        """The calls that come before ``resume_at`` (monotonic), or until a stop or the KV connector's news (a
+        remote prompt landed: its first token need not wait out the pace)."""
         items: list = []
         while (left := resume_at - time.monotonic()) > 0:
             try:
                 items.append(self.calls.get(timeout=left))
             except queue.Empty:
                 break
-            if items[-1] is None:
+            if items[-1] is None or items[-1] is _WAKE:
                 break
         return items
 

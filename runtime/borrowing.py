@@ -8,11 +8,11 @@ step. Guessing from the outside (run-queue delays, ``/proc/stat`` idle ticks) bo
 decode left room for and still caught decode steps mid-layer.
 
 So the two workers say it to each other, a file per core in ``/dev/shm`` (``CoreLease``): the decode worker
-marks the core lent while it waits for work or for its next paced step, and holds the file's exclusive
-``flock`` through each step; the prefill worker runs a layer on the core too only when it is lent and it
-holds the same lock, and lets go before the next layer once the core is no longer lent. A decode step waits
-for at most the borrowed layer in flight (up to a deadline, past which it runs anyway), and no borrowed layer
-is caught halfway. The locks die with their process, so a crashed worker holds nothing.
+marks the core lent while it waits for work or for its next paced step, and holds the file's ``flock`` (shared,
+so decode workers on one core never wait for each other) through each step; the prefill worker runs a layer on
+the core too only when it is lent and it holds the same lock exclusively, and lets go before the next layer once
+the core is no longer lent. A decode step waits for at most the borrowed layer in flight (up to a deadline, past
+which it runs anyway), and no borrowed layer is caught halfway. The locks die with their process, so a crashed worker holds nothing.
 
 A busy decode worker steps back to back and lends nothing; ``--lend-step-ms`` paces its steps while a long
 prompt is prefilled elsewhere for it (actors/runner.py), which is what gives the borrower whole layers.
@@ -36,7 +36,8 @@ LENT, KEPT = b"\x01", b"\x00"
 
 class CoreLease:
     """One core's file ``/dev/shm/tandem-<namespace>-core<N>``: byte 0 says whether its decode worker lends it
-    (lent until a decode worker says otherwise); its exclusive ``flock`` is held by whoever computes on it."""
+    (lent until a decode worker says otherwise); its ``flock`` is held by whoever computes on it: shared by the
+    decode workers pinned there (two on one core never wait for each other), exclusive by a borrower."""
 
     def __init__(self, namespace: str, core: int) -> None:
         self.path = f"/dev/shm/tandem-{namespace}-core{core}"
@@ -68,11 +69,12 @@ class CoreLease:
     def mark(self, lent: bool) -> None:
         os.pwrite(self.fd, LENT if lent else KEPT, 0)
 
-    def try_hold(self) -> bool:
-        """Hold the lock unless another process does (never blocks)."""
+    def try_hold(self, shared: bool = False) -> bool:
+        """Hold the lock unless another process holds it in a way that excludes this one (never blocks):
+        ``shared`` for a decode worker (several may share a core), exclusive for a borrower."""
         if not self.held:
             try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(self.fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False
             self.held = True
@@ -117,7 +119,7 @@ class LentCores:
             lease.mark(False)
         deadline = time.monotonic() + self.deadline_s
         for lease in self.leases:
-            while not lease.try_hold():
+            while not lease.try_hold(shared=True):
                 if time.monotonic() > deadline:
                     self.late += 1
                     late_warnings.warning("late", "a step started while a borrower still computed on core lease "

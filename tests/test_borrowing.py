@@ -170,3 +170,23 @@ def test_bench_table_gives_each_placement_against_its_own_core() -> None:
     assert "| always idle | 500 | 1000 (2.00x) | 950 (1.90x) |" in text
     assert "| 0.7 / 0.5 | 490 | 600 (1.22x) | 640 (1.31x) |" in text
     assert "| always busy | 470 | 380 (0.81x) | 465 (0.99x) |" in text
+
+
+def test_decode_workers_sharing_a_core_never_wait_for_each_other_and_both_keep_it_from_a_borrower() -> None:
+    ns = namespace()
+    first, second = LentCores(ns, [7], deadline_s=5.0), LentCores(ns, [7], deadline_s=5.0)
+    proc = borrower(ns)
+    try:
+        first.take()
+        started = time.monotonic()
+        second.take()
+        assert time.monotonic() - started < 2.0 and first.late == second.late == 0
+        second.lend()  # one of them idles: the mark says lent, but the other still computes there
+        assert ask(proc, "layer") == "own"
+        first.lend()
+        assert ask(proc, "layer") == "borrowing"
+    finally:
+        proc.kill()
+        proc.wait()
+        first.close()
+        second.close()

@@ -174,3 +174,25 @@ def test_a_lending_decode_worker_paces_its_steps_only_while_a_long_prompt_is_pre
         assert not Path(observer.path).exists()  # the runner's end took the file away
     finally:
         observer.close()
+
+
+def test_news_from_the_kv_connector_ends_a_paced_wait() -> None:
+    """A remote prompt that landed (the connector's wake) is stepped at once, not after the pace."""
+    ns = f"test-{uuid.uuid4().hex[:8]}"
+    engine = PacedEngine(CoreLease(ns, 7))
+
+    async def go() -> None:
+        runner = EngineRunner(engine, asyncio.get_running_loop(), lambda outs, step_s: None,
+                              lent=LentCores(ns, [7]), lend_step_s=30.0)
+        thread = threading.Thread(target=runner.run, daemon=True)
+        thread.start()
+        await asyncio.to_thread(wait_until, lambda: len(engine.starts) >= 1, 10, "the first step", 0.01)
+        runner.wake()
+        await asyncio.to_thread(wait_until, lambda: len(engine.starts) >= 2, 10, "a step right after the news", 0.01)
+        runner.stop()
+        await asyncio.to_thread(thread.join, 10)
+
+    try:
+        asyncio.run(go())
+    finally:
+        engine.lease.close()
