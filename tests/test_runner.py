@@ -127,12 +127,21 @@ class PacedEngine:
 
     last_plan_size = 1
 
-    def __init__(self, lease) -> None:
+    def __init__(self) -> None:
         self.remote = 600
         self.starts: list[float] = []
         self.kept: list[bool] = []
-        self.lease = lease
+        self.namespace = f"test-{uuid.uuid4().hex[:8]}"
+        self.lease = CoreLease(self.namespace, 7)  # what a borrower of core 7 reads
         self.scheduler = SimpleNamespace(remote_tokens=lambda: self.remote)
+
+    def start(self, lend_step_s: float) -> tuple[EngineRunner, threading.Thread]:
+        """A runner on this engine lending core 7 (call on the event loop), its model loop on a thread."""
+        runner = EngineRunner(self, asyncio.get_running_loop(), lambda outs, step_s: None,
+                              lent=LentCores(self.namespace, [7]), lend_step_s=lend_step_s)
+        thread = threading.Thread(target=runner.run, daemon=True)
+        thread.start()
+        return runner, thread
 
     def has_work(self) -> bool:
         return True
@@ -146,15 +155,11 @@ class PacedEngine:
 def test_a_lending_decode_worker_paces_its_steps_only_while_a_long_prompt_is_prefilled_elsewhere() -> None:
     """While 512+ prompt tokens are prefilled elsewhere for it, a step starts at most every ``lend_step_s``
     and the core is lent in between (kept during each step); without them, steps run back to back."""
-    ns = f"test-{uuid.uuid4().hex[:8]}"
-    observer = CoreLease(ns, 7)
-    engine = PacedEngine(observer)
+    engine = PacedEngine()
+    observer = engine.lease
 
     async def go() -> None:
-        runner = EngineRunner(engine, asyncio.get_running_loop(), lambda outs, step_s: None,
-                              lent=LentCores(ns, [7]), lend_step_s=0.1)
-        thread = threading.Thread(target=runner.run, daemon=True)
-        thread.start()
+        runner, thread = engine.start(0.1)
         await asyncio.to_thread(wait_until, lambda: len(engine.starts) >= 6, 30, "six paced steps", 0.01)
         await asyncio.to_thread(wait_until, observer.lent, 10, "the core lent between paced steps", 0.005)
         paced = len(engine.starts)
@@ -178,14 +183,10 @@ def test_a_lending_decode_worker_paces_its_steps_only_while_a_long_prompt_is_pre
 
 def test_news_from_the_kv_connector_ends_a_paced_wait() -> None:
     """A remote prompt that landed (the connector's wake) is stepped at once, not after the pace."""
-    ns = f"test-{uuid.uuid4().hex[:8]}"
-    engine = PacedEngine(CoreLease(ns, 7))
+    engine = PacedEngine()
 
     async def go() -> None:
-        runner = EngineRunner(engine, asyncio.get_running_loop(), lambda outs, step_s: None,
-                              lent=LentCores(ns, [7]), lend_step_s=30.0)
-        thread = threading.Thread(target=runner.run, daemon=True)
-        thread.start()
+        runner, thread = engine.start(30.0)
         await asyncio.to_thread(wait_until, lambda: len(engine.starts) >= 1, 10, "the first step", 0.01)
         runner.wake()
         await asyncio.to_thread(wait_until, lambda: len(engine.starts) >= 2, 10, "a step right after the news", 0.01)
