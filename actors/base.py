@@ -1,8 +1,8 @@
 """WorkerActor: what every pipeline role shares.
 
-It connects to NATS, shows itself there (`actors.service`: a NATS micro service, its load every second,
-its gauges, the KV metadata prefill workers ask for), hears cancels, runs the model on its own thread (EngineRunner) and
-drains on SIGTERM: stop pulling, finish what it holds, then exit.
+It connects to NATS, shows itself there (`actors.service`: a NATS micro service, its load every second, its
+gauges, the KV metadata prefill workers ask for, what it sent again for a receiver that missed it), hears cancels,
+runs the model on its own thread (EngineRunner) and drains on SIGTERM: stop pulling, finish what it holds, then exit.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from actors.runner import EngineRunner
 from actors.seen import SeenIds
 from actors.service import WorkerService
 from bus.connection import connect
-from bus.control_messages import Cancel, Replay
+from bus.control_messages import Cancel
 from bus.generate_messages import StreamMessage, StreamTokens
 from bus.options import BusConnectError, BusOptions
 from bus.publish import publish, publish_kept
@@ -35,18 +35,16 @@ from bus.stats_messages import WorkerStats
 from bus.streams import claim, claim_key, ensure_streams, fetch_one, pull_subscription
 from bus.subjects import Subjects
 from bus.wire import MessageError, PayloadTooLarge, decode
-from engine import native
-from engine.engine import EngineConfig, LLMEngine, StepOutput
+from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
 from engine.model_files import model_name
+from engine.sequence import StepOutput
 from kv.transfer.auto import create_engine
 from kv.transfer.base import new_incarnation
-from runtime import metrics
-from runtime.borrowing import LentCores
+from runtime.borrowing import lent_cores
 from runtime.health import WorkerHealth
 from runtime.logs import Throttled
 from runtime.names import check_subject
-from runtime.placement import parse_cpus
 from runtime.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -108,7 +106,7 @@ class WorkerActor:
         CPU per message, which the model's threads share the cores with)."""
         loop = uvloop.new_event_loop()
         # a pinned decode worker lends its cores to a prefill worker that borrows them (runtime/borrowing.py)
-        lent = LentCores(self.s.namespace, parse_cpus(self.s.cpus)) if self.role == "decode_only" and self.s.cpus else None
+        lent = lent_cores(self.role, self.s.namespace, self.s.cpus)
         self.runner = EngineRunner(self.engine, loop, self._outputs_from_thread, self.changed.set, lent,
                                    self.s.lend_step_ms / 1000)
 
@@ -143,7 +141,7 @@ class WorkerActor:
         await ensure_streams(self.nc, self.subjects, replicas=self.s.stream_replicas)
         await self.nc.subscribe(self.subjects.cancel_all, cb=self._on_cancel_msg)
         if self.replay_kind:
-            await self.nc.subscribe(self.subjects.replay(self.replay_kind), cb=self._on_replay)
+            await self.nc.subscribe(self.subjects.replay(self.replay_kind), cb=self.service.answer_replay)
         await self.service.start()  # the KV metadata endpoint answers before any work of ours can ask it
         await self.start()
         self.service.report_load()
@@ -286,36 +284,16 @@ class WorkerActor:
         """A copy of work ``where`` already took was dropped; a role may say so where the sender listens."""
 
     async def publish_stream(self, subject: str, msg: StreamMessage, keep: bool = True) -> None:
-        """Publish on a request's stream subject, signed with this worker's id and process (the gateway shows
-        only what comes from the worker holding the request), and ``keep`` it until the request has been over
-        for a minute: a gateway that missed it asks again (:meth:`_on_replay`). Answers about a message this
-        worker does not serve (a copy, a malformed one) are not kept: they are not the request's stream."""
+        """Publish on a request's stream subject, signed with this worker's id and process (the gateway shows only
+        what comes from the worker holding the request), and ``keep`` it until the request has been over for a
+        minute: a gateway that missed it asks again (:meth:`WorkerService.answer_replay`). Answers about a message
+        this worker does not serve (a copy, a malformed one) are not kept: they are not the request's stream."""
         msg.worker_id, msg.incarnation = self.worker_id, self.incarnation
         if not keep:
             await publish(self.nc, check_subject(subject, "stream_subject"), msg)
             return
         await publish_kept(self.nc, self.sent, msg.request_id, msg.seq, check_subject(subject, "stream_subject"), msg,
                            end=not isinstance(msg, StreamTokens))
-
-    async def _on_replay(self, msg: Msg) -> None:
-        """A receiver missed messages of a key this worker may have sent: publish them again, as they were."""
-        try:
-            ask = decode(msg.data, Replay)
-        except MessageError as e:
-            bad_messages.warning("replay", "ignoring a bad replay request on %s: %s", msg.subject, e)
-            return
-        kept = self.sent.since(ask.key, ask.from_seq)
-        if kept is None:
-            return  # not ours, or over long ago
-        messages, whole = kept
-        if not whole:
-            log.warning("%s asks for %s from message %d, older than what is kept here", ask.requester or "someone",
-                        ask.key, ask.from_seq)
-        for subject, data, hdrs in messages:
-            await self.nc.publish(subject, data, headers=hdrs)
-        metrics.REPLAYED.labels(self.role).inc(len(messages))
-        log.info("published %d message(s) of %s again from %d for %s", len(messages), ask.key, ask.from_seq,
-                 ask.requester or "someone")
 
     async def answer_malformed(self, data: bytes, error: str) -> None:
         """A work message that did not decode but names where to answer (JSON ``stream_subject`` /
@@ -359,7 +337,7 @@ class WorkerActor:
 
     async def on_bus_lost(self) -> None:
         """NATS went away. The work goes on: what is published meanwhile waits in the client's buffer, and
-        what the old connection lost is kept here for whoever asks again (:meth:`_on_replay`)."""
+        what the old connection lost is kept here for whoever asks again (:meth:`WorkerService.answer_replay`)."""
         # noticed now; silent since at most the pings' deadline ago
         self.bus_down_since = time.monotonic() - self.bus_opts.silent_after
         held = self.busy()
@@ -382,15 +360,8 @@ class WorkerActor:
         raise NotImplementedError
 
     def stats(self) -> WorkerStats:
-        e = self.engine
-        return WorkerStats(
-            role=self.role, worker_id=self.worker_id, model=self.model, running=e.num_running,
-            queued=e.num_waiting, free_blocks=e.token_blocks(e.blocks.num_free),
-            total_blocks=e.token_blocks(e.blocks.num_blocks),
-            prefix_hit_rate=e.blocks.hit_rate(), uptime=time.time() - self.started,
-            incarnation=self.incarnation, max_batch=self.s.max_batch, draining=self.draining,
-            prefix_cache=self.s.enable_prefix_cache, kernels=native.kernel_path(),
-        )
+        """This worker's load report (:meth:`WorkerService.load`); roles add their own fields."""
+        return self.service.load()
 
     # ---------------------------------------------------------------- plumbing
 

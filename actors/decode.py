@@ -11,55 +11,25 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
 from actors.base import WorkerActor, bad_messages
+from actors.decode_request import Request, RequestFailed
 from actors.prefill_choice import PrefillCosts, choose, count_decision
-from actors.remote_prefill import CANCELLED, FAILED, LANDED, RemotePrefill, RemotePrefills
+from actors.remote_prefill import CANCELLED, FAILED, LANDED, RemotePrefills
 from bus.control_messages import Cancel
 from bus.demand import DEFERRED_REASONS
 from bus.generate_messages import GenerateRequest, StreamError, StreamFinish, StreamTokens, Timings, Usage
 from bus.publish import publish
 from bus.stats_messages import WorkerStats
 from bus.wire import ErrorCode
-from engine.engine import StepOutput
-from engine.sequence import SeqStatus
+from engine.sequence import SeqStatus, StepOutput
 from kv.blocks import prefix_hashes
 from runtime import metrics
 from runtime.names import check_subject, check_token
 
 log = logging.getLogger(__name__)
-
-
-class RequestFailed(Exception):
-    def __init__(self, code: str, message: str, status: int):
-        super().__init__(message)
-        self.code, self.message, self.status = code, message, status
-
-
-@dataclass
-class Request:
-    req: GenerateRequest
-    prompt_ids: list[int]
-    accepted: float = field(default_factory=time.time)
-    seq: int = 0  # next stream sequence number
-    mode: str = "local"
-    prefill_reason: str = ""
-    prefill_worker: str | None = None
-    first_token_at: float | None = None
-    transfer_s: float = 0.0
-    prefill_s: float = 0.0
-    prefill_step_s: float = 0.0  # the engine step that computed the prompt (its last chunk), wherever it ran
-    kv_bytes: int = 0  # a remote prefill's KV that landed here, and how
-    kv_transfer: str = ""
-    uncached: int = 0  # prompt tokens not in this worker's prefix cache when the prefill was placed
-    local_started: float | None = None  # when a local prefill was handed to the engine (to learn its cost)
-    in_engine: bool = False
-    remote: RemotePrefill | None = None  # until a prefill worker's computing of the prompt has settled
-    cancelled: bool = False
-    begun: bool = False  # computing started once (a prefill worker took a job, or the engine placed it)
 
 
 class DecodeActor(WorkerActor):

@@ -23,9 +23,8 @@ from bus.generate_messages import StreamError
 from bus.prefill_messages import KVMetaReply, KVMetaRequest, PrefillAccepted, PrefillDone, PrefillJob
 from bus.publish import publish, publish_kept, request
 from bus.wire import ErrorCode
-from engine.engine import StepOutput
 from engine.kv_connector import KVConnector, RemoteResult
-from engine.sequence import Sequence
+from engine.sequence import Sequence, StepOutput
 from kv.layout import KVLayout, LayoutMismatch
 from kv.transfer.handles import TransferError
 from runtime import metrics

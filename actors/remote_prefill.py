@@ -32,14 +32,13 @@ from actors.base import bad_messages
 from actors.landings import Landings
 from actors.prefill_choice import count_decision
 from actors.prefill_workers import PrefillWorkers
-from actors.quarantine import Quarantine
+from actors.quarantine import Quarantine, withdraw_job
 from actors.runner import EngineRunner, StepInbox
 from bus.control_messages import Replay
 from bus.generate_messages import GenerateRequest
 from bus.prefill_messages import KVDestination, PrefillAccepted, PrefillDone, PrefillJob
 from bus.publish import js_publish, publish
 from bus.stats_messages import WorkerStats
-from bus.streams import claim, claim_key, taken_already
 from bus.subjects import Subjects
 from bus.wire import ErrorCode, MessageError, decode
 from engine.kv_connector import DROP, LANDED, LOCAL, RETRY, KVConnector, RemoteResult
@@ -53,8 +52,6 @@ from runtime.settings import Settings
 log = logging.getLogger(__name__)
 
 LIVENESS_CHECK_S = 0.5  # how often a wait for a PrefillDone looks at its prefill worker's reports
-#: a job nobody took is withdrawn from the pool, retried this long while the pool has no leader
-WITHDRAW_FOR_S = 15.0
 #: a PrefillDone this late is asked for again, then after twice as long, ... (a NATS failover may have lost it;
 #: the prefill worker keeps it)
 LATE_ANSWER_S = 2.0
@@ -188,38 +185,9 @@ class RemotePrefills(KVConnector):
             await self.ask_again(tag, 1 if attempt.taker else 0)
 
     async def withdraw(self, seq: int, tag: str) -> None:
-        """Take a prefill job nobody took out of the pool: a prefill worker that comes later must not compute it,
-        and the pool's backlog, what autoscalers read, must not count it. Then claim it as its prefill worker
-        would: won, no prefill worker serves it (one that fetched it before the delete drops its copy), so
-        its quarantined blocks are free at once instead of at the job's deadline.
-
-        The pool may be electing a leader (its member just died): tried again each second for
-        ``WITHDRAW_FOR_S``; a job a prefill worker took meanwhile is gone, and its answer frees the blocks.
-        """
-        js = self.nc.jetstream(timeout=2.0)
-        give_up = time.monotonic() + WITHDRAW_FOR_S
-        while True:
-            try:
-                await js.delete_msg(self.subjects.prefill_stream, seq)
-                break
-            except APIError as e:
-                if taken_already(e):
-                    log.info("prefill job %s left the pool before it was withdrawn", tag)
-                    return
-                error: Exception = e  # no leader yet
-            except (nats.errors.Error, asyncio.TimeoutError) as e:  # the bus is away
-                error = e
-            if time.monotonic() >= give_up:
-                log.warning("could not withdraw prefill job %s from the pool: %r", tag, error)
-                return
-            await asyncio.sleep(1.0)
-        try:
-            first = await claim(self.nc, self.subjects, claim_key(PrefillJob, tag), f"{self.worker_id}-withdrew")
-        except Exception as e:  # the claims stream is away: the blocks wait for the job's deadline
-            log.info("withdrew prefill job %s from the pool; cannot claim it (%r)", tag, e)
-            return
-        log.info("withdrew prefill job %s from the pool%s", tag, "" if first else "; a prefill worker had claimed it")
-        if first:
+        """Take a prefill job nobody took out of the pool (`actors.quarantine.withdraw_job`); a won claim frees its
+        quarantined blocks at once instead of at the job's deadline."""
+        if await withdraw_job(self.nc, self.subjects, seq, tag, f"{self.worker_id}-withdrew"):
             self.quarantine.over(tag)
 
 

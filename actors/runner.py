@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.engine import LLMEngine, StepOutput
+from engine.engine import LLMEngine
+from engine.sequence import StepOutput
 from runtime.borrowing import LentCores
 
 log = logging.getLogger(__name__)

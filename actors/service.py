@@ -3,7 +3,8 @@
 Its NATS micro service (``tandem-<role>``, with ``info``, ``stats`` and ``recent`` endpoints, where `tandem
 status` and the routers find it, and ``kv_meta`` on ``tandem.kv.meta.<worker>``, where a prefill worker asks where
 this worker's KV goes: per-endpoint request, error and time counts in ``$SRV.STATS``), its load published every ``stats_interval`` on its stats subject, and its
-Prometheus gauges, refreshed before each report.
+Prometheus gauges, refreshed before each report; and its answers to a receiver that missed some of what it
+published and asks for it again (``bus.replay``).
 """
 
 from __future__ import annotations
@@ -12,26 +13,33 @@ import asyncio
 import json
 import logging
 import socket
+import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
 import nats.micro
+from nats.aio.msg import Msg
 
 from actors.recent import RecentWork
+from bus.control_messages import Replay
 from bus.prefill_messages import KVMetaReply
 from bus.publish import publish
+from bus.replay import SentLog
 from bus.stats_messages import WorkerStats
 from bus.subjects import Subjects
-from bus.wire import PayloadTooLarge, check_payload, encode
+from bus.wire import MessageError, PayloadTooLarge, check_payload, decode, encode
 from engine import native
 from engine.engine import LLMEngine
 from kv.layout import KVLayout
 from kv.transfer.base import TransferEngine
 from runtime import metrics
+from runtime.logs import Throttled
 from runtime.placement import available_cpus, format_cpus
 from runtime.settings import Settings
 
 log = logging.getLogger(__name__)
+#: bad replay requests can come at the rate of a flood: one log line per minute
+bad_replays = Throttled(log)
 VERSION = "0.1.0"
 
 
@@ -50,6 +58,8 @@ class Worker(Protocol):
     transfer: TransferEngine
     recent: RecentWork
     started: float
+    draining: bool
+    sent: SentLog
 
     def stats(self) -> WorkerStats: ...
 
@@ -107,6 +117,40 @@ class WorkerService:
         for name, handler in (("info", info), ("stats", stats), ("recent", recent)):
             await self.micro.add_endpoint(name=name, subject=w.subjects.service(w.worker_id, name), handler=handler)
         await self.micro.add_endpoint(name="kv_meta", subject=w.subjects.kv_meta(w.worker_id), handler=kv_meta)
+
+    def load(self) -> WorkerStats:
+        """What every role reports of itself (its engine's load, its process, its settings); roles add their own."""
+        w = self.worker
+        e = w.engine
+        return WorkerStats(
+            role=w.role, worker_id=w.worker_id, model=w.model, running=e.num_running,
+            queued=e.num_waiting, free_blocks=e.token_blocks(e.blocks.num_free),
+            total_blocks=e.token_blocks(e.blocks.num_blocks),
+            prefix_hit_rate=e.blocks.hit_rate(), uptime=time.time() - w.started,
+            incarnation=w.incarnation, max_batch=w.s.max_batch, draining=w.draining,
+            prefix_cache=w.s.enable_prefix_cache, kernels=native.kernel_path(),
+        )
+
+    async def answer_replay(self, msg: Msg) -> None:
+        """A receiver missed messages of a key this worker may have sent: publish them again, as they were."""
+        w = self.worker
+        try:
+            ask = decode(msg.data, Replay)
+        except MessageError as e:
+            bad_replays.warning("replay", "ignoring a bad replay request on %s: %s", msg.subject, e)
+            return
+        kept = w.sent.since(ask.key, ask.from_seq)
+        if kept is None:
+            return  # not ours, or over long ago
+        messages, whole = kept
+        if not whole:
+            log.warning("%s asks for %s from message %d, older than what is kept here", ask.requester or "someone",
+                        ask.key, ask.from_seq)
+        for subject, data, hdrs in messages:
+            await w.nc.publish(subject, data, headers=hdrs)
+        metrics.REPLAYED.labels(w.role).inc(len(messages))
+        log.info("published %d message(s) of %s again from %d for %s", len(messages), ask.key, ask.from_seq,
+                 ask.requester or "someone")
 
     def report_load(self) -> None:
         """Publish the worker's load every ``stats_interval`` from now: routers send it work once they hear it."""

@@ -8,7 +8,10 @@ For each layout (``bench.pd_vs_aggregated.layouts``: a fresh ``tandem up`` on th
 once they run, ``--prompts`` long prompts (``--long-words`` random words, ~2,000 tokens at 690) go one at a time,
 each with ``max_tokens`` 2, 1.5 s apart. The table gives the long prompts' TTFT median and, over the seconds those
 prompts were being computed, the streams' inter-token gaps (p50, p99, max): what the split and the aggregated
-worker each trade. With ``--env NAME=VALUE`` (repeatable) every process of the cluster gets that variable
+worker each trade. For a split whose prefill worker borrows the decode core, a second table says, over the same
+seconds (the workers' metrics before and after each prompt), how the core was shared: the share of the prefill
+worker's layer seconds that ran on both cores, the seconds decode lent per second of those prompts, how much of
+that the borrower used, and the mean wait of a decode step for a borrowed layer. With ``--env NAME=VALUE`` (repeatable) every process of the cluster gets that variable
 (a ``TANDEM_*`` setting for an experiment). The streams' client shares the two cores with the server.
 """
 
@@ -28,6 +31,7 @@ import httpx
 
 from bench.cluster import MODEL, TandemUp
 from bench.pd_vs_aggregated import layouts
+from bench.report import metric_samples
 
 WORDS = "alpha beta gamma delta river stone cloud paper light green music table window garden".split()
 
@@ -92,6 +96,23 @@ def first_token_s(url: str, prompt: str) -> float:
     raise RuntimeError("the stream ended without an event")
 
 
+LENDING = {("tandem_worker_layer_seconds_total", "own"): "own_s", ("tandem_worker_layer_seconds_total", "borrowed"):
+           "borrowed_s", ("tandem_decode_lent_seconds_total", None): "lent_s",
+           ("tandem_decode_take_wait_seconds_sum", None): "wait_s",
+           ("tandem_decode_take_wait_seconds_count", None): "waits"}
+
+
+def lending(ports: list[int]) -> dict[str, float]:
+    """The workers' lending counters now, summed over ``ports`` (their metrics endpoints)."""
+    totals = dict.fromkeys(LENDING.values(), 0.0)
+    for port in ports:
+        for s in metric_samples(f"http://127.0.0.1:{port}/metrics"):
+            key = LENDING.get((s.name, s.labels.get("cores")))
+            if key:
+                totals[key] += s.value
+    return totals
+
+
 def measure(up_args: list[str], args: argparse.Namespace, env: dict[str, str]) -> dict[str, float]:
     up = TandemUp(Path(tempfile.mkdtemp(prefix="long-beside-")), "--quiet", *up_args, env=env).start()
     try:
@@ -100,11 +121,16 @@ def measure(up_args: list[str], args: argparse.Namespace, env: dict[str, str]) -
                                                            "max_tokens": 1}, timeout=120).json()["usage"]
         streams = Streams(url, args.streams)
         time.sleep(3.0)
-        ttfts = []
+        ports = [c["metrics_port"] for c in up.info["children"]
+                 if c["role"] in ("prefill_only", "decode_only") and c["metrics_port"]]
+        ttfts, shared = [], dict.fromkeys(LENDING.values(), 0.0)
         for i in range(args.prompts):
+            before = lending(ports)
             streams.recording = True
             ttfts.append(first_token_s(url, words(i, args.long_words)))
             streams.recording = False
+            for key, value in lending(ports).items():
+                shared[key] += value - before[key]
             time.sleep(1.5)
         streams.stop()
         if streams.failures:
@@ -112,7 +138,8 @@ def measure(up_args: list[str], args: argparse.Namespace, env: dict[str, str]) -
         gaps = streams.gaps
         return {"prompt_tokens": tokens["prompt_tokens"], "ttft_ms": 1000 * statistics.median(ttfts),
                 "gap_p50_ms": 1000 * quantile(gaps, 0.5), "gap_p99_ms": 1000 * quantile(gaps, 0.99),
-                "gap_max_ms": 1000 * max(gaps, default=float("nan")), "gaps": len(gaps)}
+                "gap_max_ms": 1000 * max(gaps, default=float("nan")), "gaps": len(gaps),
+                "prompts_s": sum(ttfts), **shared}
     finally:
         up.child.stop(30)
 
@@ -127,6 +154,18 @@ def table(results: dict[str, dict[str, float]]) -> str:
                 else "- | - | -")
         rows.append(f"| {name} | {r['prompt_tokens']} | {r['ttft_ms']:,.0f} ms | {r['ttft_ms'] / ref:.2f}x | {gaps} |")
     return "\n".join(rows)
+
+
+def lending_table(results: dict[str, dict[str, float]]) -> str:
+    """Markdown rows of how the layouts whose prefill worker borrowed shared the decode core ('' if none did)."""
+    rows = ["| layout | layer seconds on both cores | decode lent (s per prompt second) | of that, borrowed | "
+            "a step's wait for a borrowed layer (mean) |", "|---|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        if r["borrowed_s"] > 0:
+            rows.append(f"| {name} | {r['borrowed_s'] / (r['borrowed_s'] + r['own_s']):.0%} | "
+                        f"{r['lent_s'] / r['prompts_s']:.2f} | {r['borrowed_s'] / max(r['lent_s'], 1e-9):.0%} | "
+                        f"{1000 * r['wait_s'] / max(r['waits'], 1):.1f} ms |")
+    return "\n".join(rows) if len(rows) > 2 else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: tandem up {' '.join(known[name])}", file=sys.stderr, flush=True)
         results[name] = measure(known[name], args, {**os.environ, **env})
     print(table(results))
+    if shared := lending_table(results):
+        print("\n" + shared)
     return 0
 
 

@@ -8,10 +8,9 @@ waits on a forward pass.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +25,7 @@ from engine.model_runner import ModelRunner, decodes
 from engine.params import SamplingParams
 from engine.sampling import TokenLogprob, draw_seed
 from engine.scheduler import Scheduler
-from engine.sequence import SeqStatus, Sequence
+from engine.sequence import SeqStatus, Sequence, StepOutput
 from engine.speculation import PromptLookup, SpeculationConfig, kept
 from kv.blocks import BlockPool, OutOfBlocks
 from kv.layout import DTYPES, KVLayout, plan_groups
@@ -48,26 +47,6 @@ class EngineConfig:
     speculative: str = "ngram"  # engine/speculation.py: "ngram" (prompt lookup) or "off"
     kv_dtype: str = "auto"  # the KV pool's element type (KV_DTYPES; auto: see kv_dtype_for)
 
-
-
-@dataclass
-class StepOutput:
-    """What one step produced for one request: new tokens and the text that is safe to show."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    compute_s: float = 0.0  # wall seconds of the engine steps this sequence was in so far
-
-    def then(self, later: StepOutput) -> StepOutput:
-        """This output followed by a later one of the same step (kept draft tokens)."""
-        return dataclasses.replace(later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
-                                   logprobs=self.logprobs + later.logprobs)
 
 
 def kv_dtype_for(quantized: bool, cfg: EngineConfig) -> str:

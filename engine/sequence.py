@@ -1,9 +1,11 @@
-"""A request inside the engine: its tokens, its KV blocks and its progress."""
+"""A request inside the engine: its tokens, its KV blocks and its progress; what a step hands out for it."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -86,3 +88,23 @@ class Sequence:
 
     def __repr__(self) -> str:
         return f"Sequence({self.request_id}, {self.status.value}, {self.num_computed}/{self.num_tokens})"
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: new tokens and the text that is safe to show."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    compute_s: float = 0.0  # wall seconds of the engine steps this sequence was in so far
+
+    def then(self, later: StepOutput) -> StepOutput:
+        """This output followed by a later one of the same step (kept draft tokens)."""
+        return dataclasses.replace(later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
+                                   logprobs=self.logprobs + later.logprobs)

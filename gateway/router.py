@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from collections import OrderedDict
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 
 from bus.stats_messages import WorkerStats
 from runtime.names import ROLE_DECODE_ONLY, ROLE_PREFILL_AND_DECODE, ROLE_PREFILL_ONLY
+
+log = logging.getLogger("tandem.gateway")
 
 DECODE_ROLES = (ROLE_PREFILL_AND_DECODE, ROLE_DECODE_ONLY)
 MAX_IN_FLIGHT = 65536
@@ -256,6 +259,28 @@ class WorkerRegistry:
         """The process id ``worker_id`` last reported ("" if unknown): it changes when the worker restarts."""
         info = self.workers.get(worker_id)
         return info.stats.incarnation if info is not None else ""
+
+    async def exclude_after_loss(self, lost: str, dead: str, wait: float, request_id: str) -> frozenset[str]:
+        """Whom a job of the lost worker (``lost``, its process ``dead``) may not go to: that worker, unless it
+        came back as a new process and no other worker is alive.
+
+        When no other worker is alive, wait for one (up to ``wait`` seconds: ``--worker-wait``, within the
+        request's deadline): a supervisor (``tandem up``, Kubernetes) restarts a dead worker in seconds, and the
+        stream goes on there.
+        """
+
+        def other_alive() -> bool:
+            return any(w.worker_id != lost for w in self.alive())
+
+        def restarted() -> bool:
+            return bool(dead) and any(w.worker_id == lost and w.stats.incarnation not in ("", dead)
+                                      for w in self.alive())
+
+        if not (other_alive() or restarted()) and wait > 0:
+            log.warning("request %s: no other decode worker is alive; waiting up to %.0fs for one", request_id,
+                        wait, extra={"request_id": request_id})
+            await self.wait_for(lambda: other_alive() or restarted(), wait)
+        return frozenset() if restarted() and not other_alive() else frozenset({lost})
 
     def summary(self) -> list[dict[str, object]]:
         """Live workers as plain dicts (``/ready``)."""

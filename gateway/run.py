@@ -347,27 +347,9 @@ class Run:
         raise OpenAIError(503, f"decode worker {worker} {why}", code="worker_lost", retry_after=1)
 
     async def _another_worker(self, job: Job, lost: str) -> frozenset[str]:
-        """Whom a job of the lost worker may not go to: that worker, unless it came back as a new process
-        and no other worker is alive.
-
-        When no other worker is alive, wait for one (``--worker-wait``, within the deadline): a supervisor
-        (``tandem up``, Kubernetes) restarts a dead worker in seconds, and the stream goes on there.
-        """
-        reg, dead = self.gw.registry, job.worker_incarnation
-
-        def other_alive() -> bool:
-            return any(w.worker_id != lost for w in reg.alive())
-
-        def restarted() -> bool:
-            return bool(dead) and any(w.worker_id == lost and w.stats.incarnation not in ("", dead)
-                                      for w in reg.alive())
-
+        """Whom ``job`` may not go to (`WorkerRegistry.exclude_after_loss`), waiting within its deadline."""
         wait = min(self.gw.config.worker_wait, max(0.0, self._give_up_at - time.monotonic()))
-        if not (other_alive() or restarted()) and wait > 0:
-            log.warning("request %s: no other decode worker is alive; waiting up to %.0fs for one", job.request_id,
-                        wait, extra={"request_id": job.request_id})
-            await reg.wait_for(lambda: other_alive() or restarted(), wait)
-        return frozenset() if restarted() and not other_alive() else frozenset({lost})
+        return await self.gw.registry.exclude_after_loss(lost, job.worker_incarnation, wait, job.request_id)
 
     async def _get(self, wait: float) -> tuple[int, Any] | None:
         """The queue's next item, or None after about ``wait`` seconds. One timer wakes the reader, re-armed

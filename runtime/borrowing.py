@@ -26,7 +26,14 @@ import os
 import time
 
 from runtime.logs import Throttled
-from runtime.metrics import WORKER_LAYERS
+from runtime.metrics import (
+    DECODE_LATE_STEPS,
+    DECODE_LENT_SECONDS,
+    DECODE_TAKE_WAIT,
+    WORKER_LAYER_SECONDS,
+    WORKER_LAYERS,
+)
+from runtime.placement import parse_cpus
 
 log = logging.getLogger(__name__)
 late_warnings = Throttled(log)
@@ -103,6 +110,7 @@ class LentCores:
         self.deadline_s = deadline_s
         self.lending: bool | None = None  # None: not said yet
         self.late = 0  # steps that ran while a borrowed layer still held a core (past the deadline)
+        self.lent_at = 0.0  # monotonic: when it last lent them
 
     def lend(self) -> None:
         if self.lending is not True:
@@ -110,6 +118,7 @@ class LentCores:
                 lease.mark(True)
                 lease.let_go()
             self.lending = True
+            self.lent_at = time.monotonic()
 
     def take(self) -> None:
         """Stop lending, and wait for a borrowed layer in flight to end (``deadline_s`` at most)."""
@@ -117,16 +126,21 @@ class LentCores:
             return
         for lease in self.leases:
             lease.mark(False)
-        deadline = time.monotonic() + self.deadline_s
+        asked = time.monotonic()
+        if self.lending:
+            DECODE_LENT_SECONDS.inc(asked - self.lent_at)
+        deadline = asked + self.deadline_s
         for lease in self.leases:
             while not lease.try_hold(shared=True):
                 if time.monotonic() > deadline:
                     self.late += 1
+                    DECODE_LATE_STEPS.inc()
                     late_warnings.warning("late", "a step started while a borrower still computed on core lease "
                                           "%s after %.0f ms (%d such steps)", lease.path, 1000 * self.deadline_s,
                                           self.late)
                     break
                 time.sleep(0.0002)
+        DECODE_TAKE_WAIT.observe(time.monotonic() - asked)
         self.lending = False
 
     def close(self) -> None:
@@ -148,6 +162,9 @@ class BorrowedCores:
         self.borrowing = True
         self._use(False)
         self._counted = {True: WORKER_LAYERS.labels(cores="borrowed"), False: WORKER_LAYERS.labels(cores="own")}
+        self._timed = {True: WORKER_LAYER_SECONDS.labels(cores="borrowed"),
+                       False: WORKER_LAYER_SECONDS.labels(cores="own")}
+        self._layer_at = 0.0  # monotonic: when the layer in flight began (0: none)
 
     def _use(self, borrowing: bool) -> None:
         # threads only: the process keeps every core in its mask, so the kernel can move a thread that decode
@@ -158,11 +175,18 @@ class BorrowedCores:
 
     def before_layer(self) -> None:
         """Borrow the cores for the layer about to run if they are lent, else give them back."""
+        self._layer_ended()
         if all(lease.lent() for lease in self.leases) and all(lease.try_hold() for lease in self.leases):
             self._use(True)
         else:
             self.after_layers()
         self._counted[self.borrowing].inc()
+        self._layer_at = time.monotonic()
+
+    def _layer_ended(self) -> None:
+        if self._layer_at:
+            self._timed[self.borrowing].inc(time.monotonic() - self._layer_at)
+            self._layer_at = 0.0
 
     def close(self) -> None:
         for lease in self.leases:
@@ -170,7 +194,14 @@ class BorrowedCores:
 
     def after_layers(self) -> None:
         """Back to the own cores, letting go of the borrowed ones' locks."""
+        self._layer_ended()
         self._use(False)
         for lease in self.leases:
             lease.let_go()
             lease.refresh()
+
+
+def lent_cores(role: str, namespace: str, cpus: str) -> LentCores | None:
+    """The cores a worker lends, or None: only a decode worker pinned to cores (``--cpus``) lends them, to a
+    prefill worker that borrows them."""
+    return LentCores(namespace, parse_cpus(cpus)) if role == "decode_only" and cpus else None

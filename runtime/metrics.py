@@ -94,6 +94,17 @@ SPEC_ACCEPTED_TOKENS = Counter("tandem_spec_accepted_tokens_total", "Draft token
 WORKER_LAYERS = Counter("tandem_worker_layers_total", "Layers a worker that borrows cores (--borrow-cpus) computed, "
                         "by where their threads ran: own cores, or own and borrowed (lent by their decode worker)",
                         ["cores"], registry=REGISTRY)
+WORKER_LAYER_SECONDS = Counter("tandem_worker_layer_seconds_total", "Seconds of layers a worker that borrows cores "
+                               "computed, by where their threads ran (as tandem_worker_layers_total)", ["cores"],
+                               registry=REGISTRY)
+DECODE_LENT_SECONDS = Counter("tandem_decode_lent_seconds_total", "Seconds a decode worker lent its cores to a "
+                              "prefill worker that borrows them (while it waited for work or a paced step)",
+                              registry=REGISTRY)
+DECODE_TAKE_WAIT = Histogram("tandem_decode_take_wait_seconds", "How long a decode step waited for a borrowed "
+                             "layer to end before it had its cores back", registry=REGISTRY,
+                             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1))
+DECODE_LATE_STEPS = Counter("tandem_decode_late_steps_total", "Decode steps that started while a borrower still "
+                            "computed on a lent core (its deadline passed)", registry=REGISTRY)
 PREEMPTIONS = Counter("tandem_decode_preemptions_total", "Sequences preempted for recompute", registry=REGISTRY)
 WORKER_TTFT = Histogram("tandem_worker_time_to_first_token_seconds", "Accepted to first token, on the worker",
                         buckets=LATENCY_BUCKETS, registry=REGISTRY)

@@ -609,6 +609,11 @@ def test_long_beside_streams_table_and_flags() -> None:
     assert "| aggregated-512 | 2001 | 1,500 ms | 1.00x |" in text
     alone = lbs.table({"disaggregated": {**row, "ttft_ms": 1600.0, "gaps": 0}})
     assert alone.endswith("| disaggregated | 2001 | 1,600 ms | 1.00x | - | - | - |")
+    shared = {"own_s": 6.0, "borrowed_s": 4.0, "lent_s": 5.0, "prompts_s": 10.0, "wait_s": 0.4, "waits": 100}
+    none = dict.fromkeys(shared, 0.0)
+    text = lbs.lending_table({"disaggregated": shared, "aggregated-512": none})
+    assert text.splitlines()[2] == "| disaggregated | 40% | 0.50 | 80% | 4.0 ms |" and "aggregated-512" not in text
+    assert lbs.lending_table({"aggregated-512": none}) == ""
     with pytest.raises(SystemExit) as bad:
         lbs.main(["--layouts", "nonesuch"])
     assert bad.value.code == 2

@@ -14,7 +14,13 @@ from pathlib import Path
 import torch
 
 from runtime.borrowing import BorrowedCores, CoreLease, LentCores
-from runtime.metrics import WORKER_LAYERS
+from runtime.metrics import (
+    DECODE_LATE_STEPS,
+    DECODE_LENT_SECONDS,
+    DECODE_TAKE_WAIT,
+    WORKER_LAYER_SECONDS,
+    WORKER_LAYERS,
+)
 
 
 def namespace() -> str:
@@ -50,6 +56,36 @@ def test_layers_borrow_a_lent_core_and_never_a_kept_one() -> None:
         lent.close()
         torch.set_num_threads(threads)
     assert not Path(lent.leases[0].path).exists()  # the decode worker took its file with it
+
+
+def test_the_seconds_lent_waited_for_and_borrowed_are_counted() -> None:
+    """What an operator divides to see how much of what decode lends prefill uses (docs/metrics.md)."""
+    ns, threads = namespace(), torch.get_num_threads()
+    lent = LentCores(ns, [7], deadline_s=0.02)
+    cores = BorrowedCores(ns, [0], [7])
+    seconds = {c: WORKER_LAYER_SECONDS.labels(cores=c) for c in ("own", "borrowed")}
+    before = {c: m._value.get() for c, m in seconds.items()}
+    lent_before, late_before = DECODE_LENT_SECONDS._value.get(), DECODE_LATE_STEPS._value.get()
+    waits_before = sum(b.get() for b in DECODE_TAKE_WAIT._buckets)
+    try:
+        lent.lend()
+        cores.before_layer()
+        time.sleep(0.05)  # a borrowed layer
+        lent.take()  # it is still in flight: the step waits its deadline, then runs late
+        cores.before_layer()
+        time.sleep(0.03)  # an own layer
+        cores.after_layers()
+        lent_s = DECODE_LENT_SECONDS._value.get() - lent_before
+        assert 0.05 <= lent_s < 1.0
+        assert DECODE_LATE_STEPS._value.get() - late_before == 1
+        assert sum(b.get() for b in DECODE_TAKE_WAIT._buckets) - waits_before == 1
+        borrowed_s = seconds["borrowed"]._value.get() - before["borrowed"]
+        own_s = seconds["own"]._value.get() - before["own"]
+        assert 0.05 <= borrowed_s < 1.0 and 0.03 <= own_s < 1.0
+    finally:
+        cores.close()
+        lent.close()
+        torch.set_num_threads(threads)
 
 
 BORROWER = """

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.decode import DecodeActor, Request
+from actors.decode import DecodeActor
+from actors.decode_request import Request
 from actors.prefill_workers import PrefillWorkers
 from actors.remote_prefill import CANCELLED, FALLBACK, LANDED, RemotePrefills
 from actors.seen import SeenIds

@@ -115,7 +115,7 @@ def weight_addresses(kind: str, w: torch.Tensor, scales: torch.Tensor, k: int | 
 
 @dataclass(frozen=True)
 class I8Panels:
-    """An int4 or Q8_0 weight [n, k] packed for `i8_matmul` (csrc/i8_panels.c `tq_i8_pack`: the same bytes, in panels of 32
+    """An int4 or Q8_0 weight [n, k] packed for `i8_matmul` (csrc/i8_pack.c `tq_i8_pack`: the same bytes, in panels of 32
     rows)."""
 
     kind: str

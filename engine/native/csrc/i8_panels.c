@@ -7,7 +7,7 @@
  * out += s d I + s P m in float32, per group in k order (P = sum p). vpdpbusd multiplies unsigned bytes (here the
  * weights' codes u: int4's 0..15 as they are, w = d u + m; Q8_0's q + 128, w = d u - 128 d) by signed ones (the
  * activations, each 4 bytes broadcast to every column; so a group's sum starts at 0).
- * The weights are packed once, when a model loads (tq_i8_pack), in panels of I8_PANEL weight rows: per block (int4:
+ * The weights are packed once, when a model loads (tq_i8_pack, i8_pack.c), in panels of I8_PANEL weight rows: per block (int4:
  * a pair of groups, their codes in one byte's low and high nibble as in the rows; Q8_0: one group, codes + 128) the
  * codes as [8 steps][I8_PANEL columns][4 k] bytes, then the float16 scales per column (int4: d of both groups, m of
  * both; Q8_0: d). The same bytes as the rows, read in order by every row count: a decode step streams them once
@@ -24,7 +24,6 @@
 #elif defined(__ARM_FEATURE_DOTPROD)
 #define I8_DOTPROD 1
 #endif
-#define I8_PANEL 32
 #ifdef I8_DOTPROD /* 32 NEON registers of 4 lanes: fewer rows a tile */
 #define I8_R 3
 #define I8_R2 2
@@ -32,57 +31,12 @@
 #define I8_R 6  /* rows per tile, one digit */
 #define I8_R2 4 /* two digits */
 #endif
-#define I8_CODES (8 * I8_PANEL * 4)
 #define I8_L2_BYTES (512 * 1024) /* of a block of rows' activations (i8_block_rows) */
 /* Decode tiles (two digits) ask for the panel bytes this far ahead: on an Ice Lake Xeon one core's stream reached
  * ~0.65x the read probe without it and a batch-1 step ran 1.10x faster with it (2 KB 1.09x, 8 KB slower); long
  * chunks (one digit) are compute-bound, and their tiles ran 0.78x with it. */
 #define I8_AHEAD 4096
 
-static inline int64_t i8_block_bytes(int kind) { return kind == KIND_Q4 ? I8_CODES + 4 * I8_PANEL * 2 : I8_CODES + I8_PANEL * 2; }
-static inline int64_t i8_blocks(int kind, int64_t k) { return kind == KIND_Q4 ? k / 64 : k / Q8_GROUP; }
-
-/* Bytes tq_i8_pack writes for an [n, k] weight of `kind`. */
-int64_t tq_i8_packed_bytes(int kind, int64_t n, int64_t k) {
-    return (n + I8_PANEL - 1) / I8_PANEL * i8_blocks(kind, k) * i8_block_bytes(kind);
-}
-
-/* The weight rows (int4 codes [n, k / 2] with (d, m) [n, 2, k / 32], or Q8_0 [n, k] with d [n, k / 32]) in the layout
- * above; rows past n are zero codes with zero scales. Plain C: any build can pack (only VNNI multiplies). */
-void tq_i8_pack(int kind, const void *w, const uint16_t *scales, int64_t n, int64_t k, uint8_t *out, int threads) {
-    int64_t groups = k / Q8_GROUP, blocks = i8_blocks(kind, k), bb = i8_block_bytes(kind);
-    int64_t row_bytes = kind == KIND_Q4 ? k / 2 : k, scale_stride = kind == KIND_Q4 ? 2 * groups : groups;
-    int64_t panels = (n + I8_PANEL - 1) / I8_PANEL;
-    const uint32_t flip = kind == KIND_Q4 ? 0u : 0x80808080u;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t pb = 0; pb < panels * blocks; pb++) {
-        int64_t p = pb / blocks, b = pb % blocks;
-        uint8_t *blk = out + pb * bb;
-        uint16_t *sc = (uint16_t *)(blk + I8_CODES);
-        for (int c = 0; c < I8_PANEL; c++) {
-            int64_t j = p * I8_PANEL + c;
-            int live = j < n;
-            const uint8_t *run = (const uint8_t *)w + j * row_bytes + b * 32;
-            for (int s = 0; s < 8; s++) {
-                uint32_t four = 0;
-                if (live) {
-                    memcpy(&four, run + 4 * s, 4);
-                    four ^= flip;
-                }
-                memcpy(blk + (s * I8_PANEL + c) * 4, &four, 4);
-            }
-            const uint16_t *row = scales + (live ? j : 0) * scale_stride;
-            if (kind == KIND_Q4) {
-                for (int q = 0; q < 2; q++) {
-                    sc[q * I8_PANEL + c] = live ? row[2 * b + q] : 0;
-                    sc[(2 + q) * I8_PANEL + c] = live ? row[groups + 2 * b + q] : 0;
-                }
-            } else {
-                sc[c] = live ? row[b] : 0;
-            }
-        }
-    }
-}
 
 #if defined(I8_VNNI) || defined(I8_DOTPROD)
 /* Activation rows [m, k] as int8 groups (see above): xq = p (one digit) or h, then l (two: xl), xs = s, xp = sum p,

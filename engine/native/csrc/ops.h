@@ -87,6 +87,13 @@ static inline int thread_num(void) {
 #define Q8_GROUP 32
 enum { KIND_Q8 = 8, KIND_Q4 = 4 };
 
+/* The int8 kernels' packed weights (i8_pack.c packs, i8_panels.c multiplies; the layout is described there): panels
+ * of I8_PANEL weight rows, per block (int4: a pair of groups; Q8_0: one group) the codes, then the scales. */
+#define I8_PANEL 32
+#define I8_CODES (8 * I8_PANEL * 4)
+static inline int64_t i8_block_bytes(int kind) { return kind == KIND_Q4 ? I8_CODES + 4 * I8_PANEL * 2 : I8_CODES + I8_PANEL * 2; }
+static inline int64_t i8_blocks(int kind, int64_t k) { return kind == KIND_Q4 ? k / 64 : k / Q8_GROUP; }
+
 static inline float half_to_float(uint16_t h) {
 #ifdef __F16C__
     return _cvtsh_ss(h);
