@@ -48,7 +48,6 @@ class EngineConfig:
     kv_dtype: str = "auto"  # the KV pool's element type (KV_DTYPES; auto: see kv_dtype_for)
 
 
-
 def kv_dtype_for(quantized: bool, cfg: EngineConfig) -> str:
     """The KV pool's element type: `cfg.kv_dtype`; with auto, float16 beside `quantized` weights (integer codes,
     `LoadedModel.quantized`) and float32 activations, else the activations' dtype.

@@ -179,7 +179,7 @@ class BorrowedCores:
         if all(lease.lent() for lease in self.leases) and all(lease.try_hold() for lease in self.leases):
             self._use(True)
         else:
-            self.after_layers()
+            self._give_back()
         self._counted[self.borrowing].inc()
         self._layer_at = time.monotonic()
 
@@ -192,12 +192,17 @@ class BorrowedCores:
         for lease in self.leases:
             lease.close()
 
-    def after_layers(self) -> None:
-        """Back to the own cores, letting go of the borrowed ones' locks."""
-        self._layer_ended()
+    def _give_back(self) -> None:
         self._use(False)
         for lease in self.leases:
             lease.let_go()
+
+    def after_layers(self) -> None:
+        """Back to the own cores, letting go of the borrowed ones' locks; a lease file its decode worker took away
+        is opened afresh here, once a forward pass."""
+        self._layer_ended()
+        self._give_back()
+        for lease in self.leases:
             lease.refresh()
 
 
