@@ -101,6 +101,7 @@ class DecoderModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self._fused: dict[str, native.LayerStack | None] = {}  # per kernel path: the int8 panels' are packed
         self.layer_scratch = native.Workspace()
+        self._layer_step: native.LayerStep | None = None  # the last pass's, taken again for the same rows
         self.fused_layers()
         if isinstance(self.lm_head, CodedWeight):
             self.lm_head.pack()  # like the layers' panels
@@ -156,11 +157,13 @@ class DecoderModel:
             h.mul_(cfg.embed_scale)
         by_group = [batch.group(g) for g in range(pool.layout.num_groups)]
         pending = None  # the last layer's output, not yet added to h
+        normed = None  # where the final norm may write its rows (the one-call layers' spare buffer)
         if self.native and pool.tensor.dtype in native.POOL_DTYPES:
             paged = [PagedAttention(b, cfg.num_heads, cfg.softmax_scale, self.quantized) for b in by_group]
             fused = self.fused_layers()
             if fused is not None and len(paged) == 1 and batch.dequant_rows == 0 and not paged[0].long_spans:
                 pending = self._fused_forward(fused, h, batch, paged[0], pool, layer_done)
+                normed = self._layer_step.normed
             else:
                 self._layer_ops(h, batch, pool, layer_done, paged=paged)
         else:
@@ -172,7 +175,7 @@ class DecoderModel:
         if batch.logit_rows.numel() == 0:
             return h.new_empty((0, self.lm_head.out_features), dtype=torch.float32)
         if batch.logit_rows.numel() == h.shape[0]:  # every row, in order (a step of decode rows): the add in the norm
-            h = self._norm(h, self.norm, pending)
+            h = self._norm(h, self.norm, pending, normed)
         else:
             if pending is not None:
                 h.add_(pending)
@@ -248,9 +251,13 @@ class DecoderModel:
         layer by layer. Returns the last layer's output, which the caller adds to h."""
         cfg = self.cfg
         keys, values = pool.layer_views()
-        step = native.LayerStep(h, fused.layers[0], batch.positions, batch.slot_blocks, batch.slot_offsets, self.cos,
-                                self.sin, cfg.num_heads, cfg.num_kv_heads, keys[0], paged.tables,
-                                paged.row_table, paged.lens, cfg.rms_eps, cfg.softmax_scale, self.layer_scratch)
+        rows = (batch.positions, batch.slot_blocks, batch.slot_offsets, paged.tables, paged.row_table, paged.lens,
+                keys[0])
+        step = self._layer_step
+        if step is None or not step.again(h, rows, self.layer_scratch):
+            step = self._layer_step = native.LayerStep(
+                h, fused.layers[0], *rows[:3], self.cos, self.sin, cfg.num_heads, cfg.num_kv_heads, keys[0], *rows[3:6],
+                cfg.rms_eps, cfg.softmax_scale, self.layer_scratch)
         if layer_done is None and self.before_layer is None:
             step.run(fused, keys, values)
             return step.pending
@@ -289,10 +296,13 @@ class DecoderModel:
             layers.append(native.layer(layer.attn_norm, layer.ffn_norm, *linears))
         return native.LayerStack(layers)
 
-    def _norm(self, h: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm of the rows of `h`, after adding a sublayer's output `residual` to it (in place)."""
+    def _norm(self, h: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of the rows of `h` (into `out`, where given, on the native path), after adding a sublayer's
+        output `residual` to it (in place)."""
         if self.native and h.dtype == torch.float32:
-            return native.rms_norm(h, weight, self.cfg.rms_eps, None if residual is None else residual.float().contiguous())
+            return native.rms_norm(h, weight, self.cfg.rms_eps, None if residual is None else native.float_rows(residual),
+                                   out)
         if residual is not None:
             h.add_(residual)
         return F.rms_norm(h, (h.shape[-1],), weight, self.cfg.rms_eps)

@@ -499,6 +499,36 @@ def test_one_call_for_the_layers_computes_what_the_operations_do(smollm, kv_dtyp
     assert outputs[0] == outputs[1]
 
 
+def test_a_run_of_decode_steps_takes_its_layer_step_again(smollm, monkeypatch):
+    """A step's `LayerStep` (its rows' buffers, their addresses checked) is made once for a run of decode steps of
+    one batch size and taken again with each step's residual stream; other rows make their own; and the tokens and
+    logprobs are those of steps that each make a new one."""
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.params import SamplingParams
+
+    made = []
+    real = native.LayerStep
+    monkeypatch.setattr(native, "LayerStep", lambda *a: made.append(real(*a)) or made[-1])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
+    prompt = chat_ids(smollm, "Write a haiku about rain.")
+    outputs = []
+    for again in (True, False):
+        if not again:
+            monkeypatch.setattr(real, "again", lambda self, h, rows, scratch: False)
+        made.clear()
+        engine = LLMEngine(smollm, EngineConfig(num_blocks=64, enable_prefix_cache=False, speculative="off"))
+        seq = engine.generate([prompt], params)[0]
+        outputs.append((seq.output_ids, [lp.logprob for lp in seq.logprobs]))
+        assert len(made) == (2 if again else 12)  # the prompt's step, then the decode steps'
+    assert outputs[0] == outputs[1]
+    step = engine.model._layer_step
+    positions = step.rows[0].clone()
+    monkeypatch.undo()
+    assert not step.again(step.h, (positions, *step.rows[1:]), engine.model.layer_scratch)  # other rows
+    assert not step.again(torch.zeros(2, step.h.shape[1]), step.rows, engine.model.layer_scratch)  # more rows
+    assert step.again(step.h.clone(), step.rows, engine.model.layer_scratch)
+
+
 def test_torchs_profiler_names_each_native_call_and_profiling_changes_no_token(smollm, monkeypatch):
     """Under `torch.profiler` a prompt chunk and the decode steps after it show their C calls as `tandem::*`
     ranges (a step's layers as one `tandem::decoder_layers`); the tokens and logprobs are those of the run unwatched."""

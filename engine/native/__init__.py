@@ -44,6 +44,7 @@ from engine.native.tensors import (
     I8Panels,
     Workspace,
     address,
+    float_rows,
     pool_addresses,
     profiled,
     thread_count,
@@ -52,22 +53,27 @@ from engine.native.tensors import (
 
 __all__ = ["BF16_MARGIN", "DOTPROD", "INVARIANT", "KERNEL_PATHS", "KINDS", "PANEL_PRECISION", "POOL_DTYPES", "VNNI",
            "I8Panels", "Layer", "LayerStack", "LayerStep", "Linear", "Workspace", "argmax", "available", "bf16_attention_paths", "bf16_matmul",
-           "chunk_attention", "has_chunk_attention", "i8_linear", "i8_matmul", "i8_pack", "q8_rows", "int4_dequantize",
+           "chunk_attention", "float_rows", "has_chunk_attention", "i8_linear", "i8_matmul", "i8_pack", "q8_rows", "int4_dequantize",
            "kernel_path", "kernel_paths", "layer", "library", "linear", "packs_i8", "paged_attention",
            "panel_min_rows", "q4_matmul", "q8_matmul", "rms_norm", "rope_store", "row_invariant", "silu_mul",
            "use_kernel_path", "variant", "variant_file"]
 
 
 @profiled("rms_norm")
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm of the rows of a contiguous float32 [m, n] tensor (a new tensor); with `residual`, x += residual
-    first, in place."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of the rows of a contiguous float32 [m, n] tensor (into `out`, else a new tensor); with `residual`,
+    x += residual first, in place."""
     m, n = x.shape
     res = None if residual is None else address(residual, torch.float32, "rms_norm's residual")
-    if residual is not None and residual.shape != x.shape or weight.shape != (n,):
+    if residual is not None and residual.shape != x.shape or weight.shape != (n,) \
+            or out is not None and out.shape != x.shape:
         raise ValueError(f"rms_norm of {tuple(x.shape)} rows: residual {None if residual is None else tuple(residual.shape)}, "
-                         f"weight {tuple(weight.shape)}")
-    out = torch.empty_like(x)
+                         f"weight {tuple(weight.shape)}, out {None if out is None else tuple(out.shape)}")
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        address(out, torch.float32, "rms_norm's out")
     library().tq_rms_norm(address(x, torch.float32, "rms_norm's rows"), res, address(weight, torch.float32, "rms_norm's weight"),
                           m, n, eps, out.data_ptr(), thread_count())
     return out
@@ -86,7 +92,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value, as torch.argmax(x, dim=-1) (first of equals, NaN first), for
     float32 [rows, n]; on the library's threads."""
-    x = x.contiguous()
+    x = x if x.is_contiguous() else x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.long)
     library().tq_argmax(address(x, torch.float32, "argmax's rows"), x.shape[0], x.shape[1], out.data_ptr(), thread_count())
     return out
@@ -169,7 +175,7 @@ def panel_min_rows(kind: str) -> int:
 
 
 def _quantized_matmul(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    x = x.float().contiguous()
+    x = float_rows(x)
     m, k = x.shape
     w_ptr, s_ptr, n, _ = weight_addresses(kind, w, scales, k)
     out = torch.empty(m, n, dtype=torch.float32)
@@ -183,7 +189,7 @@ def _quantized_matmul(name: str, kind: str, x: torch.Tensor, w: torch.Tensor, sc
 def bf16_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [m, k] @ W.T as float32 [m, n] on bfloat16 panels, for the weights of `q4_matmul` / `q8_matmul`
     (`kind` "int4" or "q8_0"): operands rounded to bfloat16, sums in float32 (kernel path avx512_bf16)."""
-    x = x.float().contiguous()
+    x = float_rows(x)
     m, k = x.shape
     w_ptr, s_ptr, n, _ = weight_addresses(kind, w, scales, k)
     out = torch.empty(m, n, dtype=torch.float32)
@@ -213,7 +219,7 @@ def i8_matmul(x: torch.Tensor, w: I8Panels, digits: int, out: torch.Tensor | Non
     bits): x rounded per group of 32 to `digits` int8 digits (2: 15 bits, decode rows and short chunks; 1: 8 bits,
     long chunks), each group's dot product with the weights' codes exact in int32, then scaled and summed in
     float32. Into `out` where given (float32, contiguous [m, n]: a step's rows of two kinds share one output)."""
-    x = x.float().contiguous()
+    x = float_rows(x)
     m, k = x.shape
     if k != w.k or digits not in (1, 2):
         raise ValueError(f"engine.native: i8_matmul of rows of {k} in {digits} digits by a {w.kind} weight of "

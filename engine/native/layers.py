@@ -67,8 +67,8 @@ def layer(attn_norm: torch.Tensor, ffn_norm: torch.Tensor, wqkv: Linear, wo: Lin
 
 class LayerStep:
     """The buffers and row metadata of one forward pass that runs its layers in `tq_decoder_layers` calls:
-    `h` [m, hidden] (the residual stream, updated in place) and `pending` (the last layer's MLP output, which
-    the caller adds to h). The buffers are carved from `scratch`, a grow-only float32 buffer the caller keeps
+    `h` [m, hidden] (the residual stream, updated in place), `pending` (the last layer's MLP output, which
+    the caller adds to h) and `normed` (rows the caller may write once the layers ran: the final norm's). The buffers are carved from `scratch`, a grow-only float32 buffer the caller keeps
     between steps: a decode step's Python runs on caches the weights have just streamed through, where each torch
     allocation costs ~50 µs."""
 
@@ -83,7 +83,11 @@ class LayerStep:
         flat = scratch.reserve(m * sum(columns))
         starts = [flat.data_ptr() + 4 * m * sum(columns[:i]) for i in range(len(columns))]
         self._res = (flat, m, hidden)
-        self._keep = (h, positions, blocks, offsets, cos, sin, tables, row_table, lens, flat)
+        self.pending = flat[: m * hidden].view(m, hidden)  # the last layer's MLP output, which the caller adds to h
+        self.normed = flat[m * hidden: 2 * m * hidden].view(m, hidden)  # x's buffer: free once the layers ran
+        self.h = h
+        self.rows = (positions, blocks, offsets, tables, row_table, lens, keys)  # what `again` compares
+        self._keep = (cos, sin, flat)
         if first.wqkv.k != hidden or any(t.shape != (m,) for t in (positions, blocks, offsets, row_table, lens)):
             raise ValueError(f"a decoder layer step of {m} rows of {hidden}: one position, slot, table row and length "
                              f"each, and layers of that hidden size")
@@ -98,6 +102,20 @@ class LayerStep:
                             eps, scale, 0, thread_count(), half)
         self.pool = (keys.stride(), keys.dtype)
 
+    def again(self, h: torch.Tensor, rows: tuple[torch.Tensor, ...], scratch: Workspace) -> bool:
+        """Take `h` as the residual stream of another pass over the same rows: True where `rows` are the very
+        tensors this step was made with (positions, slot blocks and offsets, block tables, row table, lengths, the
+        pool's keys: `engine.model_runner` hands a run of decode steps of one batch size the same views, rewritten)
+        and its buffers are still `scratch`'s, so none of their addresses needs taking and checking again."""
+        flat, m, hidden = self._res
+        if h.shape != (m, hidden) or scratch.buf is not flat or len(rows) != len(self.rows) \
+                or any(a is not b for a, b in zip(rows, self.rows)):
+            return False
+        self.s.h = address(h, torch.float32, "the residual stream")
+        self.s.has_res = 0
+        self.h = h
+        return True
+
     @profiled("decoder_layers")
     def run(self, stack: LayerStack, keys: list[torch.Tensor], values: list[torch.Tensor], first: int = 0,
             last: int | None = None) -> None:
@@ -111,10 +129,6 @@ class LayerStep:
         if library().tq_decoder_layers(stack.array, first, last, ctypes.byref(self.s), keys_at, values_at):
             raise MemoryError(f"decoder layers {first}-{last - 1} of {self.s.m} rows: out of memory")
 
-    @property
-    def pending(self) -> torch.Tensor:
-        flat, m, hidden = self._res
-        return flat[: m * hidden].view(m, hidden)
 
 
 class LayerStack:
