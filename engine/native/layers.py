@@ -68,9 +68,9 @@ def layer(attn_norm: torch.Tensor, ffn_norm: torch.Tensor, wqkv: Linear, wo: Lin
 class LayerStep:
     """The buffers and row metadata of one forward pass that runs its layers in `tq_decoder_layers` calls:
     `h` [m, hidden] (the residual stream, updated in place), `pending` (the last layer's MLP output, which
-    the caller adds to h) and `normed` (rows the caller may write once the layers ran: the final norm's). The buffers are carved from `scratch`, a grow-only float32 buffer the caller keeps
-    between steps: a decode step's Python runs on caches the weights have just streamed through, where each torch
-    allocation costs ~50 µs."""
+    the caller adds to h) and `normed` (rows the caller may write once the layers ran: the final norm's). The
+    buffers are carved from `scratch`, a grow-only float32 buffer the caller keeps between steps: a decode step's
+    Python runs on caches the weights have just streamed through, where each torch allocation costs ~50 µs."""
 
     def __init__(self, h: torch.Tensor, first: Layer, positions: torch.Tensor, blocks: torch.Tensor,
                  offsets: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,

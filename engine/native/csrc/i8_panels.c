@@ -32,15 +32,10 @@
 #define I8_R2 4 /* two digits */
 #endif
 #define I8_L2_BYTES (512 * 1024) /* of a block of rows' activations (i8_block_rows) */
-/* Decode tiles (two digits) ask for the panel bytes this far ahead on Intel CPUs: on an Ice Lake Xeon one core's
- * stream reached ~0.65x the read probe without it and a batch-1 step ran 1.10x faster with it (2 KB 1.09x, 8 KB
- * slower). Not on AMD's: on a Zen 4 EPYC the same prefetches slowed a step's 120 layer matmuls to 0.84-0.89x and the
- * LM head's to 0.90-0.97x (no distance of 1-16 KB nor hint did better than none): its own prefetchers follow the
- * panels. Long chunks (one digit) are compute-bound, and their tiles ran 0.78x with it. */
+/* Decode tiles (two digits) ask for the panel bytes this far ahead: on an Ice Lake Xeon one core's stream reached
+ * ~0.65x the read probe without it and a batch-1 step ran 1.10x faster with it (2 KB 1.09x, 8 KB slower); long
+ * chunks (one digit) are compute-bound, and their tiles ran 0.78x with it. */
 #define I8_AHEAD 4096
-#ifdef I8_VNNI
-static int64_t i8_ahead = -1; /* I8_AHEAD, or 0 on AMD: set by the first tq_i8_matmul */
-#endif
 
 
 #if defined(I8_VNNI) || defined(I8_DOTPROD)
@@ -111,7 +106,6 @@ static inline __attribute__((always_inline)) void i8_tile(const int kind, const 
                                                           int64_t os) {
     (void)xp;
     int64_t groups = k / Q8_GROUP, bb = i8_block_bytes(kind);
-    const int64_t ahead = i8_ahead;
     const __m512i low = _mm512_set1_epi8(0x0F), high_nibbles = _mm512_set1_epi8((char)0xF0);
     __m512 lo[I8_R], hi[I8_R];
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
@@ -121,9 +115,9 @@ static inline __attribute__((always_inline)) void i8_tile(const int kind, const 
         __m512i ilo[I8_R], ihi[I8_R], jlo[I8_R], jhi[I8_R]; /* j: the second digit's sums, or a one-row tile's odd steps */
         for (int r = 0; r < R; r++) ilo[r] = ihi[r] = jlo[r] = jhi[r] = _mm512_setzero_si512();
         for (int s = 0; s < 8; s++) {
-            if (D == 2 && !high && ahead > 0) {
-                _mm_prefetch((const char *)blk + s * I8_PANEL * 4 + ahead, _MM_HINT_T0);
-                _mm_prefetch((const char *)blk + s * I8_PANEL * 4 + 64 + ahead, _MM_HINT_T0);
+            if (D == 2 && !high) {
+                _mm_prefetch((const char *)blk + s * I8_PANEL * 4 + I8_AHEAD, _MM_HINT_T0);
+                _mm_prefetch((const char *)blk + s * I8_PANEL * 4 + 64 + I8_AHEAD, _MM_HINT_T0);
             }
             __m512i w0 = _mm512_loadu_si512(blk + s * I8_PANEL * 4), w1 = _mm512_loadu_si512(blk + s * I8_PANEL * 4 + 64);
             if (kind == KIND_Q4) { /* the high nibbles stay where they are: 16 u, one operation instead of two */
@@ -357,12 +351,6 @@ int tq_i8_matmul(int kind, const uint8_t *wp, int64_t n, int64_t k, const float 
         free(shares);
         return -1;
     }
-#ifdef I8_VNNI
-    if (i8_ahead < 0) {
-        __builtin_cpu_init();
-        i8_ahead = __builtin_cpu_is("amd") ? 0 : I8_AHEAD;
-    }
-#endif
     int8_t *xl = xq + bytes;
     float *xsp = xs + m * groups;
     int32_t *xp = (int32_t *)(xs + 2 * m * groups);
