@@ -82,12 +82,12 @@ class LayerStep:
         columns = (hidden, hidden, width, heads * d, 2 * ffn, ffn)  # res, x, qkv, attn, gu, act: each [m, cols]
         flat = scratch.reserve(m * sum(columns))
         starts = [flat.data_ptr() + 4 * m * sum(columns[:i]) for i in range(len(columns))]
-        self._res = (flat, m, hidden)
         self.pending = flat[: m * hidden].view(m, hidden)  # the last layer's MLP output, which the caller adds to h
         self.normed = flat[m * hidden: 2 * m * hidden].view(m, hidden)  # x's buffer: free once the layers ran
         self.h = h
         self.rows = (positions, blocks, offsets, tables, row_table, lens, keys)  # what `again` compares
-        self._keep = (cos, sin, flat)
+        self._flat = flat  # scratch's buffer when this step was made
+        self._keep = (cos, sin)
         if first.wqkv.k != hidden or any(t.shape != (m,) for t in (positions, blocks, offsets, row_table, lens)):
             raise ValueError(f"a decoder layer step of {m} rows of {hidden}: one position, slot, table row and length "
                              f"each, and layers of that hidden size")
@@ -107,8 +107,7 @@ class LayerStep:
         tensors this step was made with (positions, slot blocks and offsets, block tables, row table, lengths, the
         pool's keys: `engine.model_runner` hands a run of decode steps of one batch size the same views, rewritten)
         and its buffers are still `scratch`'s, so none of their addresses needs taking and checking again."""
-        flat, m, hidden = self._res
-        if h.shape != (m, hidden) or scratch.buf is not flat or len(rows) != len(self.rows) \
+        if h.shape != self.pending.shape or scratch.buf is not self._flat or len(rows) != len(self.rows) \
                 or any(a is not b for a, b in zip(rows, self.rows)):
             return False
         self.s.h = address(h, torch.float32, "the residual stream")
@@ -128,7 +127,6 @@ class LayerStep:
             raise ValueError(f"layers {first}-{last - 1} of a stack of {len(stack.layers)}")
         if library().tq_decoder_layers(stack.array, first, last, ctypes.byref(self.s), keys_at, values_at):
             raise MemoryError(f"decoder layers {first}-{last - 1} of {self.s.m} rows: out of memory")
-
 
 
 class LayerStack:
